@@ -1,0 +1,20 @@
+"""pdserve: LLM serving built around prefill/decode disaggregation.
+
+`from pdserve import LLM, SamplingParams` loads lazily, so that the planner and
+the simulator import without torch.
+"""
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from pdserve.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from pdserve.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

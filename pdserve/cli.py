@@ -1,0 +1,46 @@
+"""The `pdserve` command: one entry point, one subcommand per part of the system.
+
+Each subcommand lives beside the code it drives and exposes two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them,
+importing each lazily so that `pdserve plan` starts without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "generate": ("pdserve.engine.cli", "generate text offline with the engine"),
+    "convert": ("pdserve.engine.convert", "write a model out as a Hugging Face directory"),
+    "plan": ("pdserve.planner.cli", "capacity planning: memory, roofline, P:D ratio, GPU count"),
+    "sim": ("pdserve.sim.cli", "discrete-event simulation of a serving cluster"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:  # a part not built yet
+            if not e.name or not e.name.startswith("pdserve"):
+                raise
+            p.set_defaults(_missing=str(e))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"pdserve {args.command}: not available ({args._missing})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

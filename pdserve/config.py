@@ -1,0 +1,189 @@
+"""Configuration: flat dataclasses, validated at construction, composed into one.
+
+Field names follow vLLM's engine arguments where one exists, so that
+`--max-num-batched-tokens`, `--block-size`, `--enable-chunked-prefill` mean
+what an operator of vLLM expects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    architecture: str = "llama"
+    name: str = "model"
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict."""
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in cfg.items() if k in known and v is not None}
+        kw.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        kw["attention_bias"] = bool(cfg.get("attention_bias", False)) or arch.startswith("Qwen2")
+        kw["architecture"] = arch
+        kw["name"] = name
+        return cls(**kw)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json that `transformers` and vLLM load for this shape."""
+        qwen = self.architecture.startswith("Qwen2")
+        out = {
+            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+        }
+        if not qwen:
+            out["attention_bias"] = self.attention_bias
+            out["mlp_bias"] = False
+        return out
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size and how many blocks the pool holds."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None -> derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30  # 1 GiB default on CPU
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError("block_size must be a positive power of two")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ConfigError("num_gpu_blocks must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    """Token-budget scheduler: one loop for collocated, prefill and decode roles."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    # Largest slice of one prompt scheduled in a step when chunking is on
+    # (vLLM's long_prefill_token_threshold); 0 -> the whole token budget.
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"  # "fcfs" or "priority"
+
+    def __post_init__(self):
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError("policy must be 'fcfs' or 'priority'")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"  # "auto" -> cuda when present, else cpu
+    dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
+    threads: int = 0  # CPU threads for torch; 0 -> leave torch's default
+
+    def __post_init__(self):
+        import torch
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"unsupported dtype {self.dtype!r}")
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class EngineConfig:
+    """Everything one worker's engine needs, composed from the parts above."""
+
+    model: str | None = None  # None -> the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Accept flat vLLM-style keyword arguments and route each to its part."""
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        split: dict[str, dict] = {name: {} for name in parts}
+        top: dict[str, Any] = {}
+        top_names = {f.name for f in dataclasses.fields(cls)} - set(parts)
+        for key, value in kwargs.items():
+            if key in top_names:
+                top[key] = value
+                continue
+            for name, klass in parts.items():
+                if key in {f.name for f in dataclasses.fields(klass)}:
+                    split[name][key] = value
+                    break
+            else:
+                raise ConfigError(f"unknown engine argument {key!r}")
+        return cls(**top, **{name: parts[name](**kw) for name, kw in split.items()})
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

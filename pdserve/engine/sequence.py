@@ -1,0 +1,89 @@
+"""A request's state inside the engine, and what the engine hands back."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the priority policy
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # Set when the KV of these prompt tokens arrives from elsewhere (a prefill
+    # worker, a lower cache tier) instead of being computed here.
+    num_external_tokens: int = 0
+    num_preemptions: int = 0
+    # text bookkeeping (owned by the output processor)
+    output_text: str = ""
+    emitted_text_len: int = 0  # how much of output_text has been reported as deltas
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLMEngine.step` reports for a request that advanced this step."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)  # delta since the last report
+    new_text: str = ""
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

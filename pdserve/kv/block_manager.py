@@ -1,0 +1,219 @@
+"""Paged KV block accounting: the block pool, block tables, prefix cache, ref counts.
+
+This file holds no tensors: it decides which block ids a sequence owns. The
+model runner turns block tables into slot mappings; the simulator reuses this
+same class with a latency model in place of the model.
+
+Life of a block: free (maybe still holding a cached prefix, findable by hash)
+-> owned by one or more sequences (ref_cnt > 0) -> back to the free queue when
+the last owner lets go. The free queue is LRU: allocation takes from its head,
+so the least recently used cached prefix is the one evicted.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pdserve.kv.hashing import block_hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and registered
+
+
+@dataclass
+class KVEvent:
+    """A change in what this worker caches; the router's prefix index follows these."""
+
+    kind: str  # "stored" | "evicted" | "cleared"
+    block_hashes: list[int]
+    parent_hash: int | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries_tokens: int = 0
+    hits_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
+
+
+@dataclass
+class SeqBlocks:
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # hashes of this sequence's full blocks
+    num_cached_blocks: int = 0  # how many of `blocks` are registered in the prefix cache
+
+
+class BlockManager:
+    """Owns `num_blocks` KV blocks of `block_size` tokens each."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, Block] = {}  # block hash -> block holding that prefix
+        self.seqs: dict[str, SeqBlocks] = {}
+        self.stats = PrefixCacheStats()
+        self.record_events = record_events
+        self.events: list[KVEvent] = []
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
+
+    # ---- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self.seqs[seq_id].blocks]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache
+    def find_cached_prefix(self, seq_id: str, token_ids: list[int]) -> tuple[list[Block], int]:
+        """Longest run of cached full blocks at the start of `token_ids`.
+
+        At least one token is always left to compute: the step that computes it
+        produces the logits for the next token.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        sb = self.seqs.setdefault(seq_id, SeqBlocks())
+        sb.hashes = block_hashes(token_ids, self.block_size, start=sb.hashes)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit: list[Block] = []
+        for h in sb.hashes[:max_blocks]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hit.append(block)
+        self.stats.queries_tokens += len(token_ids)
+        self.stats.hits_tokens += len(hit) * self.block_size
+        return hit, len(hit) * self.block_size
+
+    # ---- allocation
+    def allocate(self, seq_id: str, num_total_tokens: int, cached: list[Block] | None = None) -> bool:
+        """Make the sequence own enough blocks for `num_total_tokens`; False if the pool is short.
+
+        `cached` are prefix blocks from `find_cached_prefix`, taken (ref_cnt+1)
+        only when the whole allocation succeeds.
+        """
+        sb = self.seqs.setdefault(seq_id, SeqBlocks())
+        cached = cached or []
+        if cached and sb.blocks:
+            raise RuntimeError(f"{seq_id}: cached prefix offered to a sequence that owns blocks")
+        have = len(sb.blocks) + len(cached)
+        need_new = max(0, self.blocks_needed(num_total_tokens) - have)
+        # Taking a cached block that sits in the free queue removes it from there.
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        cow = self._needs_cow(sb, num_total_tokens)
+        if need_new + revived + cow > self.num_free_blocks:
+            return False
+        for b in cached:
+            self._touch(b)
+        sb.blocks.extend(cached)
+        sb.num_cached_blocks = len(sb.blocks)
+        if cow:
+            self._copy_on_write(sb)
+        sb.blocks.extend(self._pop_free() for _ in range(need_new))
+        return True
+
+    def _needs_cow(self, sb: SeqBlocks, num_total_tokens: int) -> int:
+        """1 if the sequence will write into a block it shares with another sequence."""
+        if not sb.blocks:
+            return 0
+        last = sb.blocks[-1]
+        written = len(sb.blocks) * self.block_size
+        grows_into_last = num_total_tokens > (len(sb.blocks) - 1) * self.block_size
+        return int(last.ref_cnt > 1 and last.block_hash is None and grows_into_last and written > 0)
+
+    def _copy_on_write(self, sb: SeqBlocks) -> None:
+        old = sb.blocks[-1]
+        new = self._pop_free()
+        old.ref_cnt -= 1
+        sb.blocks[-1] = new
+        self.pending_copies.append((old.block_id, new.block_id))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent; writes into a shared block copy it first."""
+        parent = self.seqs[parent_id]
+        for b in parent.blocks:
+            b.ref_cnt += 1
+        self.seqs[child_id] = SeqBlocks(list(parent.blocks), list(parent.hashes), parent.num_cached_blocks)
+
+    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register blocks made full by the last step so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        sb = self.seqs[seq_id]
+        num_full = min(num_computed_tokens // self.block_size, len(sb.blocks))
+        if num_full <= sb.num_cached_blocks:
+            return
+        if len(sb.hashes) < num_full:
+            sb.hashes = block_hashes(token_ids[:num_full * self.block_size], self.block_size, start=sb.hashes)
+        first = sb.num_cached_blocks
+        stored = []
+        for i in range(first, num_full):
+            block, h = sb.blocks[i], sb.hashes[i]
+            if block.block_hash is None and h not in self.cached:
+                block.block_hash = h
+                self.cached[h] = block
+                stored.append(h)
+        sb.num_cached_blocks = num_full
+        if stored and self.record_events:
+            self.events.append(KVEvent("stored", stored, sb.hashes[first - 1] if first else None))
+
+    def free(self, seq_id: str) -> None:
+        """Release a sequence's blocks. Tail blocks go to the LRU head first, so a
+        shared prefix outlives the unique suffixes built on it."""
+        sb = self.seqs.pop(seq_id, None)
+        if sb is None:
+            return
+        for b in reversed(sb.blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue[b.block_id] = None
+                if b.block_hash is None:
+                    self.free_queue.move_to_end(b.block_id, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            if b.ref_cnt == 0:
+                b.block_hash = None
+                del self.cached[h]
+        if self.record_events:
+            self.events.append(KVEvent("cleared", []))
+
+    def drain_events(self) -> list[KVEvent]:
+        out, self.events = self.events, []
+        return out
+
+    # ---- internals
+    def _touch(self, b: Block) -> None:
+        if b.ref_cnt == 0:
+            del self.free_queue[b.block_id]
+        b.ref_cnt += 1
+
+    def _pop_free(self) -> Block:
+        block_id, _ = self.free_queue.popitem(last=False)
+        b = self.blocks[block_id]
+        if b.block_hash is not None:  # evict the cached prefix it held
+            del self.cached[b.block_hash]
+            if self.record_events:
+                self.events.append(KVEvent("evicted", [b.block_hash]))
+            b.block_hash = None
+        b.ref_cnt = 1
+        return b

@@ -1,0 +1,35 @@
+"""Chained block hashes: the identity of a full KV block across processes.
+
+Block i's hash covers its own token ids and block i-1's hash, so equal hashes
+mean equal whole prefixes. The hash is stable across processes and machines
+(blake2b, not Python's salted `hash`), because the router's global prefix
+index and the tiered cache on disk compare hashes computed by different workers.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+
+ROOT_HASH = 0  # parent of the first block
+
+
+def hash_block(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int32).tobytes())
+    if extra:
+        h.update(extra)
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
+                 start: list[int] | None = None) -> list[int]:
+    """Hashes of every full block of `token_ids`; `start` continues an earlier list."""
+    out = list(start or [])
+    parent = out[-1] if out else ROOT_HASH
+    for i in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[i:i + block_size], extra)
+        out.append(parent)
+    return out

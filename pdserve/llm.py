@@ -1,0 +1,91 @@
+"""Offline API in the shape of vLLM's: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Sequence as Seq
+
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import RequestOutput
+
+
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    `model=None` loads the embedded SmolLM2-135M-Instruct. Other keyword
+    arguments are engine arguments with vLLM's names (`block_size`,
+    `max_num_batched_tokens`, `enable_chunked_prefill`, `dtype`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list; a prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one object or one per prompt")
+        # n > 1: n independent requests; the prompt's full blocks are shared via the prefix cache.
+        order: list[tuple[int, str]] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                for j in range(p.n):
+                    rid = f"offline-{next(self._ids)}"
+                    sub = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    self.engine.add_request(rid, prompt, sub, priority=priority[i] if priority else 0)
+                    order.append((i, rid))
+            finals = self._run(use_tqdm, len(order))
+        except BaseException:
+            for _, rid in order:
+                self.engine.abort_request(rid)
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, rid in order:
+            out = finals[rid]
+            if results[i] is None:
+                results[i] = out
+            else:
+                comp = out.outputs[0]
+                comp.index = len(results[i].outputs)
+                results[i].outputs.append(comp)
+        return results
+
+    def _run(self, use_tqdm: bool, total: int) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            try:
+                from tqdm import tqdm
+
+                bar = tqdm(total=total, desc="requests")
+            except ImportError:
+                bar = None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return finals
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, **kw) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, **kw)
+
+    def get_tokenizer(self):
+        return self.tokenizer
