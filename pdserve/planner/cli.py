@@ -1,0 +1,115 @@
+"""`pdserve plan`: size a deployment and show each step as the seeds do by hand.
+
+Standard library only, so the command starts without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pdserve.planner.deployment import (COMPUTE_DTYPES, DEFAULT_GPU_MEMORY_UTILIZATION,
+                                        KV_DTYPES, WEIGHT_QUANTS, Deployment)
+from pdserve.planner.hardware import GPU_ALIASES, GPUS, NETWORK_BYTES_PER_S, resolve_gpu
+from pdserve.planner.models import MODEL_ALIASES, MODELS, param_count, resolve_model
+from pdserve.planner.plan import PlanInputs, make_plan
+from pdserve.planner.units import GiB, fmt_count, fmt_si
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--list", action="store_true", help="list catalog models and GPUs, then exit")
+    a("--model", help="catalog name (see --list) or path to a Hugging Face config.json")
+    a("--gpu", help="accelerator of the prefill pool, or of both pools (see --list)")
+    a("--decode-gpu", help="accelerator of the decode pool, if it differs (seed 000 §2.3)")
+    a("--context", type=int, help="tokens a request holds in KV (default: lin + lout)")
+    a("--tp", type=int, default=1, help="tensor-parallel GPUs per instance")
+    a("--pp", type=int, default=1, help="pipeline stages per instance")
+    a("--dtype", choices=COMPUTE_DTYPES, default="bf16", help="compute dtype")
+    a("--weight-quant", choices=WEIGHT_QUANTS, default="none",
+      help="weight storage; none = the compute dtype")
+    a("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache dtype")
+    a("--lin", type=int, help="mean prompt tokens")
+    a("--lout", type=int, help="mean output tokens")
+    a("--qps", type=float, help="peak requests per second (needs --lin/--lout)")
+    a("--slo-ttft-ms", type=float, help="time-to-first-token target, ms")
+    a("--slo-tpot-ms", type=float, help="time-per-output-token target, ms")
+    a("--network-gbps", type=int, choices=sorted(NETWORK_BYTES_PER_S),
+      help="P->D network; default: show all")
+    a("--nics", type=int, default=1, help="NICs one request's KV crosses in parallel")
+    a("--redundancy", type=float, default=0.3, help="spare share of GPUs (seed 003 §7.4)")
+    a("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+      help="share of GPU memory for weights + KV, as in vLLM")
+    a("--compute-efficiency", type=float, default=1.0, help="reached share of peak FLOP/s")
+    a("--bandwidth-efficiency", type=float, default=1.0,
+      help="reached share of memory bandwidth")
+    a("--json", action="store_true", help="print a machine-readable dict")
+
+
+def catalog() -> dict:
+    """Names and headline figures of every catalog entry (for --list)."""
+    return {
+        "models": {n: {"layers": m.layers, "attention": m.attention_kind,
+                       "params": param_count(m), "max_context_tokens": m.max_context_tokens}
+                   for n, m in MODELS.items()},
+        "gpus": {n: {"bf16_flops": g.bf16_flops, "memory_bytes": g.memory_bytes,
+                     "memory_bytes_per_s": g.memory_bytes_per_s} for n, g in GPUS.items()},
+        "aliases": {**MODEL_ALIASES, **GPU_ALIASES},
+    }
+
+
+def _print_catalog(as_json: bool) -> None:
+    cat = catalog()
+    if as_json:
+        print(json.dumps(cat, indent=2))
+        return
+    print("models:")
+    for n, m in cat["models"].items():
+        print(f"  {n:<14} {m['layers']:>4} layers  {m['attention']}  "
+              f"{fmt_count(m['params']):>8} params  {m['max_context_tokens']:>7,} tokens")
+    print("gpus (dense bf16, memory, bandwidth):")
+    for n, g in cat["gpus"].items():
+        print(f"  {n:<12} {fmt_si(g['bf16_flops'], 'FLOP/s'):>13}  "
+              f"{g['memory_bytes'] / GiB:>4.0f} GiB  {fmt_si(g['memory_bytes_per_s'], 'B/s'):>9}")
+    print("aliases: " + ", ".join(f"{a} -> {n}" for a, n in cat["aliases"].items()))
+
+
+def build_inputs(args: argparse.Namespace) -> PlanInputs:
+    """PlanInputs from parsed flags; ValueError with a clear message if wrong."""
+    if not args.model or not args.gpu:
+        raise ValueError("--model and --gpu are required (or --list)")
+    model = resolve_model(args.model)
+    common = dict(model=model, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                  weight_quant=args.weight_quant, kv_dtype=args.kv_dtype,
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  compute_efficiency=args.compute_efficiency,
+                  bandwidth_efficiency=args.bandwidth_efficiency)
+    prefill = Deployment(gpu=resolve_gpu(args.gpu), **common)
+    decode = Deployment(gpu=resolve_gpu(args.decode_gpu), **common) if args.decode_gpu else prefill
+    context = args.context
+    if context is None:
+        if args.lin is None or args.lout is None:
+            raise ValueError("give --context, or --lin and --lout")
+        context = args.lin + args.lout
+    ms = {k: None if getattr(args, k) is None else getattr(args, k) / 1e3
+          for k in ("slo_ttft_ms", "slo_tpot_ms")}
+    networks = (args.network_gbps,) if args.network_gbps else tuple(sorted(NETWORK_BYTES_PER_S))
+    return PlanInputs(prefill, decode, context, lin=args.lin, lout=args.lout, qps=args.qps,
+                      slo_ttft_s=ms["slo_ttft_ms"], slo_tpot_s=ms["slo_tpot_ms"],
+                      networks_gbps=networks, nics=args.nics, redundancy=args.redundancy)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        _print_catalog(args.json)
+        return 0
+    try:
+        plan = make_plan(build_inputs(args))
+    except (ValueError, OSError) as e:  # bad names, numbers or config files
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.render(), end="")
+    return 0
