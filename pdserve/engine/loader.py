@@ -86,20 +86,8 @@ def _has_gguf_magic(p: Path) -> bool:
 
 
 def gguf_field(reader, key: str, default=None):
-    """Read one metadata value (scalar, string, or array) from a GGUFReader."""
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-        if f.types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
-        return [f.parts[i].tolist()[0] for i in f.data]
-    value = f.parts[f.data[0]]
-    if f.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0]
+    """One metadata value from a `GGUFFile`."""
+    return reader.get(key, default)
 
 
 def _gguf_config(reader, name: str) -> ModelConfig:
@@ -139,38 +127,52 @@ def _gguf_config(reader, name: str) -> ModelConfig:
     )
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half RoPE layout)."""
     rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _load_gguf(p: Path) -> LoadedModel:
-    import gguf
+    from pdserve.engine.gguf_file import GGUFFile, GGUFFormatError
 
     try:
-        reader = gguf.GGUFReader(str(p))
-    except Exception as e:  # truncated or corrupt headers surface as many error types
+        reader = GGUFFile(str(p))
+    except (GGUFFormatError, ValueError, OSError) as e:
         raise ModelLoadError(f"cannot read GGUF file {p}: {e}") from e
     config = _gguf_config(reader, name=p.stem)
     permuted = gguf_field(reader, "general.architecture") in ("llama", "mistral")
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise ModelLoadError(f"{p}: tensor {t.name} has unsupported type {t.tensor_type.name}") from e
-        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if w.size != int(np.prod(expected)):
-            raise ModelLoadError(f"{p}: tensor {t.name} is truncated (file cut short?)")
-        w = w.reshape(expected)
+        w = _dequantize(p, t, t.shape)
         name = _hf_name(t.name)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rope(w, config.num_attention_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rope(w, config.num_key_value_heads)
-        state[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        state[name] = w.contiguous()
     return LoadedModel(config, state, str(p), gguf_reader=reader)
+
+
+def _dequantize(p: Path, t, shape: tuple[int, ...]) -> torch.Tensor:
+    import gguf
+
+    from pdserve.engine import gguf_dequant
+
+    n = int(np.prod(shape))
+    try:
+        w = gguf_dequant.dequantize(t.data, t.type_name, n)
+        if w is None:
+            qtype = gguf.GGMLQuantizationType(t.type_id)
+            w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.array(t.data), qtype),
+                                                      dtype=np.float32)).reshape(-1)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{p}: tensor {t.name} has unsupported type {t.type_name}") from e
+    except ValueError as e:
+        raise ModelLoadError(f"{p}: tensor {t.name} is truncated or malformed: {e}") from e
+    if w.numel() != n:
+        raise ModelLoadError(f"{p}: tensor {t.name} is truncated (file cut short?)")
+    return w.reshape(shape)
 
 
 def _hf_name(gguf_name: str) -> str:
