@@ -78,9 +78,12 @@ class LLMEngine:
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                  f"the context of {self.max_model_len} tokens", "max_tokens")
-        if self.block_manager.blocks_needed(len(ids) + 1) > self.block_manager.num_blocks:
-            raise InvalidRequest(f"the prompt needs more KV blocks than the pool holds "
-                                 f"({self.block_manager.num_blocks})", "prompt")
+        # A request must be able to finish alone, or preemption could cycle forever.
+        longest = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            raise InvalidRequest(f"prompt + max_tokens ({longest} tokens) needs more KV blocks than the "
+                                 f"pool holds ({self.block_manager.num_blocks} x {self.block_manager.block_size})",
+                                 "max_tokens")
         sc = self.config.scheduler
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "

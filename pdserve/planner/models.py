@@ -187,7 +187,8 @@ def model_from_hf_config(cfg: dict, name: str = "",
         routed_experts=routed, shared_experts=cfg.get("n_shared_experts") or 0,
         experts_per_token=cfg.get("num_experts_per_tok") or 0,
         # Mixtral's experts are as wide as its intermediate_size.
-        moe_intermediate=cfg.get("moe_intermediate_size") or (get("intermediate_size") if routed else 0),
+        moe_intermediate=(cfg.get("moe_intermediate_size")
+                          or (get("intermediate_size") if routed else 0)),
         dense_layers=cfg.get("first_k_dense_replace") or 0,
         source=source,
     )

@@ -60,12 +60,6 @@ class Plan:
     steps: list[steps.Step] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def value(self, key: str) -> dict:
-        for step in self.steps:
-            if step.key == key:
-                return step.values
-        raise KeyError(key)
-
     def to_dict(self) -> dict:
         return {
             "inputs": steps.describe_inputs(self.inputs),

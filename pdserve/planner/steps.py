@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pdserve.planner import memory as mem
 from pdserve.planner.deployment import Deployment
 from pdserve.planner.models import param_count
-from pdserve.planner.units import GB, GiB, KiB, fmt_bytes, fmt_count, fmt_si
+from pdserve.planner.units import KiB, fmt_bytes, fmt_count, fmt_gb, fmt_gib, fmt_si
 
 
 @dataclass
@@ -24,17 +24,10 @@ class Step:
                 "lines": list(self.lines)}
 
 
-def _eq(lhs: str, formula: str, numbers: str, result: str) -> list[str]:
+def equation(lhs: str, formula: str, numbers: str, result: str) -> list[str]:
+    """Three lines, as worked by hand: formula, numbers put in, result."""
     pad = " " * len(lhs)
     return [f"{lhs} = {formula}", f"{pad} = {numbers}", f"{pad} = {result}"]
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:,.2f} GB"
-
-
-def _gib(x: float) -> str:
-    return f"{x / GiB:,.2f} GiB"
 
 
 def headline(inp) -> str:
@@ -59,7 +52,7 @@ def describe_inputs(inp) -> dict:
 def _gpu_line(g) -> list[str]:
     fp8 = f", {fmt_si(g.fp8_flops, 'FLOP/s')} fp8" if g.fp8_flops else ", no fp8"
     return [f"gpu    {g.name}: {fmt_si(g.bf16_flops, 'FLOP/s')} bf16{fp8} (dense); "
-            f"{_gib(g.memory_bytes)} at {fmt_si(g.memory_bytes_per_s, 'B/s')}; "
+            f"{fmt_gib(g.memory_bytes)} at {fmt_si(g.memory_bytes_per_s, 'B/s')}; "
             f"intra-node {fmt_si(g.intra_node_bytes_per_s, 'B/s')}; NIC {g.nic_gbps:g} Gbps",
             f"       source: {g.source}"]
 
@@ -94,9 +87,9 @@ def weights_step(inp) -> Step:
     params, bpp = param_count(dep.model), dep.weight_bytes_per_param
     total = mem.weight_bytes(params, bpp)
     per_gpu = total / dep.gpus
-    lines = _eq("weights", "params x bytes/param", f"{fmt_count(params)} x {bpp:g} B",
+    lines = equation("weights", "params x bytes/param", f"{fmt_count(params)} x {bpp:g} B",
                 fmt_bytes(total))
-    lines += _eq("per GPU", "weights / (TP x PP)", f"{_gb(total)} / ({dep.tp} x {dep.pp})",
+    lines += equation("per GPU", "weights / (TP x PP)", f"{fmt_gb(total)} / ({dep.tp} x {dep.pp})",
                  fmt_bytes(per_gpu))
     values = {"params": params, "bytes_per_param": bpp, "weight_bytes": total,
               "weight_bytes_per_gpu": per_gpu}
@@ -112,20 +105,20 @@ def kv_step(inp) -> Step:
     shards = mem.kv_shards(m, dep.tp)
     per_gpu = request / (shards * dep.pp)
     if m.is_mla:
-        lines = _eq("KV/token/layer", "(d_c + d_R) x bytes",
+        lines = equation("KV/token/layer", "(d_c + d_R) x bytes",
                     f"({m.kv_lora_rank} + {m.qk_rope_head_dim}) x {b:g} B", f"{layer:,.0f} B")
         why = "the MLA latent is whole on every TP rank"
     else:
-        lines = _eq("KV/token/layer", "2 (K, V) x n_kv x d_head x bytes",
+        lines = equation("KV/token/layer", "2 (K, V) x n_kv x d_head x bytes",
                     f"2 x {m.kv_heads} x {m.head_dim} x {b:g} B",
                     f"{layer:,.0f} B = {layer / KiB:g} KiB")
         why = f"KV heads split over min(TP={dep.tp}, n_kv={m.kv_heads})"
-    lines += _eq("KV/token", "layers x KV/token/layer", f"{m.layers} x {layer / KiB:g} KiB",
+    lines += equation("KV/token", "layers x KV/token/layer", f"{m.layers} x {layer / KiB:g} KiB",
                  f"{token / KiB:,.2f} KiB")
-    lines += _eq("KV/request", "context x KV/token", f"{ctx:,} x {token / KiB:,.2f} KiB",
+    lines += equation("KV/request", "context x KV/token", f"{ctx:,} x {token / KiB:,.2f} KiB",
                  fmt_bytes(request))
-    lines += _eq("KV/request/GPU", "KV/request / (shards x PP)",
-                 f"{_gib(request)} / ({shards} x {dep.pp})", f"{fmt_bytes(per_gpu)}  ({why})")
+    lines += equation("KV/request/GPU", "KV/request / (shards x PP)",
+                 f"{fmt_gib(request)} / ({shards} x {dep.pp})", f"{fmt_bytes(per_gpu)}  ({why})")
     values = {"attention": m.attention_kind, "bytes_per_element": b,
               "kv_bytes_per_token_layer": layer, "kv_bytes_per_token": token,
               "kv_bytes_per_request": request, "kv_shards": shards,
@@ -156,12 +149,13 @@ def fit_step(inp, notes: list[str]) -> Step:
     kv_req = mem.kv_bytes_per_token_per_gpu(dep) * ctx
     n = mem.max_concurrency(free, kv_req)
     lines = [f"decode instance: {dep.tp} x {dep.pp} {dep.gpu.name}"]
-    lines += _eq("usable", "memory x gpu_memory_utilization",
-                 f"{_gib(dep.gpu.memory_bytes)} x {dep.gpu_memory_utilization:g}", fmt_bytes(usable))
-    lines += _eq("free for KV", "usable - weights/GPU", f"{_gib(usable)} - {_gib(weights)}",
+    lines += equation("usable", "memory x gpu_memory_utilization",
+                 f"{fmt_gib(dep.gpu.memory_bytes)} x {dep.gpu_memory_utilization:g}",
+                 fmt_bytes(usable))
+    lines += equation("free for KV", "usable - weights/GPU", f"{fmt_gib(usable)} - {fmt_gib(weights)}",
                  fmt_bytes(free))
-    lines += _eq("max concurrency", "floor(free / KV per request per GPU)",
-                 f"floor({_gib(free)} / {_gib(kv_req)})", f"{n} requests of {ctx:,} tokens")
+    lines += equation("max concurrency", "floor(free / KV per request per GPU)",
+                 f"floor({fmt_gib(free)} / {fmt_gib(kv_req)})", f"{n} requests of {ctx:,} tokens")
     values = {"usable_bytes": usable, "free_bytes": free, "max_concurrency": n, "fits": n >= 1}
     if n < 1:
         fixes = _suggestions(dep, ctx)

@@ -7,9 +7,9 @@ from pdserve.planner import roofline as rl
 from pdserve.planner.capacity import gpu_count, max_batch_within, pd_ratio, request_latency_s
 from pdserve.planner.deployment import Deployment
 from pdserve.planner.models import param_count
-from pdserve.planner.steps import Step, _eq, _gb
+from pdserve.planner.steps import Step, equation
 from pdserve.planner.transfer import kv_transfer
-from pdserve.planner.units import KiB, ceil_count, fmt_bytes, fmt_count, fmt_s, fmt_si
+from pdserve.planner.units import KiB, ceil_count, fmt_bytes, fmt_count, fmt_gb, fmt_s, fmt_si
 
 
 def _time_lines(dep: Deployment, st: rl.StepTime, name: str) -> list[str]:
@@ -18,7 +18,7 @@ def _time_lines(dep: Deployment, st: rl.StepTime, name: str) -> list[str]:
     lines = [f"AI = FLOPs/TP / bytes = {ai:,.1f} FLOP/B; ridge = peak / bandwidth = "
              f"{fmt_si(dep.peak_flops, 'FLOP/s')} / {fmt_si(dep.memory_bytes_per_s, 'B/s')} "
              f"= {ridge:,.0f} FLOP/B -> {st.bound}-bound"]
-    lines += _eq(name, "max(FLOPs / (TP x peak), bytes / bandwidth) + TP all-reduce + PP hops",
+    lines += equation(name, "max(FLOPs / (TP x peak), bytes / bandwidth) + TP all-reduce + PP hops",
                  f"max({fmt_s(st.compute_s)}, {fmt_s(st.memory_s)}) + {fmt_s(st.comm_s)}"
                  f" + {fmt_s(st.pp_s)}", fmt_s(st.total_s))
     if dep.tp > 1:
@@ -35,9 +35,9 @@ def _throughput_lines(dep: Deployment, name: str, tokens: int, st: rl.StepTime,
     theta = rl.tokens_per_s_per_gpu(dep, tokens, st, micro_batches)
     lines = []
     if dep.pp > 1:
-        lines += _eq("PP bubble", "(P - 1) / (P + B - 1)",
+        lines += equation("PP bubble", "(P - 1) / (P + B - 1)",
                      f"({dep.pp} - 1) / ({dep.pp} + {micro_batches} - 1)", f"{bubble:.1%}")
-    lines += _eq(name, "tokens x PP x (1 - bubble) / (time x TP x PP)",
+    lines += equation(name, "tokens x PP x (1 - bubble) / (time x TP x PP)",
                  f"{tokens:,} x {dep.pp} x {1 - bubble:.3g} / ({fmt_s(st.total_s)} x {dep.gpus})",
                  f"{theta:,.0f} tokens/s per GPU")
     return lines, theta, bubble
@@ -54,20 +54,20 @@ def prefill_step(inp, micro_batches: int) -> Step:
     m = dep.model
     st = rl.prefill_time(dep, S)
     lines = [f"one prompt of S = {S:,} tokens on {dep.tp} x {dep.pp} {dep.gpu.name}"]
-    lines += _eq("FLOPs", "2 x N_active x S + L x heads x (d_qk + d_v) x S^2",
+    lines += equation("FLOPs", "2 x N_active x S + L x heads x (d_qk + d_v) x S^2",
                  f"2 x {fmt_count(param_count(m, active=True))} x {S:,} + {m.layers} x {m.heads}"
                  f" x ({m.qk_dim} + {m.v_dim}) x {S:,}^2", f"{st.flops:.4g} FLOP")
     weights = rl.weight_bytes_read(m, S, dep.weight_bytes_per_param) / dep.tp
     kv_tok = mem.kv_bytes_per_token(m, dep.kv_bytes_per_element) / KiB
-    lines += _eq("bytes/GPU", "weights read/TP + S x KV/token / shards",
-                 f"{_gb(weights)} + {S:,} x {kv_tok:,.2f} KiB / {mem.kv_shards(m, dep.tp)}",
+    lines += equation("bytes/GPU", "weights read/TP + S x KV/token / shards",
+                 f"{fmt_gb(weights)} + {S:,} x {kv_tok:,.2f} KiB / {mem.kv_shards(m, dep.tp)}",
                  fmt_bytes(st.bytes))
     lines += _time_lines(dep, st, "prefill time")
     more, theta, bubble = _throughput_lines(dep, "Theta_P", S, st, micro_batches)
     values = {**_step_values(st), "tokens": S, "pp_bubble": bubble,
               "theta_p_tokens_per_s_per_gpu": theta, "per_layer_s": st.total_s / m.layers}
-    return Step("prefill", "Roofline prefill (TTFT compute)", "seed 000 §2.1, seed 003 §1.1, §2.1",
-                lines + more, values)
+    return Step("prefill", "Roofline prefill (TTFT compute)",
+                "seed 000 §2.1, seed 003 §1.1, §2.1", lines + more, values)
 
 
 def decode_batch(inp, max_concurrency: int, notes: list[str]) -> int:
@@ -87,14 +87,19 @@ def decode_step(inp, batch: int, max_concurrency: int) -> Step:
     dep, C = inp.decode, inp.decode_context_tokens
     m = dep.model
     st = rl.decode_step_time(dep, batch, C)
-    why = "max concurrency" if batch >= max_concurrency else "largest batch meeting the TPOT SLO"
+    if max_concurrency < 1:
+        why = "nothing fits; batch 1 assumed"
+    elif batch >= max_concurrency:
+        why = "max concurrency"
+    else:
+        why = "largest batch meeting the TPOT SLO"
     weights = rl.weight_bytes_read(m, batch, dep.weight_bytes_per_param) / dep.tp
     kv_tok = mem.kv_bytes_per_token(m, dep.kv_bytes_per_element) / KiB
     lines = [f"batch B = {batch} ({why}), mean context C = {C:,} tokens, on {dep.gpu.name}"]
-    lines += _eq("bytes/GPU", "weights read/TP + B x C x KV/token / shards",
-                 f"{_gb(weights)} + {batch} x {C:,} x {kv_tok:,.2f} KiB / "
+    lines += equation("bytes/GPU", "weights read/TP + B x C x KV/token / shards",
+                 f"{fmt_gb(weights)} + {batch} x {C:,} x {kv_tok:,.2f} KiB / "
                  f"{mem.kv_shards(m, dep.tp)}", fmt_bytes(st.bytes))
-    lines += _eq("FLOPs", "2 x N_active x B + 2 x L x heads x (d_qk + d_v) x C x B",
+    lines += equation("FLOPs", "2 x N_active x B + 2 x L x heads x (d_qk + d_v) x C x B",
                  f"2 x {fmt_count(param_count(m, active=True))} x {batch} + 2 x {m.layers} x "
                  f"{m.heads} x ({m.qk_dim} + {m.v_dim}) x {C:,} x {batch}", f"{st.flops:.4g} FLOP")
     lines += _time_lines(dep, st, "TPOT")
@@ -108,7 +113,7 @@ def decode_step(inp, batch: int, max_concurrency: int) -> Step:
 def transfer_step(inp, prefill: dict) -> Step:
     m, S = inp.prefill.model, inp.prompt_tokens
     kv = mem.kv_bytes(m, S, inp.prefill.kv_bytes_per_element)
-    lines = _eq("KV of one prompt", "S x KV/token", f"{S:,} x "
+    lines = equation("KV of one prompt", "S x KV/token", f"{S:,} x "
                 f"{mem.kv_bytes_per_token(m, inp.prefill.kv_bytes_per_element) / KiB:,.2f} KiB",
                 fmt_bytes(kv))
     lines.append(f"per-layer compute = prefill time / L = {fmt_s(prefill['time_s'])} / {m.layers}"
@@ -133,7 +138,7 @@ def latency_step(inp, prefill: dict, decode: dict, transfer: dict, notes: list[s
     gbps = max(inp.networks_gbps)
     exposed = transfer["networks"][gbps]["layerwise_exposed_s"]
     ttft, tpot = prefill["time_s"] + exposed, decode["tpot_s"]
-    lines = _eq("TTFT", f"prefill + layer-wise exposed transfer ({gbps} Gbps)",
+    lines = equation("TTFT", f"prefill + layer-wise exposed transfer ({gbps} Gbps)",
                 f"{fmt_s(prefill['time_s'])} + {fmt_s(exposed)}", fmt_s(ttft))
     lines.append(f"TPOT = {fmt_s(tpot)} at batch {decode['batch']}")
     values = {"network_gbps": gbps, "ttft_s": ttft, "tpot_s": tpot}
@@ -146,7 +151,7 @@ def latency_step(inp, prefill: dict, decode: dict, transfer: dict, notes: list[s
                 notes.append(f"{name} {fmt_s(got)} misses the {fmt_s(slo)} SLO")
     if inp.lout is not None:
         e2e = request_latency_s(ttft, inp.lout, tpot)
-        lines += _eq("latency", "TTFT + (Lout - 1) x TPOT",
+        lines += equation("latency", "TTFT + (Lout - 1) x TPOT",
                      f"{fmt_s(ttft)} + {inp.lout - 1:,} x {fmt_s(tpot)}", fmt_s(e2e))
         values["latency_s"] = e2e
     lines.append("unloaded floor: queueing is not modeled (the simulator does that)")
@@ -156,7 +161,7 @@ def latency_step(inp, prefill: dict, decode: dict, transfer: dict, notes: list[s
 def pd_ratio_step(inp, prefill: dict, decode: dict) -> Step:
     tp_, td = prefill["theta_p_tokens_per_s_per_gpu"], decode["theta_d_tokens_per_s_per_gpu"]
     r = pd_ratio(inp.lin, inp.lout, tp_, td)
-    lines = _eq("N_D / N_P", "(Lout / Lin) x (Theta_P / Theta_D)",
+    lines = equation("N_D / N_P", "(Lout / Lin) x (Theta_P / Theta_D)",
                 f"({inp.lout:,} / {inp.lin:,}) x ({tp_:,.0f} / {td:,.0f})", f"{r:.3g}")
     lines.append(f"{r:.3g} decode GPUs per prefill GPU" if r >= 1
                  else f"{1 / r:.3g} prefill GPUs per decode GPU")
@@ -167,17 +172,19 @@ def pd_ratio_step(inp, prefill: dict, decode: dict) -> Step:
 def gpu_count_step(inp, prefill: dict, decode: dict, fit: dict) -> Step:
     if not fit["fits"]:
         return Step("gpu_count", "GPU count", "seed 003 §7.4",
-                    ["not computed: one request does not fit a decode instance"], {"computed": False})
+                    ["not computed: one request does not fit a decode instance"],
+                    {"computed": False})
     r, lines, values = inp.redundancy, [], {"computed": True}
     for pool, tokens, theta, gpus in (
             ("prefill", inp.lin, prefill["theta_p_tokens_per_s_per_gpu"], inp.prefill.gpus),
             ("decode", inp.lout, decode["theta_d_tokens_per_s_per_gpu"], inp.decode.gpus)):
         c = gpu_count(inp.qps * tokens, theta, r)
-        lines += _eq(f"{pool} GPUs", "ceil(QPS x tokens / Theta per GPU) x (1 + r)",
+        lines += equation(f"{pool} GPUs", "ceil(QPS x tokens / Theta per GPU) x (1 + r)",
                      f"ceil({inp.qps:g} x {tokens:,} / {theta:,.0f}) x {1 + r:g} = "
                      f"ceil({c.raw:.3g}) x {1 + r:g} = {c.base} x {1 + r:g}", f"{c.total} GPUs")
         instances = ceil_count(c.total / gpus)
-        lines.append(f"  in whole instances of {gpus} GPU(s): {instances} = {instances * gpus} GPUs")
+        lines.append(f"  in whole instances of {gpus} GPU(s): {instances} = "
+                     f"{instances * gpus} GPUs")
         values[pool] = {**c.to_dict(), "instances": instances, "gpus": instances * gpus}
     values["total_gpus"] = values["prefill"]["gpus"] + values["decode"]["gpus"]
     lines.append(f"total: {values['total_gpus']} GPUs (redundancy {r:.0%})")

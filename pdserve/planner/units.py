@@ -51,6 +51,14 @@ def fmt_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def fmt_gb(n: float) -> str:
+    return f"{n / GB:,.2f} GB"
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
 def fmt_s(t: float) -> str:
     """A duration in the unit that keeps three significant figures readable."""
     if t == math.inf:

@@ -71,7 +71,8 @@ def test_tpot_slo_lowers_the_decode_batch(capsys):
     base = ["plan", "--model", "llama-3-8b", "--gpu", "l4", "--context", "4096", "--json"]
     _, free, _ = _run(capsys, *base)
     _, capped, _ = _run(capsys, *base, "--slo-tpot-ms", "60")
-    free_d, capped_d = json.loads(free)["results"]["decode"], json.loads(capped)["results"]["decode"]
+    free_d = json.loads(free)["results"]["decode"]
+    capped_d = json.loads(capped)["results"]["decode"]
     assert 1 < capped_d["batch"] < free_d["batch"]
     assert capped_d["tpot_s"] <= 0.060
 

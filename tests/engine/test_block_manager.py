@@ -1,0 +1,110 @@
+"""The real BlockManager, on synthetic sequences: no model needed."""
+from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.hashing import block_hashes
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(10, 4)
+    assert bm.allocate("a", 9)  # 3 blocks
+    assert bm.num_free_blocks == 7
+    assert len(bm.block_table("a")) == 3
+    assert bm.allocate("a", 13)  # grows by one
+    assert bm.num_free_blocks == 6
+    bm.free("a")
+    assert bm.num_free_blocks == 10
+
+
+def test_allocation_refused_when_pool_short():
+    bm = BlockManager(4, 4)
+    assert bm.allocate("a", 12)
+    assert not bm.allocate("b", 8)
+    assert bm.num_free_blocks == 1  # a refused allocation takes nothing
+    assert "b" not in bm.seqs or not bm.seqs["b"].blocks
+
+
+def test_prefix_hit_after_full_blocks_cached():
+    bm = BlockManager(16, 4)
+    toks = list(range(10))
+    bm.find_cached_prefix("a", toks)
+    assert bm.allocate("a", 10)
+    bm.cache_full_blocks("a", toks, 10)  # 2 full blocks registered
+    hit, n = bm.find_cached_prefix("b", toks + [99])
+    assert n == 8 and [b.block_id for b in hit] == bm.block_table("a")[:2]
+    assert bm.allocate("b", 11, hit)
+    assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
+    assert all(b.ref_cnt == 2 for b in hit)
+    assert bm.stats.hits_tokens == 8
+
+
+def test_a_full_prompt_hit_still_leaves_one_token_to_compute():
+    bm = BlockManager(16, 4)
+    toks = list(range(8))
+    bm.find_cached_prefix("a", toks)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks, 8)
+    _, n = bm.find_cached_prefix("b", toks)
+    assert n == 4  # the last block is recomputed to produce logits
+
+
+def test_lru_evicts_least_recently_freed_prefix_first():
+    bm = BlockManager(4, 4)
+    for sid, base in (("a", 0), ("b", 100)):
+        toks = list(range(base, base + 8))
+        bm.find_cached_prefix(sid, toks)
+        bm.allocate(sid, 8)
+        bm.cache_full_blocks(sid, toks, 8)
+        bm.free(sid)
+    assert len(bm.cached) == 4 and bm.num_free_blocks == 4
+    # needing 2 blocks evicts a's two blocks (freed first), b's prefix survives
+    assert bm.allocate("c", 8)
+    _, n_b = bm.find_cached_prefix("x", list(range(100, 108)) + [1])
+    _, n_a = bm.find_cached_prefix("y", list(range(0, 8)) + [1])
+    assert n_b == 8 and n_a == 0
+
+
+def test_shared_prefix_outlives_unique_suffix():
+    bm = BlockManager(3, 4)
+    toks = list(range(12))
+    bm.find_cached_prefix("a", toks)
+    bm.allocate("a", 12)
+    bm.cache_full_blocks("a", toks, 12)
+    bm.free("a")
+    assert bm.allocate("b", 4)  # takes one block: the deepest (last) one goes first
+    _, n = bm.find_cached_prefix("c", toks[:8] + [5])
+    assert n == 8
+
+
+def test_fork_and_copy_on_write():
+    bm = BlockManager(8, 4)
+    bm.allocate("p", 6)  # one full + one partial block
+    bm.fork("p", "c")
+    assert bm.block_table("c") == bm.block_table("p")
+    assert bm.allocate("c", 7)  # writes into the shared partial block -> copy it
+    assert bm.block_table("c")[0] == bm.block_table("p")[0]
+    assert bm.block_table("c")[1] != bm.block_table("p")[1]
+    assert bm.pending_copies == [(bm.block_table("p")[1], bm.block_table("c")[1])]
+    bm.free("p")
+    bm.free("c")
+    assert bm.num_free_blocks == 8
+
+
+def test_events_report_stored_and_evicted_hashes():
+    bm = BlockManager(2, 4, record_events=True)
+    toks = list(range(8))
+    bm.find_cached_prefix("a", toks)
+    bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks, 8)
+    bm.free("a")
+    stored = bm.drain_events()
+    assert [e.kind for e in stored] == ["stored"] and stored[0].block_hashes == block_hashes(toks, 4)
+    bm.allocate("b", 4)
+    ev = bm.drain_events()
+    assert ev[0].kind == "evicted" and ev[0].block_hashes[0] in stored[0].block_hashes
+
+
+def test_block_hashes_are_chained_and_stable():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = block_hashes([9, 9, 9, 9, 5, 6, 7, 8], 4)
+    assert a[1] != b[1]  # same block tokens, different prefix
+    assert a == block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert block_hashes([1, 2, 3, 4], 4, start=a[:1]) == a[:1]

@@ -1,0 +1,200 @@
+"""The whole engine on a tiny random-weight model: modes agree, nothing leaks, bad input is named."""
+import os
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.loader import ModelLoadError
+from pdserve.engine.sampling_params import InvalidRequest
+from tests.tiny import write_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["hello world", "a much longer prompt that spans several kv blocks of four tokens",
+           "x", "the quick brown fox jumps over the lazy dog " * 3]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_idle(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2"])
+def test_matches_transformers(tmp_path, qkv_bias):
+    transformers = pytest.importorskip("transformers")
+    d = write_tiny_model(str(tmp_path / "m"), qkv_bias=qkv_bias, seed=3)
+    llm = LLM(d, dtype="float32", block_size=4, num_gpu_blocks=128)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for out in outs:
+        ids = torch.tensor([out.prompt_token_ids])
+        r = ref.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         attention_mask=torch.ones_like(ids))
+        assert out.outputs[0].token_ids == r[0, ids.shape[1]:].tolist()
+
+
+def test_batched_equals_sequential_and_no_leak(tiny_llm):
+    one = [tiny_llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    assert tokens(tiny_llm.generate(PROMPTS, GREEDY)) == one
+    assert_idle(tiny_llm)
+
+
+def test_preemption_gives_the_same_tokens(tiny_model_dir, tiny_llm):
+    ref = tokens(tiny_llm.generate(PROMPTS, GREEDY))
+    small = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=64)
+    outs = small.generate(PROMPTS, GREEDY)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert tokens(outs) == ref
+    assert_idle(small)
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, tiny_llm):
+    ref = tokens(tiny_llm.generate(PROMPTS, GREEDY))
+    chunked = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64,
+                  max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    assert tokens(chunked.generate(PROMPTS, GREEDY)) == ref
+
+
+def test_prefix_cache_reuses_blocks(tiny_llm):
+    base = "the same system prompt for everyone, long enough to fill blocks. "
+    first = tiny_llm.generate(base + "question one", GREEDY)
+    hits = tiny_llm.engine.block_manager.stats.hits_tokens
+    second = tiny_llm.generate(base + "question one", GREEDY)
+    assert tiny_llm.engine.block_manager.stats.hits_tokens - hits >= 60
+    assert tokens(first) == tokens(second)
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ("", SamplingParams(), "prompt"),
+    ([[]], SamplingParams(), "prompt"),  # one prompt of zero token ids
+    ("x" * 600, SamplingParams(), "prompt"),  # longer than the 512-token context
+    ("hello", SamplingParams(max_tokens=510), "max_tokens"),
+    ([10**6], SamplingParams(), "prompt"),
+])
+def test_bad_requests_are_named_and_leak_nothing(tiny_llm, prompt, params, param):
+    with pytest.raises(InvalidRequest) as e:
+        tiny_llm.generate(prompt, params)
+    assert e.value.param == param
+    assert_idle(tiny_llm)
+    assert tiny_llm.generate("still fine", GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"n": 0},
+                                {"logprobs": 50}])
+def test_bad_sampling_params(kw):
+    with pytest.raises(InvalidRequest):
+        SamplingParams(**kw)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM("/nonexistent/model")
+
+
+def test_truncated_gguf_is_named(tmp_path, real_model_path):
+    bad = tmp_path / "cut.gguf"
+    with open(real_model_path, "rb") as src:
+        bad.write_bytes(src.read(os.path.getsize(real_model_path) // 2))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        LLM(str(bad))
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(bad.read_bytes()[:5000])
+    with pytest.raises(ModelLoadError, match="cut.gguf|header.gguf"):
+        LLM(str(header_only))
+
+
+def test_abort_frees_blocks(tiny_llm):
+    eng = tiny_llm.engine
+    for i in range(3):
+        eng.add_request(f"r{i}", PROMPTS[1], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.num_free_blocks < eng.block_manager.num_blocks
+    for i in range(3):
+        assert eng.abort_request(f"r{i}")
+    assert_idle(tiny_llm)
+    assert not eng.abort_request("r0")  # already gone
+
+
+def test_abort_of_a_waiting_request(tiny_llm):
+    eng = tiny_llm.engine
+    eng.add_request("w", "waiting prompt", GREEDY)
+    assert eng.abort_request("w")
+    assert_idle(tiny_llm)
+
+
+def test_stop_string_trims_and_streams_no_stop_text(tiny_llm):
+    free = tiny_llm.generate("abc", GREEDY)[0].outputs[0].text
+    stop = free[3:5]
+    assert stop and stop not in free[:3]
+    eng = tiny_llm.engine
+    eng.add_request("s", "abc", SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))
+    streamed, final = "", None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            streamed += o.new_text
+            final = o
+    cut = free.index(stop)
+    assert final.outputs[0].text == free[:cut] == streamed
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
+
+
+def test_stop_token_ids_and_eos(tiny_llm):
+    free = tiny_llm.generate("abc", GREEDY)[0].outputs[0].token_ids
+    out = tiny_llm.generate("abc", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free[2]]))
+    assert out[0].outputs[0].token_ids == free[:3] and out[0].outputs[0].stop_reason == free[2]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10)
+    alone = tokens(tiny_llm.generate("seeded", p))
+    batched = tokens(tiny_llm.generate(["other", "seeded", "more"], [SamplingParams(temperature=1.0), p,
+                                                                      SamplingParams(temperature=0.7)]))
+    assert alone[0] == batched[1]
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=10)
+    assert tokens(tiny_llm.generate("seeded", other_seed)) != alone
+
+
+def test_logprobs_are_returned_and_consistent(tiny_llm):
+    out = tiny_llm.generate("abc", SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert len(lp) == 3 and tok in lp  # greedy token is the top-1
+        assert lp[tok] == max(lp.values()) <= 0
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)))
+
+
+def test_penalties_change_repetition(tiny_llm):
+    plain = tokens(tiny_llm.generate("aaaa", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))[0]
+    pen = tokens(tiny_llm.generate("aaaa", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                          repetition_penalty=2.0, frequency_penalty=2.0)))[0]
+    assert len(set(pen)) >= len(set(plain)) and pen != plain
+
+
+def test_n_returns_n_completions(tiny_llm):
+    out = tiny_llm.generate("abc", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_chat_applies_template(tiny_llm):
+    out = tiny_llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
+    assert tiny_llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False).startswith(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_incremental_detokenizer_never_splits_utf8(tiny_llm):
+    from pdserve.engine.tokenizer import IncrementalDetokenizer
+
+    tok = tiny_llm.tokenizer
+    text = "héllo wörld 你好 🙂!"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [])
+    pieces = [detok.step([i]) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)

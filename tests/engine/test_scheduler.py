@@ -1,0 +1,100 @@
+"""The real Scheduler with a real BlockManager, on synthetic sequences."""
+from pdserve.config import SchedulerConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.kv.block_manager import BlockManager
+
+
+def make(num_blocks=32, block_size=4, **kw):
+    return Scheduler(SchedulerConfig(**kw), BlockManager(num_blocks, block_size))
+
+
+def seq(sid, n, priority=0, t=0.0):
+    return Sequence(sid, list(range(1, n + 1)), SamplingParams(), priority=priority, arrival_time=t)
+
+
+def run_step(s, out, sample=True):
+    """Pretend the model ran: advance computed tokens, append a token when a prompt is done."""
+    for sc in out.scheduled:
+        sc.seq.num_computed_tokens += sc.num_new_tokens
+        if sample and sc.seq.num_computed_tokens == sc.seq.num_tokens:
+            sc.seq.output_token_ids.append(7)
+
+
+def test_budget_is_shared_by_decodes_and_prefill_chunks():
+    s = make(max_num_batched_tokens=10, long_prefill_token_threshold=0)
+    a, b = seq("a", 6), seq("b", 20)
+    s.add(a)
+    run_step(s, s.schedule())  # a prefilled (6 tokens)
+    s.add(b)
+    out = s.schedule()
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 9)]
+    assert out.num_tokens == 10
+
+
+def test_chunk_threshold_limits_one_prompt_per_step():
+    s = make(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    a = seq("a", 20)
+    s.add(a)
+    sizes = []
+    while a.num_computed_tokens < 20:
+        out = s.schedule()
+        sizes.append(out.scheduled[0].num_new_tokens)
+        run_step(s, out)
+    assert sizes == [8, 8, 4]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    s = make(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    a, b = seq("a", 10), seq("b", 10)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [x.seq.seq_id for x in out.scheduled] == ["a"]  # b does not fit in the 6 left
+
+
+def test_max_num_seqs_bounds_running():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(seq(f"s{i}", 3))
+    out = s.schedule()
+    assert len(out.scheduled) == 2 and len(s.running) == 2 and len(s.waiting) == 2
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    s = make(num_blocks=4, block_size=4)
+    a, b = seq("a", 8), seq("b", 7)
+    s.add(a)
+    s.add(b)
+    run_step(s, s.schedule())  # a: 2 blocks + b: 2 blocks, pool full
+    assert s.kv.num_free_blocks == 0
+    out = s.schedule()  # a needs a 3rd block for token 9 -> b (last) is preempted
+    assert [p.seq_id for p in out.preempted] == ["b"]
+    assert b.num_computed_tokens == 0 and len(b.output_token_ids) == 1
+    assert [x.seq.seq_id for x in out.scheduled] == ["a"]
+    assert s.waiting.peek() is b
+
+
+def test_priority_policy_orders_waiting_and_picks_victims():
+    s = make(policy="priority", max_num_seqs=1)
+    s.add(seq("low", 3, priority=5, t=0))
+    s.add(seq("high", 3, priority=0, t=1))
+    out = s.schedule()
+    assert out.scheduled[0].seq.seq_id == "high"
+
+
+def test_fcfs_keeps_arrival_order():
+    s = make(max_num_seqs=1)
+    for name in ("first", "second", "third"):
+        s.add(seq(name, 3))
+    assert [x.seq_id for x in s.waiting] == ["first", "second", "third"]
+
+
+def test_finish_frees_blocks():
+    s = make()
+    a = seq("a", 9)
+    s.add(a)
+    run_step(s, s.schedule())
+    s.finish(a)
+    assert s.kv.num_free_blocks == 32 and not s.has_unfinished()
