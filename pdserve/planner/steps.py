@@ -2,6 +2,8 @@
 seeds write by hand: the formula, the numbers put into it, the result."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import dataclasses
 from dataclasses import dataclass
 
@@ -9,6 +11,9 @@ from pdserve.planner import memory as mem
 from pdserve.planner.deployment import Deployment
 from pdserve.planner.models import param_count
 from pdserve.planner.units import KiB, fmt_bytes, fmt_count, fmt_gb, fmt_gib, fmt_si
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from pdserve.planner.plan import PlanInputs
 
 
 @dataclass
@@ -30,7 +35,7 @@ def equation(lhs: str, formula: str, numbers: str, result: str) -> list[str]:
     return [f"{lhs} = {formula}", f"{pad} = {numbers}", f"{pad} = {result}"]
 
 
-def headline(inp) -> str:
+def headline(inp: PlanInputs) -> str:
     p, d = inp.prefill, inp.decode
     gpu = p.gpu.name if p.gpu == d.gpu else f"{p.gpu.name} (prefill) + {d.gpu.name} (decode)"
     return (f"pdserve plan: {p.model.name} on {gpu}, TP={p.tp} PP={p.pp}; compute {p.dtype}, "
@@ -38,7 +43,7 @@ def headline(inp) -> str:
             f"KV {p.kv_dtype}; context {inp.context_tokens:,} tokens")
 
 
-def describe_inputs(inp) -> dict:
+def describe_inputs(inp: PlanInputs) -> dict:
     p = inp.prefill
     return {"model": p.model.name, "gpu": p.gpu.name, "decode_gpu": inp.decode.gpu.name,
             "tp": p.tp, "pp": p.pp, "dtype": p.dtype, "weight_quant": p.weight_quant,
@@ -57,7 +62,7 @@ def _gpu_line(g) -> list[str]:
             f"       source: {g.source}"]
 
 
-def hardware_step(inp, notes: list[str]) -> Step:
+def hardware_step(inp: PlanInputs, notes: list[str]) -> Step:
     m, p, d = inp.prefill.model, inp.prefill, inp.decode
     params, active = param_count(m), param_count(m, active=True)
     lines = [f"model  {m.name}: {m.layers} layers, hidden {m.hidden}, {m.heads} heads, "
@@ -82,21 +87,21 @@ def hardware_step(inp, notes: list[str]) -> Step:
     return Step("hardware", "Model and hardware", "catalog", lines, values)
 
 
-def weights_step(inp) -> Step:
+def weights_step(inp: PlanInputs) -> Step:
     dep = inp.prefill
     params, bpp = param_count(dep.model), dep.weight_bytes_per_param
     total = mem.weight_bytes(params, bpp)
     per_gpu = total / dep.gpus
     lines = equation("weights", "params x bytes/param", f"{fmt_count(params)} x {bpp:g} B",
-                fmt_bytes(total))
+                     fmt_bytes(total))
     lines += equation("per GPU", "weights / (TP x PP)", f"{fmt_gb(total)} / ({dep.tp} x {dep.pp})",
-                 fmt_bytes(per_gpu))
+                      fmt_bytes(per_gpu))
     values = {"params": params, "bytes_per_param": bpp, "weight_bytes": total,
               "weight_bytes_per_gpu": per_gpu}
     return Step("weights", "Weight memory", "seed 003 §7.2", lines, values)
 
 
-def kv_step(inp) -> Step:
+def kv_step(inp: PlanInputs) -> Step:
     dep, ctx = inp.prefill, inp.context_tokens
     m, b = dep.model, dep.kv_bytes_per_element
     layer = mem.kv_bytes_per_token_layer(m, b)
@@ -106,19 +111,20 @@ def kv_step(inp) -> Step:
     per_gpu = request / (shards * dep.pp)
     if m.is_mla:
         lines = equation("KV/token/layer", "(d_c + d_R) x bytes",
-                    f"({m.kv_lora_rank} + {m.qk_rope_head_dim}) x {b:g} B", f"{layer:,.0f} B")
+                         f"({m.kv_lora_rank} + {m.qk_rope_head_dim}) x {b:g} B", f"{layer:,.0f} B")
         why = "the MLA latent is whole on every TP rank"
     else:
         lines = equation("KV/token/layer", "2 (K, V) x n_kv x d_head x bytes",
-                    f"2 x {m.kv_heads} x {m.head_dim} x {b:g} B",
-                    f"{layer:,.0f} B = {layer / KiB:g} KiB")
+                         f"2 x {m.kv_heads} x {m.head_dim} x {b:g} B",
+                         f"{layer:,.0f} B = {layer / KiB:g} KiB")
         why = f"KV heads split over min(TP={dep.tp}, n_kv={m.kv_heads})"
     lines += equation("KV/token", "layers x KV/token/layer", f"{m.layers} x {layer / KiB:g} KiB",
-                 f"{token / KiB:,.2f} KiB")
+                      f"{token / KiB:,.2f} KiB")
     lines += equation("KV/request", "context x KV/token", f"{ctx:,} x {token / KiB:,.2f} KiB",
-                 fmt_bytes(request))
+                      fmt_bytes(request))
     lines += equation("KV/request/GPU", "KV/request / (shards x PP)",
-                 f"{fmt_gib(request)} / ({shards} x {dep.pp})", f"{fmt_bytes(per_gpu)}  ({why})")
+                      f"{fmt_gib(request)} / ({shards} x {dep.pp})",
+                      f"{fmt_bytes(per_gpu)}  ({why})")
     values = {"attention": m.attention_kind, "bytes_per_element": b,
               "kv_bytes_per_token_layer": layer, "kv_bytes_per_token": token,
               "kv_bytes_per_request": request, "kv_shards": shards,
@@ -141,7 +147,7 @@ def _suggestions(dep: Deployment, ctx: int) -> list[str]:
     return out
 
 
-def fit_step(inp, notes: list[str]) -> Step:
+def fit_step(inp: PlanInputs, notes: list[str]) -> Step:
     dep, ctx = inp.decode, inp.context_tokens
     usable = mem.usable_memory_bytes(dep.gpu.memory_bytes, dep.gpu_memory_utilization)
     weights = mem.weight_bytes_per_gpu(dep)
@@ -150,12 +156,14 @@ def fit_step(inp, notes: list[str]) -> Step:
     n = mem.max_concurrency(free, kv_req)
     lines = [f"decode instance: {dep.tp} x {dep.pp} {dep.gpu.name}"]
     lines += equation("usable", "memory x gpu_memory_utilization",
-                 f"{fmt_gib(dep.gpu.memory_bytes)} x {dep.gpu_memory_utilization:g}",
-                 fmt_bytes(usable))
-    lines += equation("free for KV", "usable - weights/GPU", f"{fmt_gib(usable)} - {fmt_gib(weights)}",
-                 fmt_bytes(free))
+                      f"{fmt_gib(dep.gpu.memory_bytes)} x {dep.gpu_memory_utilization:g}",
+                      fmt_bytes(usable))
+    lines += equation("free for KV", "usable - weights/GPU",
+                      f"{fmt_gib(usable)} - {fmt_gib(weights)}",
+                      fmt_bytes(free))
     lines += equation("max concurrency", "floor(free / KV per request per GPU)",
-                 f"floor({fmt_gib(free)} / {fmt_gib(kv_req)})", f"{n} requests of {ctx:,} tokens")
+                      f"floor({fmt_gib(free)} / {fmt_gib(kv_req)})",
+                      f"{n} requests of {ctx:,} tokens")
     values = {"usable_bytes": usable, "free_bytes": free, "max_concurrency": n, "fits": n >= 1}
     if n < 1:
         fixes = _suggestions(dep, ctx)

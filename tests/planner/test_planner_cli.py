@@ -105,6 +105,12 @@ def test_model_that_does_not_fit_says_so_and_suggests_fixes(capsys):
     assert "not computed" in out
 
 
+def test_context_beyond_the_model_window_is_noted(capsys):
+    _, out, _ = _run(capsys, "plan", "--model", "llama-2-7b", "--gpu", "a100", "--context",
+                     "65536", "--json")
+    assert any("4,096-token window" in n for n in json.loads(out)["notes"])
+
+
 def test_list_names_every_model_and_gpu(capsys):
     rc, out, _ = _run(capsys, "plan", "--list")
     assert rc == 0
