@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.planner.units import GB, GiB, TB
+from pdserve.planner.units import GB, TB, GiB, catalog_lookup
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,8 @@ ALLREDUCE_LATENCY_INTER_NODE_S = 40e-6
 
 def resolve_gpu(name: str) -> Accelerator:
     """A catalog accelerator by name or alias (case and dashes ignored)."""
-    def key(s: str) -> str:
-        return "".join(c for c in s.lower() if c.isalnum())
-    wanted = key(name)
-    for known in GPUS:
-        if key(known) == wanted:
-            return GPUS[known]
-    for alias, known in GPU_ALIASES.items():
-        if key(alias) == wanted:
-            return GPUS[known]
+    found = catalog_lookup(name, GPUS, GPU_ALIASES)
+    if found is not None:
+        return found
     raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(GPUS)} "
                      f"(aliases: {', '.join(GPU_ALIASES)})")

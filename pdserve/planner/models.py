@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from pdserve.planner.units import catalog_lookup
+
 HF = "huggingface.co/{} config.json"
 
 
@@ -204,21 +206,12 @@ def load_hf_config(path: str) -> ModelShape:
     return model_from_hf_config(cfg, name=name, source=path)
 
 
-def _key(name: str) -> str:
-    # Case, dashes, underscores and spaces do not matter: "Llama_3 70B" works.
-    return "".join(c for c in name.lower() if c.isalnum() or c == ".")
-
-
 def resolve_model(name_or_path: str) -> ModelShape:
     """A catalog model by name or alias, or the config.json at a path."""
     if os.path.exists(name_or_path):
         return load_hf_config(name_or_path)
-    wanted = _key(name_or_path)
-    for name in MODELS:
-        if _key(name) == wanted:
-            return MODELS[name]
-    for alias, name in MODEL_ALIASES.items():
-        if _key(alias) == wanted:
-            return MODELS[name]
+    found = catalog_lookup(name_or_path, MODELS, MODEL_ALIASES)
+    if found is not None:
+        return found
     raise ValueError(f"unknown model {name_or_path!r}; known models: {', '.join(MODELS)} "
                      "(or the path of a Hugging Face config.json or model directory)")

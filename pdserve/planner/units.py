@@ -1,4 +1,4 @@
-"""Units, element sizes and number formatting shared by the planner.
+"""Units, element sizes, number formatting and catalog-name matching.
 
 Decimal units (KB, MB, GB, TB = 10^3 .. 10^12 bytes) are used for weights,
 bandwidths and network rates, as vendors quote them. Binary units (KiB, MiB,
@@ -84,3 +84,18 @@ def fmt_count(x: float) -> str:
         if abs(x) >= factor:
             return f"{x / factor:.4g}{suffix}"
     return f"{x:.4g}"
+
+
+def catalog_lookup(name: str, table: dict, aliases: dict[str, str]):
+    """The row of ``table`` named ``name`` or one of its aliases, ignoring
+    case, dashes, underscores and spaces ("Llama_3 70B", "H100"); else None."""
+    def key(s: str) -> str:
+        return "".join(c for c in s.lower() if c.isalnum() or c == ".")
+    wanted = key(name)
+    for known in table:
+        if key(known) == wanted:
+            return table[known]
+    for alias, known in aliases.items():
+        if key(alias) == wanted:
+            return table[known]
+    return None
