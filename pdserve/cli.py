@@ -12,6 +12,8 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
+    "serve": ("pdserve.server.cli", "serve the OpenAI-compatible API"),
+    "bench": ("pdserve.bench.cli", "benchmark an OpenAI-compatible endpoint"),
     "generate": ("pdserve.engine.cli", "generate text offline with the engine"),
     "convert": ("pdserve.engine.convert", "write a model out as a Hugging Face directory"),
     "plan": ("pdserve.planner.cli", "capacity planning: memory, roofline, P:D ratio, GPU count"),
