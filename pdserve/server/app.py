@@ -1,0 +1,235 @@
+"""The OpenAI-compatible HTTP API of one collocated worker, as a FastAPI app.
+
+Handlers validate and tokenize on the event loop, hand the engine a
+`RequestGroup`, and answer from its stream; nothing here waits on the engine
+except through asyncio.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.server import protocol as P
+from pdserve.server.async_engine import AsyncEngine, EngineInput
+from pdserve.server.errors import APIError, bad_request, install_handlers
+from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
+from pdserve.server.metrics import CONTENT_TYPE
+from pdserve.server.streaming import collect, read_body, sse_events
+
+log = logging.getLogger("pdserve.server")
+_LONG_PROMPT_CHARS = 16_384  # tokenize longer prompts off the event loop
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
+    api_key: str | None = None
+    max_request_body_bytes: int = 1 << 20
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    api = _Api(engine, settings)
+    app.state.api = api
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    return app
+
+
+class _Api:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self._token_text: TokenText | None = None
+
+    # ---- helpers
+    def _check_key(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    def _core(self):
+        """The loaded engine, or 503 while it loads or after it failed."""
+        e = self.engine
+        if e.failure is not None:
+            raise APIError(503, f"the engine is not available: {e.failure}")
+        if e.engine is None:
+            raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
+        return e.engine
+
+    def served_names(self) -> list[str]:
+        core = self._core()
+        return self.settings.served_model_names or [core.model_config.name]
+
+    def _name(self) -> str | None:
+        core = self.engine.engine
+        if self.settings.served_model_names:
+            return self.settings.served_model_names[0]
+        return core.model_config.name if core is not None else None
+
+    async def _parse(self, request: Request, cls):
+        self._check_key(request)
+        raw = await read_body(request, self.settings.max_request_body_bytes)
+        req = P.parse_body(raw, cls)
+        self._core()
+        P.check_model(getattr(req, "model", None), self.served_names())
+        return req
+
+    async def _encode(self, text: str) -> list[int]:
+        tok = self._core().tokenizer
+        if len(text) > _LONG_PROMPT_CHARS:
+            return await asyncio.to_thread(tok.encode, text)
+        return tok.encode(text)
+
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self._core().tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except Exception as e:  # the template itself refuses (raise_exception) or fails to render
+            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+
+    def _text(self):
+        if self._token_text is None:
+            self._token_text = TokenText(self._core().tokenizer)
+        return self._token_text
+
+    # ---- generation
+    async def completions(self, request: Request):
+        req: P.CompletionRequest = await self._parse(request, P.CompletionRequest)
+        prompts = [await self._encode(p) if isinstance(p, str) else p for p in req.prompts()]
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self._core().tokenizer.decode(ids)
+                    for p, ids in zip(req.prompts(), prompts)]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fmt = CompletionFormatter(rid, self.served_names()[0], self._text(), len(prompts) * req.n, req.logprobs,
+                                  echo_texts=echo, n=req.n)
+        return await self._generate(request, req, rid, prompts, params, fmt)
+
+    async def chat(self, request: Request):
+        req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
+        text = self._chat_prompt(req.conversation(), req.add_generation_prompt)
+        prompt = await self._encode(text)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(max_tokens, req.engine_logprobs())
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = ChatFormatter(rid, self.served_names()[0], self._text(), req.n,
+                            req.engine_logprobs())
+        return await self._generate(request, req, rid, [prompt], params, fmt)
+
+    async def _generate(self, request: Request, req, rid: str, prompts: list[list[int]], params, fmt):
+        inputs = []
+        for ids in prompts:
+            if not ids:
+                raise bad_request("the prompt is empty", "prompt")
+            for j in range(req.n):
+                # choice j of a seeded request gets seed + j, as the offline LLM.generate does
+                seed = None if params.seed is None else params.seed + j
+                inputs.append(EngineInput(ids, _with_seed(params, seed)))
+        t0 = time.monotonic()
+        group = self.engine.submit(inputs, priority=req.priority, request_id=rid)
+        try:
+            await group.accepted()
+        except BaseException:
+            group.abort()
+            raise
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        client_id = request.headers.get("x-request-id")
+
+        def done(outcome: str, completion_tokens: int) -> None:
+            log.info("request finished", extra={"fields": {
+                "request_id": rid, "client_request_id": client_id, "outcome": outcome, "stream": req.stream,
+                "choices": len(inputs), "prompt_tokens": num_prompt_tokens,
+                "completion_tokens": completion_tokens, "elapsed_ms": round((time.monotonic() - t0) * 1e3, 1)}})
+
+        headers = {"X-Request-Id": rid}
+        if req.stream:
+            body = sse_events(group, fmt, req.include_usage, num_prompt_tokens, on_done=done)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     headers={**headers, "Cache-Control": "no-cache"})
+        try:
+            finals = await collect(group, request.receive)
+        except APIError as e:
+            done(f"error {e.status}", 0)
+            raise
+        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+        done("ok", completion_tokens)
+        return JSONResponse(fmt.full(finals, usage(num_prompt_tokens, completion_tokens)), headers=headers)
+
+    # ---- everything else
+    async def models(self, request: Request):
+        self._check_key(request)
+        core = self._core()
+        return {"object": "list", "data": [self._model_card(n, core) for n in self.served_names()]}
+
+    async def model(self, request: Request, model_id: str):
+        self._check_key(request)
+        core = self._core()
+        P.check_model(model_id, self.served_names())
+        return self._model_card(model_id, core)
+
+    @staticmethod
+    def _model_card(name: str, core) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "root": core.model_config.name,
+                "max_model_len": core.max_model_len}
+
+    async def tokenize(self, request: Request):
+        req: P.TokenizeRequest = await self._parse(request, P.TokenizeRequest)
+        core = self._core()
+        if req.messages is not None:
+            text = self._chat_prompt([m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
+                                     req.add_generation_prompt)
+        else:
+            text = req.prompt
+        ids = core.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
+
+    async def health(self, request: Request):
+        """200 when the engine takes requests, 503 otherwise; KV block counts for operators and tests."""
+        e = self.engine
+        body = {"status": "ok", "model": None, "num_waiting_requests": e.num_waiting}
+        if e.stats is not None:
+            s = e.stats
+            body.update(model=self._name(), num_running=s["num_running"],
+                        num_waiting=s["num_waiting"], num_free_blocks=s["num_free_blocks"],
+                        num_blocks=s["num_blocks"], kv_usage=s["kv_usage"])
+        if e.failure is not None or e.engine is None or e.draining:
+            body["status"] = "failed" if e.failure else ("draining" if e.draining else "loading")
+            body["reason"] = e.failure
+            return JSONResponse(body, status_code=503)
+        return body
+
+    async def metrics(self, request: Request):
+        m = self.engine.metrics
+        return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
+
+
+def _with_seed(params, seed):
+    from dataclasses import replace
+
+    return params if seed == params.seed else replace(params, seed=seed)

@@ -1,0 +1,282 @@
+"""An `LLMEngine` driven from asyncio without ever blocking the event loop.
+
+The engine lives in one thread of its own: it is built there (model loading
+takes seconds), and only that thread calls into it, so the engine needs no
+locks. The event loop talks to it through a command queue (add a group of
+requests, abort one, stop); the thread hands results back once per step with
+`loop.call_soon_threadsafe`, which the loop fans out to per-request queues.
+
+One API request becomes a `RequestGroup`: n choices x k prompts engine
+requests that share one queue, accepted or refused together.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.server.admission import RateMeter, admit, retry_after_s
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("pdserve.server")
+
+
+@dataclass
+class EngineInput:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class _Sub:
+    """Loop-side bookkeeping of one engine request."""
+
+    __slots__ = ("group", "index", "rid", "arrival_s", "started", "first_token_s", "last_token_s", "num_tokens")
+
+    def __init__(self, group: "RequestGroup", index: int, rid: str, arrival_s: float):
+        self.group, self.index, self.rid, self.arrival_s = group, index, rid, arrival_s
+        self.started = False
+        self.first_token_s = self.last_token_s = None
+        self.num_tokens = 0
+
+
+class RequestGroup:
+    """The engine requests of one API call; iterate with `next_batch()`."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, num: int, arrival_s: float):
+        self.request_id = request_id
+        self._engine = engine
+        self.subs = [_Sub(self, i, f"{request_id}-{i}", arrival_s) for i in range(num)]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._num_finished = 0
+
+    async def accepted(self) -> None:
+        """Wait until the engine took every request of the group; raise its APIError if not."""
+        await asyncio.shield(self._ack)
+
+    async def next_batch(self) -> list | None:
+        """All (choice index, RequestOutput) pairs available now, at least one; None at the end."""
+        if self._num_finished == len(self.subs):
+            return None
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        out = []
+        for item in items:
+            if isinstance(item, APIError):
+                raise item
+            out.append(item)
+            if item[1].finished:
+                self._num_finished += 1
+        return out
+
+    def abort(self) -> None:
+        """Abort what is still running (client gone, error); a no-op once all finished."""
+        self._engine._abort_group(self)
+
+
+class AsyncEngine:
+    def __init__(self, make_engine: Callable[[], object], metrics_factory: Callable[[str], ServerMetrics],
+                 max_waiting_requests: int = 256):
+        self._make_engine = make_engine
+        self._metrics_factory = metrics_factory
+        self.max_waiting_requests = max_waiting_requests
+        self.engine = None  # the LLMEngine, once loaded; only its immutable parts are read from the loop
+        self.metrics: ServerMetrics | None = None
+        self.stats: dict | None = None
+        self.failure: str | None = None  # why the engine is unusable, if it is
+        self.draining = False
+        self.ready = asyncio.Event()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._subs: dict[str, _Sub] = {}
+        self._num_waiting = 0  # engine requests accepted that have produced no token yet
+        self._starts = RateMeter()
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle (event loop side)
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, reason: str = "the server is shutting down") -> None:
+        self.draining = True
+        self.fail_all(APIError(503, reason))
+        self._cmds.put(("stop",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    def fail_all(self, err: APIError) -> None:
+        """End every request in flight with `err` (engine failure, shutdown deadline)."""
+        for group in {s.group for s in self._subs.values()}:
+            if not group._ack.done():
+                group._ack.set_exception(err)
+            group._queue.put_nowait(err)
+            self._abort_group(group)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._subs)
+
+    # ---- requests (event loop side)
+    def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestGroup:
+        """Hand a group to the engine; raises APIError 503/429 if it cannot take work now."""
+        if self.failure is not None:
+            raise APIError(503, f"the engine is not available: {self.failure}")
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if self.engine is None:
+            raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
+        if not admit(self._num_waiting, self.max_waiting_requests):
+            self.metrics.rejected.inc()
+            wait_s = retry_after_s(self._num_waiting, self._starts.rate_per_s(time.monotonic()))
+            raise APIError(429, f"{self._num_waiting} requests are already waiting; retry in {wait_s}s",
+                           code="queue_full", headers={"Retry-After": str(wait_s)})
+        arrival_s = time.monotonic()
+        group = RequestGroup(self, request_id or f"req-{next(self._ids)}", len(inputs), arrival_s)
+        for sub in group.subs:
+            self._subs[sub.rid] = sub
+        self._num_waiting += len(inputs)
+        self._cmds.put(("add", group, [(s.rid, inp, priority, arrival_s) for s, inp in zip(group.subs, inputs)]))
+        return group
+
+    def _abort_group(self, group: RequestGroup) -> None:
+        for sub in group.subs:
+            if self._subs.pop(sub.rid, None) is None:
+                continue  # finished or already aborted
+            self._cmds.put(("abort", sub.rid))
+            if not sub.started:
+                self._num_waiting -= 1
+            self.metrics.on_finish("abort", sub.arrival_s, sub.first_token_s, sub.last_token_s, sub.num_tokens)
+
+    # ---- results (event loop side, called by the engine thread via call_soon_threadsafe)
+    def _on_ready(self, engine) -> None:
+        self.engine = engine
+        self.metrics = self._metrics_factory(engine.model_config.name)
+        self._on_stats(engine.stats())
+        self.ready.set()
+
+    def _on_failure(self, reason: str) -> None:
+        self.failure = reason
+        if self.metrics is not None:
+            self.fail_all(APIError(503, f"the engine failed: {reason}"))
+        self.ready.set()  # wake waiters so they see the failure
+
+    def _on_stats(self, stats: dict) -> None:
+        self.stats = stats
+        self.metrics.set_engine_stats(stats)
+
+    def _on_ack(self, group: RequestGroup, err: APIError | None) -> None:
+        if err is not None:
+            for sub in group.subs:
+                if self._subs.pop(sub.rid, None) is not None:
+                    self._num_waiting -= 1
+            if not group._ack.done():
+                group._ack.set_exception(err)
+        elif not group._ack.done():
+            group._ack.set_result(None)
+
+    def _deliver(self, outputs: list, stats: dict) -> None:
+        self._on_stats(stats)
+        now = time.monotonic()
+        for out in outputs:
+            sub = self._subs.get(out.request_id)
+            if sub is None:
+                continue  # aborted while this step ran
+            m = out.metrics
+            gap_s = None
+            if not sub.started:
+                sub.started = True
+                sub.first_token_s = m["first_token_time"]
+                self._num_waiting -= 1
+                self._starts.add(now)
+                self.metrics.on_first_token(m["arrival_time"], m["first_scheduled_time"], m["first_token_time"],
+                                            len(out.prompt_token_ids))
+            else:
+                gap_s = m["last_token_time"] - sub.last_token_s
+            sub.last_token_s = m["last_token_time"]
+            sub.num_tokens += len(out.new_token_ids)
+            self.metrics.on_tokens(len(out.new_token_ids), gap_s)
+            if out.finished:
+                del self._subs[out.request_id]
+                self.metrics.on_finish(out.outputs[0].finish_reason or "stop", sub.arrival_s, sub.first_token_s,
+                                       sub.last_token_s, sub.num_tokens)
+            sub.group._queue.put_nowait((sub.index, out))
+
+    # ---- the engine thread
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody is left to tell
+            pass
+
+    def _thread_main(self) -> None:
+        try:
+            engine = self._make_engine()
+        except Exception as e:  # a bad model path or config: the server stays up and says why
+            log.exception("engine failed to load")
+            self._post(self._on_failure, f"load failed: {e}")
+            return
+        self._post(self._on_ready, engine)
+        try:
+            while self._run_commands(engine, block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._post(self._deliver, outputs, engine.stats())
+        except Exception as e:
+            # A failed step leaves the batch in an unknown state: stop, and let /health say so.
+            log.exception("engine step failed; the engine is stopped")
+            self._post(self._on_failure, f"step failed: {type(e).__name__}: {e}")
+
+    def _run_commands(self, engine, block: bool) -> bool:
+        """Apply queued commands; wait for one when idle. False means stop."""
+        try:
+            cmds = [self._cmds.get() if block else self._cmds.get_nowait()]
+        except queue.Empty:
+            return True
+        while True:
+            try:
+                cmds.append(self._cmds.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in cmds:
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "abort":
+                engine.abort_request(cmd[1])
+            else:
+                self._post(self._on_ack, cmd[1], self._add_group(engine, cmd[2]))
+        self._post(self._on_stats, engine.stats())
+        return True
+
+    @staticmethod
+    def _add_group(engine, items) -> APIError | None:
+        added = []
+        try:
+            for rid, inp, priority, arrival_s in items:
+                engine.add_request(rid, inp.prompt_token_ids, inp.params, priority=priority, arrival_time=arrival_s)
+                added.append(rid)
+            return None
+        except InvalidRequest as e:
+            err = APIError(400, str(e), param=e.param)
+        except (ValueError, TypeError) as e:
+            err = APIError(400, str(e))
+        except Exception:
+            log.exception("add_request failed")
+            err = APIError(500, "the engine could not take the request; see the server log")
+        for rid in added:  # all or nothing
+            engine.abort_request(rid)
+        return err

@@ -1,0 +1,186 @@
+"""OpenAI response shapes for completions and chat, streamed and whole.
+
+A formatter turns engine outputs (`RequestOutput`: text deltas, token ids,
+logprob dicts) into the JSON objects OpenAI's API returns; it keeps the little
+per-choice state a stream needs (text offsets, whether the role was sent).
+"""
+from __future__ import annotations
+
+import time
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE writes each byte as one printable character: the bytes that
+    print as themselves keep their code point, the other 68 are moved to 256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in printable}
+    moved = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + moved)] = b
+            moved += 1
+    return table
+
+
+_BYTE_OF_CHAR = _byte_level_decoder()
+
+
+class TokenText:
+    """Token id -> its text and its raw bytes, memoised (logprob responses name every token).
+
+    The text of a token that holds part of a UTF-8 character is not valid on
+    its own, so `bytes_of` recovers the real bytes from the byte-level symbols.
+    """
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._text.get(token_id)
+        if s is None:
+            s = self._text[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        b = self._bytes.get(token_id)
+        if b is None:
+            sym = self._tok.id_to_token(token_id) or ""
+            if sym and all(c in _BYTE_OF_CHAR for c in sym):
+                b = [_BYTE_OF_CHAR[c] for c in sym]
+            else:  # a special or added token: its text is its content
+                b = list(self(token_id).encode())
+            self._bytes[token_id] = b
+        return b
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # the engine's entry is {sampled: lp, **top_k}; the top k are the k largest
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+class _Base:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, token_text: TokenText, num_choices: int, top_logprobs: int | None):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.top_logprobs = top_logprobs  # None: no logprobs asked for
+        self.num_choices = num_choices
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_chunk(self, u: dict) -> dict:
+        return {**self._envelope(self.chunk_object_name, []), "usage": u}
+
+    @staticmethod
+    def new_logprobs(out) -> list[dict]:
+        lps = out.outputs[0].logprobs or []
+        return lps[len(lps) - len(out.new_token_ids):] if out.new_token_ids else []
+
+
+class CompletionFormatter(_Base):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *a, echo_texts: list[str] | None = None, n: int = 1, **kw):
+        super().__init__(*a, **kw)
+        self.echo_texts = echo_texts  # per prompt; choice i echoes prompt i // n
+        self.n = n
+        self._offsets = [0] * self.num_choices
+
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict]) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        tokens, offsets = [], []
+        for t in token_ids:
+            s = self.token_text(t)
+            tokens.append(s)
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(s)
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [self._top_dict(t, e) for t, e in zip(token_ids, entries)],
+                "text_offset": offsets}
+
+    def _top_dict(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
+        items = _top(entry, self.top_logprobs)
+        if all(t != token_id for t, _ in items):  # the sampled token is always listed
+            items = [(token_id, entry[token_id])] + items
+        return {self.token_text(t): lp for t, lp in items}
+
+    def _echo(self, index: int) -> str:
+        return self.echo_texts[index // self.n] if self.echo_texts else ""
+
+    def preamble(self) -> list[dict]:
+        if not self.echo_texts:
+            return []
+        return [self._envelope(self.chunk_object_name, [{"index": i, "text": self._echo(i), "logprobs": None,
+                                                         "finish_reason": None}]) for i in range(self.num_choices)]
+
+    def chunk(self, index: int, out) -> dict | None:
+        c = out.outputs[0]
+        if not out.new_text and not out.finished and self.top_logprobs is None:
+            return None  # bytes of an unfinished character: nothing to show yet
+        choice = {"index": index, "text": out.new_text,
+                  "logprobs": self._logprobs(index, out.new_token_ids, self.new_logprobs(out)),
+                  "finish_reason": c.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = c.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def full(self, finals: list, u: dict) -> dict:
+        choices = []
+        for index, out in enumerate(finals):
+            c = out.outputs[0]
+            choices.append({"index": index, "text": self._echo(index) + c.text,
+                            "logprobs": self._logprobs(index, c.token_ids, c.logprobs or []),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {**self._envelope(self.object_name, choices), "usage": u}
+
+
+class ChatFormatter(_Base):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict | None:
+        if self.top_logprobs is None:
+            return None
+        content = []
+        for t, e in zip(token_ids, entries):
+            s = self.token_text(t)
+            top = [{"token": self.token_text(tt), "logprob": lp, "bytes": self.token_text.bytes_of(tt)}
+                   for tt, lp in _top(e, self.top_logprobs)] if self.top_logprobs else []
+            content.append({"token": s, "logprob": e[t], "bytes": self.token_text.bytes_of(t), "top_logprobs": top})
+        return {"content": content}
+
+    def preamble(self) -> list[dict]:
+        return [self._envelope(self.chunk_object_name, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}])
+                for i in range(self.num_choices)]
+
+    def chunk(self, index: int, out) -> dict | None:
+        if not out.new_text and not out.finished and self.top_logprobs is None:
+            return None
+        c = out.outputs[0]
+        choice = {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                  "logprobs": self._logprobs(out.new_token_ids, self.new_logprobs(out)),
+                  "finish_reason": c.finish_reason if out.finished else None}
+        if out.finished:
+            choice["stop_reason"] = c.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def full(self, finals: list, u: dict) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
+                    "logprobs": self._logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs or []),
+                    "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
+                   for i, out in enumerate(finals)]
+        return {**self._envelope(self.object_name, choices), "usage": u}

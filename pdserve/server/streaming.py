@@ -1,0 +1,102 @@
+"""Server-sent events and whole responses from a `RequestGroup`, with client-gone handling.
+
+Whatever way a response ends — finished, engine error, client disconnect, task
+cancelled at shutdown — the group is aborted in a `finally`, so a request never
+keeps its KV blocks after nobody is listening.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator
+
+from pdserve.server.errors import APIError
+
+log = logging.getLogger("pdserve.server")
+DONE = "data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def sse(obj: dict) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+async def read_body(request, limit_bytes: int) -> bytes:
+    """The request body, or 413 as soon as it passes `limit_bytes` (checked before reading it all)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {limit_bytes}")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit_bytes:
+            raise APIError(413, f"the request body is over the limit of {limit_bytes} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def sse_events(group, fmt, include_usage: bool, num_prompt_tokens: int, on_done=None) -> AsyncIterator[str]:
+    """The SSE body of a streamed response; one write per engine step, however many chunks it made."""
+    completion_tokens = 0
+    finish = "error"
+    try:
+        for obj in fmt.preamble():
+            yield sse(obj)
+        while (batch := await group.next_batch()) is not None:
+            parts = []
+            for index, out in batch:
+                completion_tokens += len(out.new_token_ids)
+                chunk = fmt.chunk(index, out)
+                if chunk is not None:
+                    if include_usage:
+                        chunk["usage"] = None  # as OpenAI does: usage only on the last chunk
+                    parts.append(sse(chunk))
+            if parts:
+                yield "".join(parts)
+        if include_usage:
+            from pdserve.server.format import usage
+
+            yield sse(fmt.usage_chunk(usage(num_prompt_tokens, completion_tokens)))
+        finish = "ok"
+        yield DONE
+    except APIError as e:
+        # headers are gone already: the error travels as an event, then the stream ends cleanly
+        finish = f"error {e.status}"
+        yield e.sse()
+        yield DONE
+    except (asyncio.CancelledError, GeneratorExit):
+        finish = "client gone"
+        raise
+    finally:
+        group.abort()
+        if on_done is not None:
+            on_done(finish, completion_tokens)
+
+
+async def collect(group, receive) -> list:
+    """Final output per choice for a non-streamed response; aborts if the client disconnects first."""
+    finals: dict[int, object] = {}
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        while True:
+            getter = asyncio.ensure_future(group.next_batch())
+            done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                raise APIError(499, "the client closed the connection")
+            batch = getter.result()
+            if batch is None:
+                return [finals[i] for i in range(len(group.subs))]
+            for index, out in batch:
+                if out.finished:
+                    finals[index] = out
+    finally:
+        watcher.cancel()
+        group.abort()
+
+
+async def _wait_disconnect(receive) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
