@@ -161,6 +161,8 @@ class EngineConfig:
     tokenizer: str | None = None
     max_model_len: int | None = None
     seed: int = 0
+    # Small-batch matmuls read a GGUF file's Q4_0/Q4_1/Q8_0 blocks directly (CPU, fp32).
+    use_gguf_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)

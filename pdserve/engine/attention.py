@@ -31,7 +31,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot for each token's new K/V
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
+    decode_seq_lens: torch.Tensor | None = None  # [B] int64, context incl. the new token
+    # [B, 1, 1, max_blocks * block_size] bool; only built when the kernel is not used
+    decode_mask: torch.Tensor | None = None
+    decode_kernel: object | None = None  # compiled CPU paged-attention module, if any
     prefills: list[PrefillSpan] = field(default_factory=list)
     # Called after each layer's forward (its K/V are in the cache): the KV bridge
     # hooks here to ship a layer while the next one computes.
@@ -59,7 +62,12 @@ def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int)
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     group = n_heads // n_kv
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_kernel is not None:
+        od = torch.empty((nd, n_heads, d), dtype=q.dtype, device=q.device)
+        meta.decode_kernel.paged_decode_attention(od, q[:nd].contiguous(), k_cache, v_cache,
+                                                  meta.decode_block_tables, meta.decode_seq_lens, d ** -0.5)
+        out[:nd] = od
+    elif nd:
         # One query token per sequence: present the `group` query heads that share
         # a KV head as `group` query rows against that head (exact, no K/V repeat).
         qd = q[:nd].view(nd, n_kv, group, d)

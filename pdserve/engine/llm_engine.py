@@ -36,7 +36,7 @@ class LLMEngine:
             Tokenizer.from_hf_dir(config.tokenizer, loaded.config.bos_token_id, loaded.config.eos_token_id)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded.config, config, loaded.state_dict)
+        self.runner = ModelRunner(loaded.config, config, loaded.state_dict, loaded.quantized)
         del loaded
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)

@@ -18,6 +18,7 @@ import torch
 from pdserve.config import ModelConfig
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # block formats pdserve/engine/csrc/gguf_matmul.cpp reads
 
 
 class ModelLoadError(RuntimeError):
@@ -30,6 +31,9 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     source: str  # path the weights came from
     gguf_reader: object | None = None  # kept so the tokenizer reads the same file
+    # HF weight name -> (ggml type id, raw block rows [N, row_bytes] uint8) for weights
+    # stored in a block format the CPU kernels multiply directly (Q4_0, Q4_1, Q8_0)
+    quantized: dict[str, tuple[int, torch.Tensor]] | None = None
 
 
 def default_model_path() -> str:
@@ -143,15 +147,21 @@ def _load_gguf(p: Path) -> LoadedModel:
     config = _gguf_config(reader, name=p.stem)
     permuted = gguf_field(reader, "general.architecture") in ("llama", "mistral")
     state: dict[str, torch.Tensor] = {}
+    quantized: dict[str, tuple[int, torch.Tensor]] = {}
     for t in reader.tensors:
         w = _dequantize(p, t, t.shape)
         name = _hf_name(t.name)
+        raw = None
+        if t.type_name in _KERNEL_TYPES and len(t.shape) == 2:
+            raw = torch.from_numpy(np.array(t.data)).view(t.shape[0], -1)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rope(w, config.num_attention_heads)
+            w, raw = (_unpermute_rope(x, config.num_attention_heads) if x is not None else None for x in (w, raw))
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rope(w, config.num_key_value_heads)
+            w, raw = (_unpermute_rope(x, config.num_key_value_heads) if x is not None else None for x in (w, raw))
         state[name] = w.contiguous()
-    return LoadedModel(config, state, str(p), gguf_reader=reader)
+        if raw is not None:
+            quantized[name] = (t.type_id, raw.contiguous())
+    return LoadedModel(config, state, str(p), gguf_reader=reader, quantized=quantized)
 
 
 def _dequantize(p: Path, t, shape: tuple[int, ...]) -> torch.Tensor:

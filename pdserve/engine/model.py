@@ -16,6 +16,35 @@ from pdserve.config import ModelConfig
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 
 
+class Linear(nn.Linear):
+    """nn.Linear that multiplies GGUF quantized blocks directly for a few fp32 rows.
+
+    Decode steps read every weight once per step; reading the file's 4.5-bit
+    blocks instead of their fp32 expansion is what makes small batches fast.
+    Large batches (prefill) stay on the dense fp32 GEMM, which is compute-bound.
+    """
+
+    qweight: torch.Tensor | None = None
+    qtype: int = 0
+    kernel = None
+    max_rows: int = 8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None and x.shape[0] <= self.max_rows:
+            y = self.kernel.gguf_matmul(x.contiguous(), self.qweight, self.qtype, self.in_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def set_quantized(self, blocks: list[tuple[int, torch.Tensor]], kernel) -> bool:
+        """Use these raw block rows (one entry per fused part) if they share one type."""
+        if len({t for t, _ in blocks}) != 1 or self.weight.dtype != torch.float32:
+            return False
+        self.qtype = blocks[0][0]
+        self.qweight = torch.cat([raw for _, raw in blocks], dim=0).contiguous()
+        self.kernel = kernel
+        return True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -68,10 +97,10 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         # q, k, v fused into one matmul; gate and up likewise.
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -97,9 +126,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
         self.init_rope_tables(None)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head; call again after moving the model."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def init_rope_tables(self, device) -> None:
         inv_freq = rope_inv_freq(self.config).to(device)
@@ -120,9 +154,7 @@ class LlamaModel(nn.Module):
                 meta.on_layer_done(layer.layer_idx)
         if logits_indices is not None:
             x = x[logits_indices]
-        x = self.norm(x)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w).float()
+        return self.lm_head(self.norm(x)).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face, fusing q/k/v and gate/up."""
@@ -146,8 +178,26 @@ class LlamaModel(nn.Module):
                 _copy(own, f"layers.{i}.{norm}.weight", _take(state, f"{p}{norm}.weight"))
         _copy(own, "embed_tokens.weight", _take(state, "model.embed_tokens.weight"))
         _copy(own, "norm.weight", _take(state, "model.norm.weight"))
-        if self.lm_head is not None:
+        if not cfg.tie_word_embeddings:
             _copy(own, "lm_head.weight", _take(state, "lm_head.weight"))
+
+    def load_quantized(self, quantized: dict[str, tuple[int, torch.Tensor]], kernel) -> int:
+        """Give each linear layer its GGUF blocks; returns how many layers use them."""
+        def parts(*names):
+            return [quantized[n] for n in names] if all(n in quantized for n in names) else None
+
+        used = 0
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for lin, names in ((layer.qkv_proj, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")),
+                               (layer.o_proj, (a + "o_proj.weight",)),
+                               (layer.gate_up_proj, (m + "gate_proj.weight", m + "up_proj.weight")),
+                               (layer.down_proj, (m + "down_proj.weight",))):
+                blocks = parts(*names)
+                used += bool(blocks and lin.set_quantized(blocks, kernel))
+        head = parts("model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
+        used += bool(head and self.lm_head.set_quantized(head, kernel))
+        return used
 
 
 def _take(state, name):

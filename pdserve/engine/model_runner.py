@@ -11,7 +11,8 @@ from pdserve.kv.block_manager import BlockManager
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, state_dict: dict):
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, state_dict: dict,
+                 quantized: dict | None = None):
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device.device)
@@ -21,8 +22,18 @@ class ModelRunner:
             model = LlamaModel(model_config)
         model = model.to_empty(device=self.device)
         model.init_rope_tables(self.device)  # meta-device buffers hold no values
+        model.tie_weights()
         model.load_hf_state_dict(state_dict)
         self.model = model.to(self.dtype).eval()
+        self.model.tie_weights()
+        self.decode_kernel = None
+        self.num_quantized_linears = 0
+        if self.device.type == "cpu":
+            from pdserve.engine import cpu_kernels
+
+            self.decode_kernel = cpu_kernels.load()
+            if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
+                self.num_quantized_linears = self.model.load_quantized(quantized, self.decode_kernel)
         self.num_blocks = config.cache.num_gpu_blocks or self._blocks_for_memory()
         shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -85,8 +96,11 @@ class ModelRunner:
             width = max(len(t) for t in dec_tables)
             padded = [t + [0] * (width - len(t)) for t in dec_tables]
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(dec_lens, device=dev)
-            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_seq_lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+            meta.decode_kernel = self.decode_kernel
+            if self.decode_kernel is None:
+                positions = torch.arange(width * bs, device=dev)[None, :]
+                meta.decode_mask = (positions < meta.decode_seq_lens[:, None])[:, None, None, :]
         for first, end, ctx, table in spans:
             span = PrefillSpan(first, end, ctx, None)
             if table is not None:

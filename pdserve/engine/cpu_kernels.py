@@ -1,0 +1,44 @@
+"""C++ kernels for the CPU path, compiled on first use and cached.
+
+Compiled with torch's extension builder (gcc + ninja) into
+$PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels). If compiling is not
+possible the engine falls back to pure PyTorch, slower but identical in
+meaning; `PDSERVE_NO_KERNELS=1` forces that fallback.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("pdserve.kernels")
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def load():
+    """The compiled module, or None when unavailable."""
+    global _module, _failed
+    if _module is not None or _failed:
+        return _module
+    if os.environ.get("PDSERVE_NO_KERNELS"):
+        _failed = True
+        return None
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                csrc = os.path.join(os.path.dirname(__file__), "csrc")
+                srcs = [os.path.join(csrc, f) for f in ("paged_attention.cpp", "gguf_matmul.cpp")]
+                cache = os.environ.get("PDSERVE_KERNEL_CACHE",
+                                       os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels"))
+                os.makedirs(cache, exist_ok=True)
+                _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
+                                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                                extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:  # no compiler, no headers, no ninja: run without
+                log.warning("CPU kernels unavailable, using the PyTorch fallback: %s", e)
+                _failed = True
+    return _module

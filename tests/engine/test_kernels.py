@@ -1,0 +1,67 @@
+"""The CPU kernels against plain PyTorch on the same numbers, and the fallback without them."""
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import cpu_kernels
+from pdserve.engine.attention import gather_kv
+from pdserve.engine.gguf_dequant import dequantize
+
+kernels = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gguf_matmul_matches_dequantized_weights(qtype, rows):
+    n, k = 96, 256
+    w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)  # [n, row_bytes] uint8, the on-disk layout
+    dense = dequantize(raw.reshape(-1), qtype, n * k).view(n, k)
+    x = torch.randn(rows, k)
+    got = kernels.gguf_matmul(x, torch.from_numpy(raw), int(t), k)
+    torch.testing.assert_close(got, x @ dense.T, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa(dtype):
+    g = torch.Generator().manual_seed(0)
+    b, h, kvh, d, bs = 5, 6, 2, 32, 4
+    lens = torch.tensor([1, 3, 4, 9, 17])
+    nb = int((lens.max() + bs - 1) // bs)
+    num_blocks = b * nb + 3
+    kc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:b * nb].view(b, nb)
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, kc, vc, tables, lens, d ** -0.5)
+    mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d).float(), gather_kv(kc, tables).float(),
+                                         gather_kv(vc, tables).float(), attn_mask=mask).reshape(b, h, d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+def test_pure_pytorch_fallback_gives_the_same_tokens(tiny_model_dir, monkeypatch):
+    prompts = ["hello world", "a longer prompt that spans several blocks"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with_kernels = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    without = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64)
+    assert without.engine.runner.decode_kernel is None
+    assert [o.outputs[0].token_ids for o in with_kernels.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in without.generate(prompts, params)]
+
+
+@needs_kernels
+def test_embedded_model_uses_its_gguf_blocks(real_model_path):
+    llm = LLM(dtype="float32")
+    # 4 fused linears per layer x 30 layers + the tied Q8_0 output head
+    assert llm.engine.runner.num_quantized_linears == 121
