@@ -101,6 +101,9 @@ class CacheConfig:
     num_gpu_blocks: int | None = None  # None -> derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30  # 1 GiB default on CPU
     enable_prefix_caching: bool = True
+    # Put the KV cache in files under this directory (e.g. /dev/shm) so a prefill
+    # worker on the same host can write into it directly ("" -> private memory).
+    kv_cache_shm_dir: str = ""
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

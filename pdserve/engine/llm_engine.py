@@ -45,6 +45,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
+        self.bridge = None
         self.load_time_s = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s", self.load_time_s,
                  self.model_config.name, self.runner.num_blocks, config.cache.block_size,
@@ -52,7 +54,7 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Sequence:
+                    priority: int = 0, arrival_time: float | None = None, kv_destination=None) -> Sequence:
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
@@ -63,8 +65,65 @@ class LLMEngine:
                        arrival_time=arrival_time or time.monotonic())
         self.seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if kv_destination is not None:
+            if self.bridge is None:
+                raise InvalidRequest("this worker cannot send KV (it has no KV bridge)", "kv_transfer")
+            self.bridge.begin(request_id, kv_destination)
         self.scheduler.add(seq)
         return seq
+
+    # ---- decode role: KV arrives from a prefill worker
+    def reserve_for_transfer(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                             receiver, deadline_s: float, arrival_time: float | None = None):
+        """Reserve blocks for a prompt whose KV another worker computes.
+
+        Full blocks this worker already caches are kept and not transferred
+        (incremental transfer); returns the `KVDestination` the sender needs."""
+        from pdserve.transfer.connector import KVDestination
+
+        ids = [int(t) for t in prompt_ids]
+        self._validate(ids, params)
+        if request_id in self.seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        bm = self.block_manager
+        cached, num_cached = bm.find_cached_prefix(request_id, ids)
+        if not bm.allocate(request_id, len(ids), cached):
+            bm.free(request_id)
+            return None  # no room now: the caller retries or picks another worker
+        seq = Sequence(request_id, ids, params, arrival_time=arrival_time or time.monotonic())
+        seq.num_computed_tokens = num_cached
+        seq.num_external_tokens = len(ids) - num_cached
+        self.seqs[request_id] = seq
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        table = bm.block_table(request_id)
+        dest = KVDestination(transfer_id=request_id, address=receiver.address, block_ids=table,
+                             block_size=bm.block_size, start_token=num_cached, num_tokens=len(ids))
+        if self.runner.kv_shm_paths:  # a sender on this host may write in place
+            dest.shm_paths = self.runner.kv_shm_paths
+            dest.shm_shape = self.runner.kv_shape
+            dest.shm_dtype = self.config.device.dtype
+        pos = torch.arange(num_cached, len(ids))
+        blocks = torch.tensor(table, dtype=torch.long)[pos // bm.block_size]
+        receiver.expect(dest, blocks * bm.block_size + pos % bm.block_size,
+                        self.model_config.num_hidden_layers, deadline_s)
+        return dest
+
+    def activate_transferred(self, request_id: str, first_token: int | None, kv_complete: bool):
+        """Start decoding a reserved request.
+
+        With the KV in place, the first token (sampled by the prefill worker) is
+        appended and decoding continues; without it (the prefill worker died or
+        the transfer failed) the missing prompt tokens are recomputed here."""
+        seq = self.seqs[request_id]
+        if kv_complete:
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens)
+        first = None
+        if first_token is not None:
+            first = self._append_token(seq, int(first_token), None, time.monotonic())
+        if not seq.is_finished:
+            self.scheduler.add(seq)
+        return first
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -105,7 +164,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        logits, rows = self.runner.execute(sched, self.block_manager)
+        hook = self.bridge.layer_hook(sched.scheduled, self.runner, self.block_manager) if self.bridge else None
+        logits, rows = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
+        if self.bridge is not None:
+            self.bridge.after_step(sched.scheduled, self.runner, self.block_manager)
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)

@@ -35,10 +35,43 @@ class ModelRunner:
             if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
                 self.num_quantized_linears = self.model.load_quantized(quantized, self.decode_kernel)
         self.num_blocks = config.cache.num_gpu_blocks or self._blocks_for_memory()
-        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(model_config.num_hidden_layers)]
+        self.kv_shape = [self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim]
+        self.kv_shm_paths: list[str] = []
+        if config.cache.kv_cache_shm_dir and self.device.type == "cpu":
+            self.kv_caches = self._shared_caches(config.cache.kv_cache_shm_dir, model_config.num_hidden_layers)
+        else:
+            self.kv_caches = [(torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device))
+                              for _ in range(model_config.num_hidden_layers)]
+
+    def _shared_caches(self, directory: str, num_layers: int):
+        """KV tensors backed by files [k0, v0, k1, v1, ...], removed when this process exits."""
+        import atexit
+        import os
+        import uuid
+
+        tag = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        numel = 1
+        for s in self.kv_shape:
+            numel *= s
+        caches = []
+        for layer in range(num_layers):
+            pair = []
+            for kind in ("k", "v"):
+                path = os.path.join(directory, f"{tag}-{layer}{kind}")
+                self.kv_shm_paths.append(path)
+                pair.append(torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.kv_shape))
+            caches.append(tuple(pair))
+
+        def cleanup(paths=list(self.kv_shm_paths)):
+            for p in paths:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+        atexit.register(cleanup)
+        return caches
 
     def _blocks_for_memory(self) -> int:
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)

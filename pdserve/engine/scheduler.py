@@ -125,7 +125,8 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting.peek()
             cached, num_cached = [], 0
-            if seq.num_computed_tokens == 0:
+            # a request whose KV was imported (or is being recomputed) already owns blocks
+            if seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id):
                 cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
             computed = max(num_cached, seq.num_computed_tokens)
             n = seq.num_tokens - computed

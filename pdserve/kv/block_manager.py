@@ -76,6 +76,10 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def owns_blocks(self, seq_id: str) -> bool:
+        sb = self.seqs.get(seq_id)
+        return sb is not None and bool(sb.blocks)
+
     def block_table(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.seqs[seq_id].blocks]
 

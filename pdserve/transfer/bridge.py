@@ -1,0 +1,89 @@
+"""The prefill worker's side of the KV bridge, hooked into the engine step.
+
+Layer-wise (default): after each layer's forward, the K/V this step computed
+for a transferring request are copied out of the cache and handed to the
+sender, which ships them while the next layer computes (seed 000 §3.3).
+Eager: nothing moves until the whole prompt is prefilled, then every layer
+goes at once (seed 000 §3.2's baseline; kept to measure the difference).
+"""
+from __future__ import annotations
+
+import torch
+
+from pdserve.transfer.connector import KVDestination, KVSender
+
+
+class PrefillBridge:
+    def __init__(self, sender: KVSender, num_layers: int, layerwise: bool = True):
+        self.sender = sender
+        self.num_layers = num_layers
+        self.layerwise = layerwise
+        self.dests: dict[str, KVDestination] = {}  # seq_id -> where its KV goes
+
+    def begin(self, seq_id: str, dest: KVDestination) -> None:
+        self.dests[seq_id] = dest
+        self.sender.begin(dest, self.num_layers)
+
+    def _ranges(self, scheduled, block_manager, block_size, final_only: bool):
+        """(dest, token_start, P-side slots) of what each transferring request sends now."""
+        out = []
+        for s in scheduled:
+            dest = self.dests.get(s.seq.seq_id)
+            if dest is None:
+                continue
+            start = s.seq.num_computed_tokens
+            end = min(start + s.num_new_tokens, dest.num_tokens)
+            done = end >= dest.num_tokens
+            if final_only:
+                if not done:
+                    continue
+                start = dest.start_token
+            start = max(start, dest.start_token)
+            if start >= end:
+                continue
+            table = torch.tensor(block_manager.block_table(s.seq.seq_id), dtype=torch.long)
+            pos = torch.arange(start, end)
+            out.append((dest, start, table[pos // block_size] * block_size + pos % block_size))
+        return out
+
+    def layer_hook(self, scheduled, runner, block_manager):
+        """The `on_layer_done` callback for this step, or None if nothing is sent layer by layer."""
+        if not self.layerwise:
+            return None
+        ranges = self._ranges(scheduled, block_manager, runner.block_size, final_only=False)
+        if not ranges:
+            return None
+
+        def on_layer_done(layer: int) -> None:
+            self._save(runner, layer, ranges)
+
+        return on_layer_done
+
+    def after_step(self, scheduled, runner, block_manager) -> list[str]:
+        """Send eager transfers whose prompt just completed, close finished transfers.
+
+        Returns the seq ids whose transfer was closed (all layers queued)."""
+        if not self.layerwise:
+            ranges = self._ranges(scheduled, block_manager, runner.block_size, final_only=True)
+            for layer in range(self.num_layers):
+                self._save(runner, layer, ranges)
+        closed = []
+        for s in scheduled:
+            dest = self.dests.get(s.seq.seq_id)
+            # num_computed_tokens is not advanced yet: compare what this step reaches
+            if dest is not None and s.seq.num_computed_tokens + s.num_new_tokens >= dest.num_tokens:
+                self.sender.finish(dest.transfer_id)
+                closed.append(s.seq.seq_id)
+                del self.dests[s.seq.seq_id]
+        return closed
+
+    def _save(self, runner, layer: int, ranges) -> None:
+        k_cache, v_cache = runner.kv_caches[layer]
+        for dest, start, slots in ranges:
+            flat_k = k_cache.view(-1, *k_cache.shape[-2:])
+            flat_v = v_cache.view(-1, *v_cache.shape[-2:])
+            slots = slots.to(flat_k.device)
+            # index_select copies: the sender may read after these blocks are reused
+            k = flat_k.index_select(0, slots).cpu()
+            v = flat_v.index_select(0, slots).cpu()
+            self.sender.save_layer(dest.transfer_id, layer, start, k, v)

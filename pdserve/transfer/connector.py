@@ -1,0 +1,115 @@
+"""The KV connector contract: how a prefill worker's KV cache reaches a decode worker.
+
+In the spirit of vLLM's KV connector: the prefill side *saves* layers as its
+forward pass produces them (`save_layer`, then `wait_for_save`); the decode side
+*expects* a transfer into blocks it reserved (`expect`), and can wait for any
+one layer or for all of them (`wait_for_layer`, `wait_for_all`). Finished and
+failed transfers are reported by `poll`.
+
+Data moves as tokens, not blocks: the sender ships, per layer, K and V of a
+token range as `[n_tokens, n_kv_heads, head_dim]`; the receiver scatters them
+into its own slots. So the two sides may use different block sizes and KV
+dtypes, and a decode worker that already caches a prefix (`start_token`) is
+sent only the rest (incremental transfer).
+
+Backends (beside this file): `tcp` (length-prefixed frames: a JSON header and
+raw tensor bytes, received straight into a staging buffer; never pickle),
+`shm` (one host: the decode worker's cache lives in shared memory and the
+prefill worker writes into the reserved slots directly; only a notice travels).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed: peer gone, connection cut, deadline passed, bad frame."""
+
+
+@dataclass
+class KVDestination:
+    """What a decode worker answers when it reserves room for a request's KV."""
+
+    transfer_id: str
+    address: str  # "tcp://host:port" or "shm://host:port" (the notice channel)
+    block_ids: list[int]  # the decode worker's blocks, covering tokens from 0
+    block_size: int
+    start_token: int = 0  # tokens the decode worker already caches: not sent
+    num_tokens: int = 0  # prompt tokens the KV must cover in the end
+    # shm only: the decode worker's cache files and layout
+    shm_paths: list[str] = field(default_factory=list)
+    shm_shape: list[int] = field(default_factory=list)
+    shm_dtype: str = ""
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "KVDestination":
+        return cls(**d)
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    layers: int = 0
+    started_s: float = 0.0
+    finished_s: float = 0.0
+    retries: int = 0
+
+
+class KVSender(abc.ABC):
+    """Prefill side."""
+
+    @abc.abstractmethod
+    def begin(self, dest: KVDestination, num_layers: int) -> None:
+        """Open a transfer; layers follow with `save_layer`."""
+
+    @abc.abstractmethod
+    def save_layer(self, transfer_id: str, layer: int, token_start: int,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue K and V of tokens [token_start, token_start + n) of one layer; returns at once.
+
+        The tensors must not be written afterwards (pass copies of the cache)."""
+
+    @abc.abstractmethod
+    def finish(self, transfer_id: str) -> None:
+        """No more layers will come; the receiver acknowledges once it holds everything."""
+
+    @abc.abstractmethod
+    def wait_for_save(self, transfer_id: str, timeout_s: float) -> TransferStats:
+        """Block until the receiver acknowledged the whole transfer; raise KVTransferError."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class KVReceiver(abc.ABC):
+    """Decode side."""
+
+    address: str
+
+    @abc.abstractmethod
+    def expect(self, dest: KVDestination, slots: torch.Tensor, num_layers: int, deadline_s: float) -> None:
+        """Accept a transfer into `slots` (this side's flat slot of each token from
+        dest.start_token to dest.num_tokens)."""
+
+    @abc.abstractmethod
+    def wait_for_layer(self, transfer_id: str, layer: int, timeout_s: float) -> None: ...
+
+    @abc.abstractmethod
+    def wait_for_all(self, transfer_id: str, timeout_s: float) -> TransferStats: ...
+
+    @abc.abstractmethod
+    def cancel(self, transfer_id: str) -> None:
+        """Forget a transfer (lease expired, request aborted); late frames are dropped."""
+
+    @abc.abstractmethod
+    def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """(finished transfer ids, [(failed id, reason)]) since the last call."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

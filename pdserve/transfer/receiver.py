@@ -1,0 +1,209 @@
+"""Decode side of the KV bridge: a TCP endpoint that lands KV frames in reserved slots.
+
+Pushed transfers arrive on connections the prefill worker opens; pulled ones on
+a connection this side opens (`pull`). Both are read by the same frame loop.
+A frame for a transfer we do not expect (unknown, cancelled, expired) is read
+and dropped: it can never land in blocks someone else owns now.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.transfer import wire
+from pdserve.transfer.connector import KVDestination, KVReceiver, KVTransferError, TransferStats
+
+log = logging.getLogger("pdserve.transfer")
+
+
+@dataclass
+class _Expected:
+    dest: KVDestination
+    slots: torch.Tensor
+    num_layers: int
+    deadline: float
+    covered: list[set] = field(default_factory=list)  # per layer: received (start, n) ranges
+    layer_events: list[threading.Event] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    stats: TransferStats = field(default_factory=TransferStats)
+
+    @property
+    def tokens(self) -> int:
+        return self.dest.num_tokens - self.dest.start_token
+
+    def layer_complete(self, layer: int) -> bool:
+        return sum(n for _, n in self.covered[layer]) >= self.tokens
+
+
+class KVReceiverServer(KVReceiver):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], host: str = "127.0.0.1",
+                 port: int = 0, scheme: str = "tcp"):
+        self.kv_caches = kv_caches
+        self._lock = threading.Lock()
+        self._expected: dict[str, _Expected] = {}
+        self._finished: list[str] = []
+        self._failed: list[tuple[str, str]] = []
+        self._listener = socket.create_server((host, port))
+        self.address = f"{scheme}://{host}:{self._listener.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="kv-recv-accept", daemon=True).start()
+
+    # ---- contract
+    def expect(self, dest, slots, num_layers, deadline_s):
+        e = _Expected(dest, slots, num_layers, time.monotonic() + deadline_s,
+                      covered=[set() for _ in range(num_layers)],
+                      layer_events=[threading.Event() for _ in range(num_layers)])
+        e.stats.started_s = time.monotonic()
+        if e.tokens <= 0:  # everything already cached here: nothing will travel
+            for ev in e.layer_events:
+                ev.set()
+        with self._lock:
+            self._expected[dest.transfer_id] = e
+
+    def wait_for_layer(self, transfer_id, layer, timeout_s):
+        e = self._get(transfer_id)
+        if not e.layer_events[layer].wait(timeout_s) or e.error:
+            raise KVTransferError(e.error or f"{transfer_id}: layer {layer} did not arrive in {timeout_s}s")
+
+    def wait_for_all(self, transfer_id, timeout_s):
+        e = self._get(transfer_id)
+        if e.tokens <= 0:
+            return e.stats
+        if not e.done.wait(timeout_s) or e.error:
+            raise KVTransferError(e.error or f"{transfer_id}: transfer did not complete in {timeout_s}s")
+        return e.stats
+
+    def is_complete(self, transfer_id: str) -> bool:
+        e = self._expected.get(transfer_id)
+        return e is not None and (e.tokens <= 0 or (e.done.is_set() and not e.error))
+
+    def cancel(self, transfer_id):
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+
+    def poll(self):
+        self._expire()
+        with self._lock:
+            out = (self._finished, self._failed)
+            self._finished, self._failed = [], []
+        return out
+
+    def close(self):
+        self._closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+    # ---- pull: we open the connection and ask for the transfer
+    def pull(self, address: str, transfer_id: str) -> None:
+        host, port = address.split("://", 1)[1].rsplit(":", 1)
+
+        def run():
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=10)
+                sock.settimeout(None)
+                wire.send_frame(sock, {"op": "pull", "tid": transfer_id})
+                self._serve(sock)
+            except OSError as e:
+                self._fail(transfer_id, f"pull from {address} failed: {e}")
+
+        threading.Thread(target=run, name=f"kv-pull-{transfer_id}", daemon=True).start()
+
+    # ---- internals
+    def _get(self, transfer_id) -> _Expected:
+        e = self._expected.get(transfer_id)
+        if e is None:
+            raise KVTransferError(f"no transfer {transfer_id!r} is expected here")
+        return e
+
+    def _fail(self, transfer_id: str, reason: str) -> None:
+        with self._lock:
+            e = self._expected.get(transfer_id)
+            if e is None or e.error or e.done.is_set():
+                return
+            e.error = reason
+            self._failed.append((transfer_id, reason))
+        e.done.set()
+        for ev in e.layer_events:
+            ev.set()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for tid, e in list(self._expected.items()):
+            if not e.done.is_set() and now > e.deadline:
+                self._fail(tid, f"{tid}: KV did not arrive before its deadline")
+
+    def _accept_loop(self):
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        staging = wire.StagingBuffer()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                header = wire.recv_header(sock)
+                if header is None:
+                    return
+                payload = staging.receive(sock, header["nbytes"]) if header["nbytes"] else None
+                reply = self._on_frame(header, payload)
+                if reply is not None:
+                    wire.send_frame(sock, reply)
+        except (OSError, wire.FrameError) as e:
+            # The sender retries on a new connection; the deadline fails what never comes.
+            log.info("KV connection closed: %s", e)
+        finally:
+            sock.close()
+
+    def _on_frame(self, h: dict, payload) -> dict | None:
+        tid, op = h.get("tid"), h.get("op")
+        e = self._expected.get(tid)
+        if op == "abort":
+            self._fail(tid, f"sender aborted: {h.get('reason', '')}")
+            return None
+        if e is None or e.error:
+            return {"op": "ack", "tid": tid, "ok": False, "error": "transfer not expected here"} \
+                if op == "done" else None
+        if op == "layer":
+            self._land_layer(e, h, payload)
+            return None
+        if op == "done":
+            missing = [i for i in range(e.num_layers) if not e.layer_complete(i)]
+            if missing:
+                return {"op": "ack", "tid": tid, "ok": False, "missing_layers": missing}
+            e.stats.finished_s = time.monotonic()
+            with self._lock:
+                self._finished.append(tid)
+            e.done.set()
+            return {"op": "ack", "tid": tid, "ok": True}
+        raise wire.FrameError(f"unknown op {op!r}")
+
+    def _land_layer(self, e: _Expected, h: dict, payload) -> None:
+        layer, start, n = int(h["layer"]), int(h["start"]), int(h["n"])
+        lo = start - e.dest.start_token
+        if not (0 <= layer < e.num_layers and 0 <= lo and lo + n <= e.tokens):
+            raise wire.FrameError(f"frame for layer {layer} tokens {start}+{n} is outside the transfer")
+        if not h.get("inplace"):
+            k_cache, v_cache = self.kv_caches[layer]
+            shape = (n,) + tuple(k_cache.shape[-2:])
+            k, off = wire.decode(payload, h, shape, 0)
+            v, _ = wire.decode(payload, h, shape, off)
+            slots = e.slots[lo:lo + n]
+            k_cache.view(-1, *shape[1:]).index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.view(-1, *shape[1:]).index_copy_(0, slots, v.to(v_cache.dtype))
+            e.stats.bytes += h["nbytes"]
+        e.covered[layer].add((start, n))
+        e.stats.layers += 1
+        if e.layer_complete(layer):
+            e.layer_events[layer].set()

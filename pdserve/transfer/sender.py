@@ -1,0 +1,219 @@
+"""Prefill side of the KV bridge: push over TCP, push in place through shared memory, or
+serve pulls.
+
+`save_layer` only queues: a sender thread does the socket work, so the next
+layer's compute overlaps this layer's transfer (layer-wise pipelining). Sent
+layers are kept until the receiver acknowledges the whole transfer, so a
+connection cut at layer k is healed by reconnecting and resending; the
+receiver ignores what it already holds.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.transfer import wire
+from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
+
+log = logging.getLogger("pdserve.transfer")
+
+
+@dataclass
+class _Outgoing:
+    dest: KVDestination
+    frames: list[tuple[dict, list[torch.Tensor]]] = field(default_factory=list)
+    finished: bool = False
+    acked: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    stats: TransferStats = field(default_factory=TransferStats)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.split("://", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+class TcpKVSender(KVSender):
+    """Push: connect to the decode worker's receiver and send frames."""
+
+    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0):
+        if wire_mode not in wire.WIRE_MODES:
+            raise ValueError(f"wire mode must be one of {wire.WIRE_MODES}")
+        self.wire_mode = wire_mode
+        self.retry_window_s = retry_window_s
+        self._transfers: dict[str, _Outgoing] = {}
+        self._socks: dict[str, socket.socket] = {}
+        self._q: queue.Queue = queue.Queue()
+        self._closed = False
+        self.total_bytes = 0
+        self.total_retries = 0
+        threading.Thread(target=self._send_loop, name="kv-send", daemon=True).start()
+
+    # ---- contract
+    def begin(self, dest, num_layers):
+        t = _Outgoing(dest)
+        t.stats.started_s = time.monotonic()
+        self._transfers[dest.transfer_id] = t
+
+    def save_layer(self, transfer_id, layer, token_start, k, v):
+        t = self._transfers[transfer_id]
+        kp, kh = wire.encode(k, self.wire_mode)
+        vp, _ = wire.encode(v, self.wire_mode)
+        header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": k.shape[0], **kh}
+        self._enqueue(t, header, kp + vp)
+
+    def finish(self, transfer_id):
+        t = self._transfers[transfer_id]
+        t.finished = True
+        self._q.put((transfer_id, {"op": "done", "tid": transfer_id}, []))
+
+    def wait_for_save(self, transfer_id, timeout_s):
+        t = self._transfers[transfer_id]
+        ok = t.acked.wait(timeout_s)
+        self._transfers.pop(transfer_id, None)
+        if not ok:
+            raise KVTransferError(f"{transfer_id}: receiver did not acknowledge within {timeout_s}s")
+        if t.error:
+            raise KVTransferError(t.error)
+        t.stats.finished_s = time.monotonic()
+        return t.stats
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        t = self._transfers.pop(transfer_id, None)
+        if t is not None:
+            self._q.put((transfer_id, {"op": "abort", "tid": transfer_id, "reason": reason}, []))
+
+    def close(self):
+        self._closed = True
+        self._q.put(None)
+        for s in self._socks.values():
+            s.close()
+
+    # ---- internals
+    def _enqueue(self, t: _Outgoing, header: dict, payload: list[torch.Tensor]) -> None:
+        t.frames.append((header, payload))
+        self._q.put((header["tid"], header, payload))
+
+    def _send_loop(self):
+        while not self._closed:
+            item = self._q.get()
+            if item is None:
+                return
+            tid, header, payload = item
+            t = self._transfers.get(tid)
+            if t is None and header["op"] != "abort":
+                continue
+            address = t.dest.address if t else None
+            if address is None:
+                continue
+            self._send_with_retry(t, header, payload)
+
+    def _send_with_retry(self, t: _Outgoing, header: dict, payload) -> None:
+        deadline = time.monotonic() + self.retry_window_s
+        resend = False
+        while True:
+            try:
+                sock = self._sock(t.dest.address)
+                if resend:  # a new connection: the receiver may lack what went before
+                    for h, p in t.frames:
+                        if h is not header:
+                            self.total_bytes += wire.send_frame(sock, h, p)
+                n = wire.send_frame(sock, header, payload)
+                self.total_bytes += n
+                t.stats.bytes += n
+                t.stats.layers += header["op"] == "layer"
+                return
+            except OSError as e:
+                self._drop(t.dest.address)
+                if time.monotonic() > deadline:
+                    t.error = f"{header['tid']}: sending to {t.dest.address} failed: {e}"
+                    t.acked.set()
+                    return
+                resend = True
+                t.stats.retries += 1
+                self.total_retries += 1
+                time.sleep(0.05)
+
+    def _sock(self, address: str) -> socket.socket:
+        s = self._socks.get(address)
+        if s is None:
+            s = socket.create_connection(_host_port(address), timeout=5)
+            s.settimeout(None)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socks[address] = s
+            threading.Thread(target=self._read_acks, args=(s, address), daemon=True).start()
+        return s
+
+    def _drop(self, address: str) -> None:
+        s = self._socks.pop(address, None)
+        if s is not None:
+            s.close()
+
+    def _read_acks(self, sock: socket.socket, address: str) -> None:
+        try:
+            while True:
+                h = wire.recv_header(sock)
+                if h is None:
+                    return
+                self._on_ack(h)
+        except (OSError, wire.FrameError):
+            return
+
+    def _on_ack(self, h: dict) -> None:
+        t = self._transfers.get(h.get("tid"))
+        if t is None or h.get("op") != "ack":
+            return
+        if h.get("ok"):
+            t.acked.set()
+        elif h.get("missing_layers"):
+            t.error = f"{h['tid']}: receiver is missing layers {h['missing_layers']}"
+            t.acked.set()
+        else:
+            t.error = f"{h['tid']}: receiver refused: {h.get('error')}"
+            t.acked.set()
+
+
+class ShmKVSender(TcpKVSender):
+    """Push on one host: write K/V straight into the decode worker's shared-memory
+    cache (one copy, no socket payload); only a notice frame travels."""
+
+    def __init__(self, retry_window_s: float = 5.0):
+        super().__init__("none", retry_window_s)
+        self._maps: dict[str, list[torch.Tensor]] = {}
+
+    def begin(self, dest, num_layers):
+        if dest.shm_paths and dest.shm_paths[0] not in self._maps:
+            self._maps[dest.shm_paths[0]] = map_shared_cache(dest.shm_paths, dest.shm_shape, dest.shm_dtype)
+        super().begin(dest, num_layers)
+
+    def save_layer(self, transfer_id, layer, token_start, k, v):
+        t = self._transfers[transfer_id]
+        caches = self._maps[t.dest.shm_paths[0]]
+        slots = destination_slots(t.dest, token_start, k.shape[0])
+        kc, vc = caches[2 * layer], caches[2 * layer + 1]
+        kc.view(-1, *kc.shape[-2:]).index_copy_(0, slots, k.to(kc.dtype))
+        vc.view(-1, *vc.shape[-2:]).index_copy_(0, slots, v.to(vc.dtype))
+        t.stats.bytes += 2 * k.numel() * kc.element_size()
+        self._enqueue(t, {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start,
+                          "n": k.shape[0], "inplace": True}, [])
+
+
+def destination_slots(dest: KVDestination, start: int, n: int) -> torch.Tensor:
+    """The receiver's flat slot for each token in [start, start + n)."""
+    pos = torch.arange(start, start + n)
+    blocks = torch.tensor(dest.block_ids, dtype=torch.long)[pos // dest.block_size]
+    return blocks * dest.block_size + pos % dest.block_size
+
+
+def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[torch.Tensor]:
+    """Map a decode worker's KV cache files: [k0, v0, k1, v1, ...], each of `shape`."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return [torch.from_file(p, shared=True, size=numel, dtype=wire.DTYPES[dtype]).view(shape) for p in paths]

@@ -1,0 +1,123 @@
+"""Frames on a KV socket, and KV compression for the wire.
+
+A frame is a 4-byte big-endian header length, a JSON header, then
+`header["nbytes"]` bytes of raw tensor data. The receiver reads the payload
+with `recv_into` straight into a reusable buffer. No pickle, ever: a peer can
+only make us parse JSON and copy bytes into slots we reserved.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import torch
+
+_LEN = struct.Struct("!I")
+MAX_HEADER_BYTES = 1 << 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+WIRE_MODES = ("none", "int8", "fp8")
+
+
+class FrameError(ConnectionError):
+    pass
+
+
+def send_frame(sock: socket.socket, header: dict, payload: list[torch.Tensor] = ()) -> int:
+    """Send one frame; payload tensors go out as their raw bytes (no extra copy)."""
+    views = [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in payload]
+    header = dict(header, nbytes=sum(v.nbytes for v in views))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(raw)) + raw)
+    for v in views:
+        sock.sendall(v)
+    return header["nbytes"]
+
+
+def recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise FrameError("peer closed the connection mid-frame")
+        got += n
+
+
+def recv_header(sock: socket.socket) -> dict | None:
+    """Next frame's header, or None when the peer closed cleanly between frames."""
+    first = sock.recv(_LEN.size, socket.MSG_WAITALL)
+    if not first:
+        return None
+    if len(first) < _LEN.size:
+        raise FrameError("connection closed inside a frame length")
+    (n,) = _LEN.unpack(first)
+    if n > MAX_HEADER_BYTES:
+        raise FrameError(f"frame header of {n} bytes is larger than allowed")
+    raw = bytearray(n)
+    recv_exact(sock, memoryview(raw))
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise FrameError(f"frame header is not JSON: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("nbytes", 0), int):
+        raise FrameError("frame header must be an object with an integer nbytes")
+    return header
+
+
+class StagingBuffer:
+    """A growable byte buffer that payloads are received into, reused across frames."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def receive(self, sock: socket.socket, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(max(nbytes, 2 * self._buf.numel()), dtype=torch.uint8)
+        view = self._buf[:nbytes]
+        recv_exact(sock, memoryview(view.numpy()))
+        return view
+
+
+# ---------------------------------------------------------------- compression
+
+def encode(x: torch.Tensor, mode: str) -> tuple[list[torch.Tensor], dict]:
+    """[n, heads, dim] -> tensors to send and the header fields to decode them."""
+    if mode == "none":
+        return [x], {"dtype": str(x.dtype).removeprefix("torch.")}
+    xf = x.float()
+    # one scale per (token, head): K and V outliers are per head
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8)
+    if mode == "int8":
+        scale = amax / 127.0
+        q = (xf / scale).round().clamp(-127, 127).to(torch.int8)
+    elif mode == "fp8":
+        scale = amax / 448.0  # largest finite float8_e4m3fn
+        q = (xf / scale).to(torch.float8_e4m3fn)
+    else:
+        raise ValueError(f"unknown wire mode {mode!r}; one of {WIRE_MODES}")
+    return [q, scale], {"dtype": str(q.dtype).removeprefix("torch."), "scaled": True}
+
+
+def decode(raw: torch.Tensor, header: dict, shape: tuple[int, ...], offset: int) -> tuple[torch.Tensor, int]:
+    """Rebuild one tensor of `shape` from `raw` at `offset`; returns it and the next offset."""
+    dtype = DTYPES.get(header.get("dtype"))
+    if dtype is None:
+        raise FrameError(f"unknown dtype {header.get('dtype')!r} in frame")
+    n = 1
+    for s in shape:
+        n *= s
+    size = n * torch.empty(0, dtype=dtype).element_size()
+    if offset + size > raw.numel():
+        raise FrameError("frame payload shorter than its header says")
+    x = raw[offset:offset + size].view(dtype).view(shape)
+    offset += size
+    if header.get("scaled"):
+        scale_shape = shape[:-1] + (1,)
+        ssize = n // shape[-1] * 4
+        if offset + ssize > raw.numel():
+            raise FrameError("frame payload shorter than its header says")
+        scale = raw[offset:offset + ssize].view(torch.float32).view(scale_shape)
+        offset += ssize
+        x = x.float() * scale
+    return x, offset
