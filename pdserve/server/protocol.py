@@ -23,7 +23,7 @@ _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_
 
 class _Strict(BaseModel):
     # Unknown fields are ignored, as OpenAI's own server does, so newer clients keep working.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -81,7 +81,7 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Union[str, list[int], list[str], list[list[int]]]
+Prompt = Union[str, list[int], list[Union[str, list[int]]]]
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,108 @@
+"""Start `pdserve serve` as a real subprocess on a free loopback port, and always stop it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the server if the test process dies without stopping it (killed run)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, api_key: str | None = None, wait_ready: bool = True, timeout_s: float = 180,
+                 env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "collocated", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self._log = tempfile.TemporaryFile()  # read back on failure, gone afterwards
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+        if wait_ready:
+            try:
+                self.wait_health(200, timeout_s)
+            except BaseException:
+                self.stop()
+                raise
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def wait_health(self, status: int, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                last = r.status_code
+                if r.status_code == status:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"/health never answered {status} (last {last}):\n{self.log()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout_s: float = 20) -> dict:
+        """Health once nothing runs or waits (aborts reach the engine between steps)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.health()
+            if (h["num_running"] == 0 and h["num_waiting"] == 0 and h["num_waiting_requests"] == 0) \
+                    or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-5000:]
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,77 @@
+"""Admission control (429), an engine that cannot serve (503), and graceful shutdown on SIGTERM."""
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import TINY_ENGINE, engine_flags
+from tests.server.serverproc import ServerProcess
+
+LONG = {"prompt": "busy", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+
+def one_seq_server(model_dir, *extra):
+    flags = engine_flags(**{**TINY_ENGINE, "max_num_seqs": 1})
+    return ServerProcess("--model", model_dir, "--threads", "1", *flags, *extra)
+
+
+def data_events(lines):
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def test_full_queue_answers_429_with_retry_after(server_model_dir):
+    with one_seq_server(server_model_dir, "--max-waiting-requests", "1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=LONG) as running:  # takes the only batch slot
+            assert running.status_code == 200
+            tokens = data_events(running.iter_lines())  # kept: dropping it would close the stream
+            next(tokens)
+            with c.stream("POST", "/v1/completions", json=LONG) as waiting:  # queued behind it
+                assert waiting.status_code == 200
+                r = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 4})
+                assert r.status_code == 429
+                assert int(r.headers["Retry-After"]) >= 1
+                err = r.json()["error"]
+                assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        # both streams closed: the queue is empty again and requests are admitted
+        srv.wait_idle()
+        r = c.post("/v1/completions", json={"prompt": "one more", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert "pdserve:request_rejected_total{model_name=" in c.get("/metrics").text
+
+
+def test_engine_that_failed_to_load_answers_503(tmp_path):
+    os.makedirs(tmp_path / "empty")
+    with ServerProcess("--model", str(tmp_path / "empty"), wait_ready=False) as srv:
+        health = srv.wait_health(503, 60)
+        assert health["status"] == "failed" and health["reason"]
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(srv.url + "/v1/models").status_code == 503
+
+
+def test_sigterm_drains_then_ends_streams_with_an_error(server_model_dir):
+    srv = one_seq_server(server_model_dir, "--shutdown-timeout", "0.5")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=LONG) as r:
+                events = data_events(r.iter_lines())
+                next(events)
+                srv.terminate()
+                t0 = time.monotonic()
+                rest = list(events)
+                elapsed_s = time.monotonic() - t0
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["error"]["type"] == "service_unavailable_error"
+        assert len(rest) > 3  # it kept generating during the grace period
+        assert 0.4 < elapsed_s < 10
+        assert srv.proc.wait(20) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(srv.url + "/health")
+    finally:
+        srv.stop()

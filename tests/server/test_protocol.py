@@ -1,0 +1,105 @@
+"""In-process checks of the pieces the router will reuse: parsing, admission, formatting, app states."""
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from pdserve.server import protocol as P
+from pdserve.server.admission import RateMeter, admit, retry_after_s
+from pdserve.server.errors import APIError
+from pdserve.server.format import TokenText
+from pdserve.server.streaming import sse
+
+
+def parse(cls, raw: bytes):
+    try:
+        return P.parse_body(raw, cls)
+    except APIError as e:
+        return e
+
+
+def parse_params(req):
+    try:
+        req.prompts()
+        return req.sampling_params(req.max_tokens, req.logprobs)
+    except APIError as e:
+        return e
+
+
+def test_parse_accepts_openai_shapes_and_ignores_unknown_fields():
+    req = parse(P.CompletionRequest, b'{"prompt": [[1, 2], "text"], "n": 2, "future_field": {"x": 1}}')
+    assert req.prompts() == [[1, 2], "text"] and req.max_tokens == 16
+    chat = parse(P.ChatCompletionRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", '
+                                          b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 3}')
+    assert chat.conversation() == [{"role": "user", "content": "ab"}]
+    params = chat.sampling_params(3, chat.engine_logprobs())
+    assert params.max_tokens == 3 and params.logprobs is None and params.temperature == 1.0
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"prompt": "x", "temperature": 1e999}', "temperature"),  # parses as inf: never reaches the sampler
+    (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
+    (b'{"prompt": "x", "echo": "yes"}', "echo"),
+    (b'{"prompt": "x", "best_of": 3}', "best_of"),
+    (b'{"prompt": []}', "prompt"),
+])
+def test_parse_refuses(raw, param):
+    err = parse(P.CompletionRequest, raw)
+    if not isinstance(err, APIError):  # ranges are SamplingParams' to check
+        err = parse_params(err)
+    assert isinstance(err, APIError) and err.status == 400 and err.param == param
+
+
+def test_admission_and_retry_after():
+    assert admit(0, 1) and not admit(1, 1) and not admit(0, 0)
+    assert retry_after_s(10, 0.0) == 1  # no history: do not guess high
+    assert retry_after_s(10, 2.0) == 5
+    assert retry_after_s(10_000, 1.0) == 60
+    m = RateMeter(window_s=10)
+    for t in range(20):
+        m.add(float(t))
+    assert m.rate_per_s(19.5) == pytest.approx(1.0)
+    assert m.rate_per_s(100.0) == 0.0
+
+
+def test_token_bytes_survive_split_utf8(tiny_offline):
+    tok = tiny_offline.tokenizer
+    text = TokenText(tok)
+    ids = tok.encode("é€", add_special_tokens=False)  # byte-level tiny vocab: one token per byte
+    assert len(ids) == 5 and all(text(i) == "\ufffd" for i in ids)
+    assert bytes(b for i in ids for b in text.bytes_of(i)).decode() == "é€"
+
+
+def test_sse_framing():
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+
+
+def test_loading_engine_answers_503_then_reports_the_load_failure():
+    from pdserve.server.app import ServerSettings, build_app
+    from pdserve.server.async_engine import AsyncEngine
+    from pdserve.server.metrics import ServerMetrics
+
+    release = threading.Event()
+
+    def slow_failing_load():
+        release.wait(10)
+        raise RuntimeError("no such model")
+
+    async def main():
+        engine = AsyncEngine(slow_failing_load, ServerMetrics)
+        app = build_app(engine, ServerSettings())
+        engine.start()  # the ASGI transport does not run the lifespan
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            h = await c.get("/health")
+            r = await c.post("/v1/completions", json={"prompt": "hi"})
+            release.set()
+            await asyncio.wait_for(engine.ready.wait(), 10)
+            failed = await c.get("/health")
+        await engine.shutdown()
+        return h, r, failed
+
+    h, r, failed = asyncio.run(main())
+    assert h.status_code == 503 and h.json()["status"] == "loading"
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert failed.status_code == 503 and "no such model" in failed.json()["reason"]
