@@ -1,0 +1,133 @@
+"""`pdserve bench` against a real `pdserve serve` (tiny model): results, workloads and bad input."""
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdserve.bench import RunState, TokenSource, datasets, run_benchmark
+from pdserve.bench.client import BenchError
+from pdserve.cli import main
+from tests.bench.conftest import Server, free_port
+
+VLLM_FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+               "request_goodput", "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts",
+               "itls", "errors"] + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+                                    for s in ("mean", "median", "std", "p90", "p99")]
+
+
+@pytest.fixture(scope="module")
+def tokens(tiny_model_dir):
+    return TokenSource.from_path(tiny_model_dir)
+
+
+def _prefix_cache_hits(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:prefix_cache_hits") and "_created" not in line)
+
+
+def test_cli_random_run_writes_json_and_plots(bench_server, tiny_model_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rc = main(["bench", "--base-url", bench_server.url, "--tokenizer", tiny_model_dir, "--num-prompts", "12",
+               "--random-input-len", "24", "--random-output-len", "8", "--ignore-eos", "--request-rate", "40",
+               "--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm",
+               "--result-dir", str(tmp_path), "--result-filename", "r.json", "--plot"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Serving Benchmark Result" in out and "P99 ITL (ms):" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert all(f in r for f in VLLM_FIELDS)
+    assert (r["completed"], r["failed"], r["errors"]) == (12, 0, [""] * 12)
+    assert r["input_lens"] == [24] * 12 and r["output_lens"] == [8] * 12  # ids sent as is; usage counts
+    assert r["total_output_tokens"] == 96 and r["request_goodput"] == pytest.approx(r["request_throughput"])
+    assert r["slo_attainment_pct"] == 100 and 1 <= r["max_concurrent_requests"] <= 4
+    assert r["model_id"] == "tiny" and r["request_rate"] == 40 and r["dataset_name"] == "random"
+    assert all(t > 0 for t in r["ttfts"]) and all(len(x) >= 1 for x in r["itls"])
+    for name in ("r_cdf.png", "r_timeline.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    os.remove(tmp_path / "r_cdf.png")
+    assert main(["bench", "--replot", str(tmp_path / "r.json")]) == 0
+    assert (tmp_path / "r_cdf.png").exists()
+
+
+def test_chat_endpoint_with_text_prompts(bench_server, tokens):
+    reqs = datasets.random(4, 16, 6, tokens, seed=1, as_text=True)
+    r = run_benchmark(reqs, bench_server.url, endpoint="/v1/chat/completions", ignore_eos=True)
+    assert r["completed"] == 4 and r["output_lens"] == [6] * 4
+    assert all(n > 16 for n in r["input_lens"])  # the server's count, chat template included
+
+
+def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, tokens):
+    cfg = datasets.MixedConfig(num_chats=10, chat_input_len=12, chat_output_len=12, chat_streams=3,
+                               long_input_len=300, long_output_len=2, burst_size=1, num_bursts=2,
+                               burst_interval_s=0.2, first_burst_s=0.1)
+    r = run_benchmark(datasets.mixed(cfg, tokens), bench_server.url, tag_concurrency=cfg.tag_concurrency(),
+                      ignore_eos=True, goodput={"tpot": 60000})
+    assert r["completed"] == 12 and set(r["by_tag"]) == {"chat", "long"}
+    assert r["by_tag"]["chat"]["completed"] == 10 and r["by_tag"]["long"]["completed"] == 2
+    assert r["by_tag"]["chat"]["max_concurrent_requests"] <= 3
+    long_starts = sorted(s for s, t in zip(r["start_times"], r["tags"]) if t == "long")
+    assert long_starts[0] == pytest.approx(0.1, abs=0.08) and long_starts[1] == pytest.approx(0.3, abs=0.08)
+    assert [n for n, t in zip(r["input_lens"], r["tags"]) if t == "long"] == [300, 300]
+
+
+def test_mooncake_replay_shares_prefixes_and_counts_server_errors(bench_server, tokens, tmp_path):
+    lines = open("/work/shared/traces/mooncake_conversation_trace.jsonl").readlines()[:8]
+    huge = json.loads(lines[3])
+    huge["input_length"] = 10**6  # beyond the tiny model's 512 positions: the server refuses this one
+    lines[3] = json.dumps(huge) + "\n"
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(lines))
+    sc = datasets.MooncakeScaling(block_tokens=4, output_scale=0.01, time_scale=0.001)
+    reqs = datasets.mooncake(str(path), 8, tokens, scaling=sc)
+    before = _prefix_cache_hits(bench_server.url)
+    r = run_benchmark(reqs, bench_server.url, ignore_eos=True)
+    assert (r["completed"], r["failed"]) == (7, 1)
+    assert r["errors"][3].startswith("HTTP 400") and "HTTP 400" in next(iter(r["error_counts"]))
+    assert r["output_lens"][3] == 0 and r["total_input_tokens"] == sum(q.prompt_len for q in reqs) - reqs[3].prompt_len
+    assert _prefix_cache_hits(bench_server.url) > before  # hash id 0 opens every conversation
+
+
+def test_unreachable_endpoint_is_a_clear_error(capsys):
+    rc = main(["bench", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "2", "--disable-tqdm"])
+    assert rc == 1
+    assert "cannot connect to http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_unknown_model_and_bad_flags(bench_server, tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(BenchError, match="does not serve 'nope'"):
+        run_benchmark(datasets.random(1, 4, 2, TokenSource()), bench_server.url, model="nope")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2, "hash_ids": [0]}\n{"timestamp": 1,\n')
+    rc = main(["bench", "--base-url", bench_server.url, "--dataset-name", "mooncake", "--dataset-path", str(bad)])
+    assert rc == 2 and f"{bad}:2: not valid JSON" in capsys.readouterr().err
+    rc = main(["bench", "--base-url", bench_server.url, "--goodput", "ttft=5"])
+    assert rc == 2 and "--goodput" in capsys.readouterr().err
+
+
+def test_server_going_away_mid_run_keeps_partial_results(tiny_model_dir, tokens):
+    server = Server(tiny_model_dir, "--shutdown-timeout", "0.2")
+    state = RunState([])
+    result = {}
+    try:
+        reqs = datasets.random(16, 8, 400, tokens, seed=2)  # long enough to outlive the grace
+        t = threading.Thread(target=lambda: result.update(run_benchmark(
+            reqs, server.url, ignore_eos=True, max_concurrency=2, state=state)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while sum(o.success for o in state.outputs) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.stop()  # SIGTERM: in-flight streams get an error event, later requests find no server
+        t.join(60)
+        assert not t.is_alive()
+    finally:
+        server.stop()
+    assert result["completed"] >= 2 and result["failed"] >= 1
+    assert result["completed"] + result["failed"] == 16
+    errors = " | ".join(result["error_counts"])
+    assert "error event mid-stream: the server shut down" in errors, errors  # the in-flight ones
+    assert "cannot connect" in errors or "HTTP 503" in errors, errors  # the ones sent after
+    assert all(n == 400 for n, e in zip(result["output_lens"], result["errors"]) if not e)
