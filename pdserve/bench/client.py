@@ -155,9 +155,12 @@ def describe_http_error(e: httpx.HTTPError, url: str) -> str:
         return f"cannot connect to {url}: {e or 'connection refused'}"
     if isinstance(e, httpx.TimeoutException):
         return f"timed out ({type(e).__name__}) on {url}"
+    detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     if isinstance(e, httpx.RemoteProtocolError):
-        return f"the server closed the connection mid-response ({e})"
-    return f"{type(e).__name__}: {e}"
+        return f"the server closed the connection before the response ended ({detail})"
+    if isinstance(e, httpx.NetworkError):  # a reset or a broken pipe
+        return f"the connection to the server broke ({detail})"
+    return detail
 
 
 def make_client(api_key: str | None, timeout_s: float) -> httpx.AsyncClient:

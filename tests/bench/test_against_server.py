@@ -108,14 +108,16 @@ def test_unknown_model_and_bad_flags(bench_server, tiny_model_dir, tmp_path, cap
     assert rc == 2 and "--goodput" in capsys.readouterr().err
 
 
-def test_server_going_away_mid_run_keeps_partial_results(tiny_model_dir, tokens):
-    server = Server(tiny_model_dir, "--shutdown-timeout", "0.2")
+def test_api_key_and_server_going_away_mid_run(tiny_model_dir, tokens):
+    server = Server(tiny_model_dir, "--shutdown-timeout", "0.2", "--api-key", "k")
     state = RunState([])
     result = {}
     try:
         reqs = datasets.random(16, 8, 400, tokens, seed=2)  # long enough to outlive the grace
+        with pytest.raises(BenchError, match="wants an API key"):
+            run_benchmark(reqs, server.url)
         t = threading.Thread(target=lambda: result.update(run_benchmark(
-            reqs, server.url, ignore_eos=True, max_concurrency=2, state=state)))
+            reqs, server.url, api_key="k", ignore_eos=True, max_concurrency=2, state=state)))
         t.start()
         deadline = time.monotonic() + 60
         while sum(o.success for o in state.outputs) < 2 and time.monotonic() < deadline:
