@@ -76,7 +76,8 @@ def add_arguments(p) -> None:
     g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs of a good request, e.g. ttft:500 tpot:50 e2el:10000")
     g.add_argument("--percentile-metrics", default=",".join(metrics.METRICS), help="of ttft,tpot,itl,e2el")
-    g.add_argument("--metric-percentiles", default="90,99", help="e.g. 50,90,99,99.9")
+    g.add_argument("--metric-percentiles", default=",".join(map(str, metrics.DEFAULT_PERCENTILES)),
+                   help="e.g. 50,90,99,99.9")
     g.add_argument("--save-result", action="store_true", help="write the JSON result (implied by --result-*)")
     g.add_argument("--result-dir", default=None)
     g.add_argument("--result-filename", default=None)

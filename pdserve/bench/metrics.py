@@ -18,6 +18,7 @@ import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+DEFAULT_PERCENTILES = (90, 99)  # besides mean, median and std, which are always there
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -64,7 +65,7 @@ def tpot_s(out) -> float | None:
     return (out.latency_s - out.ttft_s) / (out.output_tokens - 1) if out.output_tokens > 1 else None
 
 
-def summary(outputs: list, duration_s: float, *, percentiles=(50, 90, 99), percentile_metrics=METRICS,
+def summary(outputs: list, duration_s: float, *, percentiles=DEFAULT_PERCENTILES, percentile_metrics=METRICS,
             goodput: dict[str, float] | None = None) -> dict:
     """Aggregate metrics with vLLM's field names (times in ms, throughputs per second)."""
     done = [o for o in outputs if o.success]
@@ -110,7 +111,7 @@ def _max_concurrent(done: list) -> int:
     return best
 
 
-def result(outputs: list, duration_s: float, *, percentiles=(50, 90, 99), percentile_metrics=METRICS,
+def result(outputs: list, duration_s: float, *, percentiles=DEFAULT_PERCENTILES, percentile_metrics=METRICS,
            goodput: dict[str, float] | None = None) -> dict:
     """`summary` plus vLLM's per-request arrays, ours (start times, tags), an error
     count by message, and a summary per tag when the workload has several."""

@@ -76,7 +76,7 @@ async def _run(state: RunState, requests: list[Request], times: list[float], bod
 def run_benchmark(requests: list[Request], base_url: str, *, model: str | None = None, endpoint: str = COMPLETIONS,
                   request_rate: float = math.inf, burstiness: float = 1.0, use_trace_times: bool = True,
                   max_concurrency: int | None = None, tag_concurrency: dict[str, int] | None = None,
-                  goodput: dict[str, float] | None = None, percentiles=(50, 90, 99),
+                  goodput: dict[str, float] | None = None, percentiles=metrics.DEFAULT_PERCENTILES,
                   percentile_metrics=metrics.METRICS, ignore_eos: bool = False, temperature: float = 0.0,
                   extra_body: dict | None = None, api_key: str | None = None, timeout_s: float = 3600.0,
                   seed: int = 0, progress: bool = False, state: RunState | None = None) -> dict:
@@ -132,7 +132,8 @@ def _arrivals_name(request_rate: float, burstiness: float) -> str:
     return "poisson" if burstiness == 1 else f"gamma (burstiness {burstiness:g})"
 
 
-def finish(state: RunState, *, goodput=None, percentiles=(50, 90, 99), percentile_metrics=metrics.METRICS) -> dict:
+def finish(state: RunState, *, goodput=None, percentiles=metrics.DEFAULT_PERCENTILES,
+           percentile_metrics=metrics.METRICS) -> dict:
     """The result dict of a run, complete or interrupted."""
     for out in state.outputs:
         if not out.success and not out.error:
