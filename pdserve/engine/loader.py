@@ -66,6 +66,26 @@ def load_model(path: str | None) -> LoadedModel:
     raise ModelLoadError(f"not a GGUF file nor a Hugging Face directory: {path}")
 
 
+def load_model_info(path: str | None) -> LoadedModel:
+    """Config and tokenizer source only, no weights: what a router needs (fast)."""
+    path = path or default_model_path()
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if p.is_dir():
+        cfg_path = p / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{p} has no config.json")
+        return LoadedModel(ModelConfig.from_hf(json.loads(cfg_path.read_text()), name=p.name), {}, str(p))
+    from pdserve.engine.gguf_file import GGUFFile, GGUFFormatError
+
+    try:
+        reader = GGUFFile(str(p))
+    except (GGUFFormatError, ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {p}: {e}") from e
+    return LoadedModel(_gguf_config(reader, name=p.stem), {}, str(p), gguf_reader=reader)
+
+
 # ---------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = {

@@ -32,6 +32,7 @@ log = logging.getLogger("pdserve.server")
 class EngineInput:
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv_destination: object | None = None  # prefill role: where this request's KV goes
 
 
 class _Sub:
@@ -153,6 +154,24 @@ class AsyncEngine:
         self._cmds.put(("add", group, [(s.rid, inp, priority, arrival_s) for s, inp in zip(group.subs, inputs)]))
         return group
 
+    def attach(self, request_id: str, num: int) -> RequestGroup:
+        """A group for engine requests created by a `call` (e.g. a decode that resumes
+        from transferred KV): their outputs are delivered like a submitted group's."""
+        group = RequestGroup(self, request_id, num, time.monotonic())
+        for sub in group.subs:
+            self._subs[sub.rid] = sub
+        self._num_waiting += num
+        group._ack.set_result(None)
+        return group
+
+    async def call(self, fn):
+        """Run `fn(engine)` on the engine thread between steps; returns its result or raises."""
+        if self.engine is None:
+            raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
+        fut = self._loop.create_future()
+        self._cmds.put(("call", fn, fut))
+        return await fut
+
     def _abort_group(self, group: RequestGroup) -> None:
         for sub in group.subs:
             if self._subs.pop(sub.rid, None) is None:
@@ -257,17 +276,36 @@ class AsyncEngine:
                 return False
             if cmd[0] == "abort":
                 engine.abort_request(cmd[1])
+            elif cmd[0] == "call":
+                self._call(engine, cmd[1], cmd[2])
             else:
                 self._post(self._on_ack, cmd[1], self._add_group(engine, cmd[2]))
         self._post(self._on_stats, engine.stats())
         return True
+
+    def _call(self, engine, fn, fut) -> None:
+        try:
+            result, exc = fn(engine), None
+        except Exception as e:  # handed to the awaiting coroutine, which decides
+            result, exc = None, e
+
+        def settle():
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self._post(settle)
 
     @staticmethod
     def _add_group(engine, items) -> APIError | None:
         added = []
         try:
             for rid, inp, priority, arrival_s in items:
-                engine.add_request(rid, inp.prompt_token_ids, inp.params, priority=priority, arrival_time=arrival_s)
+                engine.add_request(rid, inp.prompt_token_ids, inp.params, priority=priority, arrival_time=arrival_s,
+                                   kv_destination=inp.kv_destination)
                 added.append(rid)
             return None
         except InvalidRequest as e:

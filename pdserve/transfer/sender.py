@@ -217,3 +217,42 @@ def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[tor
     for s in shape:
         numel *= s
     return [torch.from_file(p, shared=True, size=numel, dtype=wire.DTYPES[dtype]).view(shape) for p in paths]
+
+
+class AutoKVSender(KVSender):
+    """Shared memory when the destination's cache files are visible from here, TCP otherwise."""
+
+    def __init__(self, wire_mode: str = "none", allow_shm: bool = True, retry_window_s: float = 5.0):
+        self.tcp = TcpKVSender(wire_mode, retry_window_s)
+        self.shm = ShmKVSender(retry_window_s) if allow_shm else None
+        self._by_tid: dict[str, KVSender] = {}
+
+    def _pick(self, dest: KVDestination) -> KVSender:
+        import os
+
+        if self.shm is not None and dest.shm_paths and os.path.exists(dest.shm_paths[0]):
+            return self.shm
+        return self.tcp
+
+    def begin(self, dest, num_layers):
+        s = self._by_tid[dest.transfer_id] = self._pick(dest)
+        s.begin(dest, num_layers)
+
+    def save_layer(self, transfer_id, layer, token_start, k, v):
+        self._by_tid[transfer_id].save_layer(transfer_id, layer, token_start, k, v)
+
+    def finish(self, transfer_id):
+        self._by_tid[transfer_id].finish(transfer_id)
+
+    def wait_for_save(self, transfer_id, timeout_s):
+        s = self._by_tid.pop(transfer_id)
+        return s.wait_for_save(transfer_id, timeout_s)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tcp.total_bytes + (self.shm.total_bytes if self.shm else 0)
+
+    def close(self):
+        self.tcp.close()
+        if self.shm is not None:
+            self.shm.close()

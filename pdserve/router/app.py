@@ -1,0 +1,92 @@
+"""The router process: the OpenAI API in front, the worker registry behind.
+
+The public API is the collocated server's own app (pdserve/server/app.py)
+over a `DisaggEngine`; this file adds the control endpoints workers use and
+the router's own metrics.
+"""
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.router.disagg import DisaggEngine
+from pdserve.router.registry import Registry, WorkerInfo
+from pdserve.server.app import ServerSettings, build_app
+from pdserve.server.errors import APIError
+
+
+def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerSettings):
+    app = build_app(engine, settings)
+    engine.metrics.registry.register(_RouterCollector(engine, registry))
+
+    async def register(request: Request):
+        b = _json(await request.body())
+        try:
+            info = WorkerInfo(worker_id=str(b["worker_id"]), url=str(b["url"]), role=str(b["role"]),
+                              kv_address=str(b.get("kv_address", "")), host=str(b.get("host", "")))
+            registry.register(info)
+        except (KeyError, ValueError) as e:
+            raise APIError(400, f"bad registration: {e}") from None
+        engine.refresh_stats()
+        return {"registered": info.worker_id}
+
+    async def heartbeat(request: Request):
+        b = _json(await request.body())
+        if not registry.heartbeat(str(b.get("worker_id")), b.get("stats") or {}):
+            return JSONResponse({"error": "unknown worker: register again"}, status_code=404)
+        engine.refresh_stats()
+        return {"ok": True}
+
+    async def workers(request: Request):
+        return {"workers": [{"worker_id": w.worker_id, "url": w.url, "role": w.role, "alive": w.alive,
+                             "kv_address": w.kv_address, "stats": w.stats} for w in registry.all()],
+                "counters": engine.counters, "policy": engine.placer.name}
+
+    app.add_api_route("/internal/register", register, methods=["POST"])
+    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"])
+    app.add_api_route("/internal/workers", workers, methods=["GET"])
+    return app
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        b = json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"invalid JSON: {e}") from None
+    if not isinstance(b, dict):
+        raise APIError(400, "body must be a JSON object")
+    return b
+
+
+class _RouterCollector:
+    """Disaggregation metrics, read at scrape time from the engine's counters and the registry."""
+
+    def __init__(self, engine: DisaggEngine, registry: Registry):
+        self.engine, self.registry = engine, registry
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = self.engine.counters
+        for name, doc, key in (("kv_transfer_bytes", "KV bytes moved from prefill to decode workers.", "kv_bytes"),
+                               ("kv_transfer_seconds", "Seconds from transfer start to acknowledgement.", "kv_seconds"),
+                               ("kv_transfer_failed", "KV transfers that failed.", "kv_failed"),
+                               ("kv_transfer_retries", "Reconnects during KV transfers.", "kv_retries"),
+                               ("request_recomputed", "Requests whose prompt the decode worker recomputed.",
+                                "recomputed"),
+                               ("request_replaced", "Requests moved to another worker mid-decode.", "replaced")):
+            m = CounterMetricFamily(f"pdserve:{name}", doc)
+            m.add_metric([], c[key])
+            yield m
+        alive = GaugeMetricFamily("pdserve:workers_alive", "Live workers by role.", labels=["role"])
+        queue = GaugeMetricFamily("pdserve:worker_queue_requests", "Waiting requests per role.", labels=["role"])
+        for role in ("prefill", "decode"):
+            ws = self.registry.alive(role)
+            alive.add_metric([role], len(ws))
+            queue.add_metric([role], sum((w.stats or {}).get("num_waiting", 0) for w in ws))
+        yield alive
+        yield queue

@@ -1,0 +1,74 @@
+"""`pdserve router`: the OpenAI API in front of prefill and decode workers that register here."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+log = logging.getLogger("pdserve.router")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (tokenizer, context length)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--policy", default="least_loaded", choices=["least_loaded", "round_robin"],
+                   help="prefill placement; decode goes to the worker with the most free KV")
+    p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")
+    p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline for a request's KV to arrive")
+    p.add_argument("--max-num-seqs-in-flight", type=int, default=1024)
+    p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+
+
+def build(args):
+    from pdserve.engine.loader import load_model_info
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.router.app import build_router_app
+    from pdserve.router.disagg import DisaggEngine
+    from pdserve.router.placement import Placer
+    from pdserve.router.registry import Registry
+    from pdserve.server.app import ServerSettings
+    from pdserve.server.metrics import ServerMetrics
+
+    info = load_model_info(args.model)
+    core = _Core(info.config, Tokenizer.from_loaded(info))
+    names = args.served_model_name or []
+    registry = Registry(timeout_s=args.worker_timeout_s)
+    engine = DisaggEngine(core, registry, ServerMetrics(names[0] if names else info.config.name),
+                          Placer(args.policy), kv_timeout_s=args.kv_timeout_s,
+                          max_in_flight=args.max_num_seqs_in_flight)
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
+                              max_request_body_bytes=args.max_request_body_bytes)
+    return build_router_app(engine, registry, settings), engine
+
+
+class _Core:
+    """What the OpenAI app reads from an engine: name, tokenizer, context length."""
+
+    def __init__(self, model_config, tokenizer):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_position_embeddings
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from pdserve.engine.loader import ModelLoadError
+    from pdserve.server import logs
+
+    logs.configure(args.log_level, args.log_format)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call is noise
+    try:
+        app, _ = build(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    log.info("router listening", extra={"fields": {"host": args.host, "port": args.port, "policy": args.policy}})
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=10)
+    return 0

@@ -1,0 +1,365 @@
+"""The router's engine: each request is a prefill on one worker and a decode on another.
+
+`DisaggEngine` offers the same surface as the collocated `AsyncEngine`
+(`submit` -> a group with `accepted` / `next_batch` / `abort`), so the very
+same OpenAI app (pdserve/server/app.py) serves both modes.
+
+Flow for one choice (seed 000 §2-3): pick (P, D); D reserves blocks (keeping
+any prefix it caches); P prefills and streams the first token, which goes to
+the client at once (TTFT), while its KV streams to D layer by layer; D
+decodes the rest. Failures (§8.3): P gone before the first token -> D
+recomputes the prompt; the KV lost on the way -> D recomputes; D gone ->
+the request moves to another worker, replaying prompt + tokens so far.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+import httpx
+
+from pdserve.engine.sequence import CompletionOutput, RequestOutput
+from pdserve.router.placement import Placer
+from pdserve.server.errors import APIError
+from pdserve.server.worker import params_to_json
+
+log = logging.getLogger("pdserve.router")
+
+
+class WorkerGone(Exception):
+    """A worker could not be reached or its stream broke."""
+
+
+class _Choice:
+    """One engine-level request: accumulates what the workers stream."""
+
+    def __init__(self, group, index: int, rid: str, prompt: list[int], params):
+        self.group, self.index, self.rid, self.prompt, self.params = group, index, rid, prompt, params
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict] = []
+        self.finished = False
+        self.arrival_s = time.monotonic()
+        self.first_token_s = self.last_token_s = None
+        self.workers: set[str] = set()
+
+    def emit(self, ev: dict) -> None:
+        ids = list(ev.get("token_ids") or [])
+        self.token_ids += ids
+        self.text += ev.get("text") or ""
+        if ev.get("logprobs"):
+            self.logprobs += [{int(k): v for k, v in e.items()} for e in ev["logprobs"]]
+        self.finished = bool(ev.get("finished"))
+        now = time.monotonic()
+        m = self.group.engine.metrics
+        if ids:
+            if self.first_token_s is None:
+                self.first_token_s = now
+                m.on_first_token(self.arrival_s, None, now, len(self.prompt))
+                gap = None
+            else:
+                gap = now - self.last_token_s
+            self.last_token_s = now
+            m.on_tokens(len(ids), gap)
+        comp = CompletionOutput(0, self.text, list(self.token_ids), None,
+                                list(self.logprobs) if self.params.logprobs is not None else None,
+                                ev.get("finish_reason") if self.finished else None,
+                                ev.get("stop_reason") if self.finished else None)
+        out = RequestOutput(self.rid, None, self.prompt, [comp], self.finished, ids, ev.get("text") or "")
+        if self.finished:
+            m.on_finish(comp.finish_reason or "stop", self.arrival_s, self.first_token_s, self.last_token_s,
+                        len(self.token_ids))
+        self.group._queue.put_nowait((self.index, out))
+
+
+class RouterGroup:
+    def __init__(self, engine: "DisaggEngine", request_id: str, inputs, priority: int):
+        self.engine = engine
+        self.request_id = request_id
+        self.subs = [_Choice(self, i, f"{request_id}-{i}", inp.prompt_token_ids, inp.params)
+                     for i, inp in enumerate(inputs)]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending_acks = len(self.subs)
+        self._num_finished = 0
+        self.tasks = [asyncio.create_task(engine.run_choice(c)) for c in self.subs]
+
+    def acknowledge(self, err: APIError | None = None) -> None:
+        if self._ack.done():
+            return
+        if err is not None:
+            self._ack.set_exception(err)
+            self.abort()
+            return
+        self._pending_acks -= 1
+        if self._pending_acks == 0:
+            self._ack.set_result(None)
+
+    def fail(self, err: APIError) -> None:
+        if not self._ack.done():
+            self.acknowledge(err)
+        else:
+            self._queue.put_nowait(err)
+
+    async def accepted(self) -> None:
+        await asyncio.shield(self._ack)
+
+    async def next_batch(self):
+        if self._num_finished == len(self.subs):
+            return None
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for item in items:
+            if isinstance(item, APIError):
+                raise item
+            if item[1].finished:
+                self._num_finished += 1
+        return items
+
+    def abort(self) -> None:
+        for t in self.tasks:
+            if not t.done():
+                t.cancel()
+
+
+class DisaggEngine:
+    """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
+
+    def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = 30.0,
+                 max_in_flight: int = 1024):
+        self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
+        self.registry = registry
+        self.metrics = metrics
+        self.placer = placer or Placer()
+        self.kv_timeout_s = kv_timeout_s
+        self.max_in_flight = max_in_flight
+        self.failure = None
+        self.draining = False
+        self.ready = asyncio.Event()
+        self.stats: dict | None = None
+        self.num_waiting = 0
+        self.counters = {"kv_bytes": 0, "kv_seconds": 0.0, "kv_failed": 0, "kv_retries": 0,
+                         "recomputed": 0, "replaced": 0}
+        self._groups: set[RouterGroup] = set()
+        self._http: httpx.AsyncClient | None = None
+
+    # ---- lifecycle
+    def start(self) -> None:
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=256))
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+        self.refresh_stats()
+        self.ready.set()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            if self.registry.expire():
+                self.refresh_stats()
+            await asyncio.sleep(self.registry.timeout_s / 4)
+
+    def refresh_stats(self) -> None:
+        """What /health shows: the decode pool's KV and everyone's queues."""
+        alive = self.registry.alive()
+        dec = [w.stats for w in alive if w.can_decode() and w.stats]
+        num_blocks = sum(s.get("num_blocks", 0) for s in dec)
+        free = sum(s.get("num_free_blocks", 0) for s in dec)
+        self.stats = {"num_running": sum(w.stats.get("num_running", 0) for w in alive if w.stats),
+                      "num_waiting": sum(w.stats.get("num_waiting", 0) for w in alive if w.stats),
+                      "num_free_blocks": free, "num_blocks": num_blocks,
+                      "kv_usage": 1 - free / num_blocks if num_blocks else 0.0,
+                      "workers_alive": {r: len(self.registry.alive(r)) for r in ("prefill", "decode")}}
+        for key in ("prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "num_preemptions"):
+            self.stats[key] = sum(w.stats.get(key, 0) for w in alive if w.stats)
+        self.metrics.set_engine_stats(self.stats)
+
+    async def shutdown(self, reason: str = "the router is shutting down") -> None:
+        self.draining = True
+        if getattr(self, "_expiry", None) is not None:
+            self._expiry.cancel()
+        self.fail_all(APIError(503, reason))
+        if self._http is not None:
+            await self._http.aclose()
+
+    def fail_all(self, err: APIError) -> None:
+        for g in list(self._groups):
+            g.fail(err)
+            g.abort()
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(len(g.subs) for g in self._groups)
+
+    def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
+        if self.draining:
+            raise APIError(503, "the router is shutting down")
+        if not self.registry.alive("prefill") or not self.registry.alive("decode"):
+            raise APIError(503, "no prefill or no decode worker is alive", code="no_workers",
+                           headers={"Retry-After": "2"})
+        if self.num_in_flight + len(inputs) > self.max_in_flight:
+            self.metrics.rejected.inc()
+            raise APIError(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
+        group = RouterGroup(self, request_id or f"req-{time.monotonic_ns()}", inputs, priority)
+        self._groups.add(group)
+        for t in group.tasks:
+            t.add_done_callback(lambda _t, g=group: self._groups.discard(g) if all(x.done() for x in g.tasks)
+                                else None)
+        return group
+
+    # ---- one choice
+    async def run_choice(self, c: _Choice) -> None:
+        try:
+            await self._run(c)
+        except asyncio.CancelledError:
+            await self._abort_everywhere(c)
+            raise
+        except APIError as e:
+            c.group.fail(e)
+        except Exception as e:  # a bug here must not hang the client
+            log.exception("request %s failed in the router", c.rid)
+            c.group.fail(APIError(500, f"the router failed this request: {type(e).__name__}"))
+
+    async def _run(self, c: _Choice) -> None:
+        p, d = self.placer.pick(self.registry, c.prompt)
+        if p is None or d is None:
+            raise APIError(503, "no prefill or no decode worker is alive", code="no_workers",
+                           headers={"Retry-After": "2"})
+        body = {"request_id": c.rid, "prompt_token_ids": c.prompt, "params": params_to_json(c.params)}
+        try:
+            dest = (await self._post(d, "/internal/reserve", {**body, "deadline_s": self.kv_timeout_s}))["kv_destination"]
+        except WorkerGone:
+            self.registry.mark_dead(d.worker_id)
+            raise APIError(503, "the decode worker could not be reached; retry", headers={"Retry-After": "1"})
+        c.group.acknowledge()
+        c.workers = {p.worker_id, d.worker_id}
+        first, prefill_task = await self._prefill(c, p, body, dest)
+        await self._decode(c, d, first, kv_expected=first is not None)
+        if prefill_task is not None:
+            await prefill_task
+
+    async def _prefill(self, c: _Choice, p, body: dict, dest: dict):
+        """Stream the prefill; returns (first token or None if P failed, task reading the save report)."""
+        try:
+            resp = await self._stream(p, "/internal/prefill", {**body, "kv_destination": dest})
+            lines = resp.aiter_lines()
+            ev = json.loads(await anext(lines))
+            if ev.get("event") != "first_token":
+                raise WorkerGone(ev.get("message", "prefill failed"))
+        except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError) as e:
+            log.warning("request %s: prefill worker %s failed (%s); the decode worker recomputes",
+                        c.rid, p.worker_id, e)
+            self.registry.mark_dead(p.worker_id) if isinstance(e, (WorkerGone, httpx.TransportError)) else None
+            self.counters["recomputed"] += 1
+            return None, None
+        first = ev["token_ids"][0]
+        c.emit({**ev, "finished": False})
+
+        async def read_saved():
+            try:
+                async for line in lines:
+                    s = json.loads(line)
+                    if s.get("event") == "saved":
+                        self.counters["kv_bytes"] += s.get("bytes", 0)
+                        self.counters["kv_seconds"] += s.get("seconds", 0.0)
+                        self.counters["kv_retries"] += s.get("retries", 0)
+                        self.counters["kv_failed"] += not s.get("ok")
+            except (httpx.HTTPError, ValueError):
+                pass
+            finally:
+                await resp.aclose()
+
+        return first, asyncio.create_task(read_saved())
+
+    async def _decode(self, c: _Choice, d, first: int | None, kv_expected: bool) -> None:
+        body = {"request_id": c.rid, "first_token": first, "kv_expected": kv_expected,
+                "timeout_s": self.kv_timeout_s}
+        try:
+            await self._consume(c, d, "/internal/decode", body)
+        except WorkerGone as e:
+            self.registry.mark_dead(d.worker_id)
+            await self._replace(c, reason=str(e))
+
+    async def _replace(self, c: _Choice, reason: str) -> None:
+        """The decode worker is gone: replay prompt + tokens so far on another worker."""
+        self.counters["replaced"] += 1
+        for _ in range(3):
+            w = self.placer.pick_any(self.registry, exclude=c.workers)
+            if w is None:
+                break
+            c.workers.add(w.worker_id)
+            log.warning("request %s: decode worker lost (%s); continuing on %s", c.rid, reason, w.worker_id)
+            done = len(c.token_ids)
+            params = c.params
+            if params.max_tokens is not None:
+                params = dataclasses.replace(params, max_tokens=max(1, params.max_tokens - done),
+                                             min_tokens=max(0, params.min_tokens - done))
+            body = {"request_id": f"{c.rid}-r{len(c.workers)}", "prompt_token_ids": c.prompt + c.token_ids,
+                    "params": params_to_json(params)}
+            try:
+                await self._consume(c, w, "/internal/generate", body)
+                return
+            except WorkerGone:
+                self.registry.mark_dead(w.worker_id)
+        raise APIError(503, f"the request lost its decode worker and no other could take it ({reason})")
+
+    async def _consume(self, c: _Choice, w, path: str, body: dict) -> None:
+        try:
+            resp = await self._stream(w, path, body)
+            try:
+                async for line in resp.aiter_lines():
+                    ev = json.loads(line)
+                    if ev.get("event") == "output":
+                        c.emit(ev)
+                    elif ev.get("event") == "error":
+                        raise APIError(ev.get("status", 500), ev.get("message", "worker error"))
+            finally:
+                await resp.aclose()
+        except (httpx.HTTPError, ValueError) as e:
+            raise WorkerGone(f"{w.worker_id}: {type(e).__name__}: {e}") from None
+        if not c.finished:
+            raise WorkerGone(f"{w.worker_id} ended the stream before the request finished")
+
+    # ---- HTTP to workers
+    async def _stream(self, w, path: str, body: dict) -> httpx.Response:
+        try:
+            req = self._http.build_request("POST", w.url + path, json=body)
+            resp = await self._http.send(req, stream=True)
+        except httpx.TransportError as e:
+            raise WorkerGone(f"{w.worker_id}: {e}") from None
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            await resp.aclose()
+            raise _api_error(resp.status_code, detail, resp.headers)
+        return resp
+
+    async def _post(self, w, path: str, body: dict) -> dict:
+        try:
+            resp = await self._http.post(w.url + path, json=body)
+        except httpx.TransportError as e:
+            raise WorkerGone(f"{w.worker_id}: {e}") from None
+        if resp.status_code != 200:
+            raise _api_error(resp.status_code, resp.text, resp.headers)
+        return resp.json()
+
+    async def _abort_everywhere(self, c: _Choice) -> None:
+        for wid in c.workers:
+            w = self.registry.get(wid)
+            if w is None or not w.alive:
+                continue
+            try:
+                await self._http.post(w.url + "/internal/abort", json={"request_id": c.rid}, timeout=2)
+            except httpx.HTTPError:
+                pass
+
+
+def _api_error(status: int, text: str, headers) -> APIError:
+    try:
+        err = json.loads(text)["error"]
+        message, param, code = err.get("message", text), err.get("param"), err.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, param, code = text, None, None
+    keep = {k: v for k, v in headers.items() if k.lower() == "retry-after"}
+    return APIError(status, message, param=param, code=code, headers=keep)

@@ -1,0 +1,203 @@
+"""A worker process: one engine in a role (prefill, decode or both), driven by the router.
+
+Its control API is plain HTTP + JSON (NDJSON streams for tokens); the KV
+cache never travels here, only over the KV bridge (pdserve/transfer).
+
+    POST /internal/prefill   prefill, stream the first token, then report the KV save
+    POST /internal/reserve   reserve blocks for a prompt whose KV will arrive
+    POST /internal/decode    wait for that KV (or recompute), stream the rest
+    POST /internal/generate  the whole request here (role both, or a fallback)
+    POST /internal/abort     drop a request and its blocks
+    GET  /internal/state     engine stats, free blocks (tests, debugging)
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.server.async_engine import AsyncEngine, EngineInput
+from pdserve.server.errors import APIError, install_handlers
+from pdserve.transfer.connector import KVDestination, KVTransferError
+
+log = logging.getLogger("pdserve.worker")
+
+
+def params_to_json(p: SamplingParams) -> dict:
+    return dataclasses.asdict(p)
+
+
+def params_from_json(d: dict) -> SamplingParams:
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in d.items() if k in fields})
+
+
+def output_event(out) -> dict:
+    """One engine RequestOutput as a JSON line (what the router turns back into an output)."""
+    c = out.outputs[0]
+    new_lp = c.logprobs[-len(out.new_token_ids):] if c.logprobs and out.new_token_ids else None
+    return {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "logprobs": [{str(k): v for k, v in e.items()} for e in new_lp] if new_lp else None,
+            "num_prompt_tokens": len(out.prompt_token_ids)}
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+class WorkerApi:
+    def __init__(self, engine: AsyncEngine, role: str, sender=None, receiver=None,
+                 save_timeout_s: float = 30.0):
+        self.engine = engine
+        self.role = role
+        self.sender = sender  # KVSender (prefill / both)
+        self.receiver = receiver  # KVReceiver (decode / both)
+        self.save_timeout_s = save_timeout_s
+
+    async def _body(self, request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(400, f"invalid JSON: {e}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+            raise APIError(400, "body must be an object with a string request_id")
+        return body
+
+    # ---- prefill role
+    async def prefill(self, request: Request):
+        b = await self._body(request)
+        rid = b["request_id"]
+        dest = KVDestination.from_json(b["kv_destination"]) if b.get("kv_destination") else None
+        params = params_from_json(b.get("params", {}))
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+        group = self.engine.submit([EngineInput(b["prompt_token_ids"], params, kv_destination=dest)],
+                                   request_id=rid)
+        await group.accepted()
+
+        async def stream():
+            try:
+                batch = await group.next_batch()
+                yield _line({"event": "first_token", **output_event(batch[-1][1])})
+                if dest is not None:
+                    yield _line(await self._saved(dest.transfer_id))
+            except asyncio.CancelledError:
+                group.abort()
+                raise
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    async def _saved(self, transfer_id: str) -> dict:
+        try:
+            st = await asyncio.to_thread(self.sender.wait_for_save, transfer_id, self.save_timeout_s)
+            return {"event": "saved", "ok": True, "bytes": st.bytes, "retries": st.retries,
+                    "seconds": st.finished_s - st.started_s}
+        except KVTransferError as e:
+            return {"event": "saved", "ok": False, "error": str(e)}
+
+    # ---- decode role
+    async def reserve(self, request: Request):
+        b = await self._body(request)
+        rid = b["request_id"] + "-0"
+        params = params_from_json(b.get("params", {}))
+
+        def do(engine):
+            return engine.reserve_for_transfer(rid, b["prompt_token_ids"], params, self.receiver,
+                                               deadline_s=float(b.get("deadline_s", 30)))
+
+        try:
+            dest = await self.engine.call(do)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if dest is None:
+            raise APIError(503, "no free KV blocks for this prompt now", code="kv_full",
+                           headers={"Retry-After": "1"})
+        return JSONResponse({"kv_destination": dest.to_json()})
+
+    async def decode(self, request: Request):
+        b = await self._body(request)
+        rid = b["request_id"] + "-0"
+        first = b.get("first_token")
+        kv_ok = False
+        if b.get("kv_expected", True):
+            try:
+                await asyncio.to_thread(self.receiver.wait_for_all, rid, float(b.get("timeout_s", 30)))
+                kv_ok = True
+            except KVTransferError as e:
+                log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
+        group = self.engine.attach(b["request_id"], 1)
+        try:
+            first_out = await self.engine.call(lambda e: e.activate_transferred(rid, first, kv_ok))
+        except KeyError:
+            group.abort()
+            raise APIError(404, f"no reserved request {rid!r} here (lease expired?)") from None
+        return StreamingResponse(self._stream(group, first_out, kv_ok), media_type="application/x-ndjson")
+
+    async def _stream(self, group, first_out=None, kv_ok: bool = True):
+        try:
+            yield _line({"event": "kv", "ok": kv_ok})
+            if first_out is not None and first_out.finished:
+                # the first token (already streamed by the prefill worker) ended the request
+                end = output_event(first_out)
+                yield _line({"event": "output", **end, "token_ids": [], "text": "", "logprobs": None})
+                group.abort()
+                return
+            while (batch := await group.next_batch()) is not None:
+                for _, out in batch:
+                    yield _line({"event": "output", **output_event(out)})
+        except APIError as e:
+            yield _line({"event": "error", "status": e.status, "message": str(e)})
+        except asyncio.CancelledError:
+            group.abort()
+            raise
+
+    # ---- whole requests here
+    async def generate(self, request: Request):
+        b = await self._body(request)
+        params = params_from_json(b.get("params", {}))
+        group = self.engine.submit([EngineInput(b["prompt_token_ids"], params)], request_id=b["request_id"])
+        await group.accepted()
+        return StreamingResponse(self._stream(group), media_type="application/x-ndjson")
+
+    async def abort(self, request: Request):
+        b = await self._body(request)
+        rid = b["request_id"] + "-0"
+        await self.engine.call(lambda e: e.abort_request(rid))
+        if self.receiver is not None:
+            self.receiver.cancel(rid)
+        return JSONResponse({"aborted": rid})
+
+    async def state(self, request: Request):
+        core = self.engine.engine
+        stats = dict(self.engine.stats or {})
+        return JSONResponse({"role": self.role, "ready": core is not None, "failure": self.engine.failure,
+                             "stats": stats, "time": time.time()})
+
+
+def build_worker_app(api: WorkerApi, on_startup=None, on_shutdown=None) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        api.engine.start()
+        tasks = [asyncio.create_task(on_startup())] if on_startup else []
+        yield
+        for t in tasks:
+            t.cancel()
+        if on_shutdown:
+            await on_shutdown()
+        await api.engine.shutdown()
+
+    app = FastAPI(title="pdserve-worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    for path, fn, method in (("/internal/prefill", api.prefill, "POST"), ("/internal/reserve", api.reserve, "POST"),
+                             ("/internal/decode", api.decode, "POST"), ("/internal/generate", api.generate, "POST"),
+                             ("/internal/abort", api.abort, "POST"), ("/internal/state", api.state, "GET")):
+        app.add_api_route(path, fn, methods=[method])
+    return app

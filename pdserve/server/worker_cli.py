@@ -1,0 +1,133 @@
+"""`pdserve worker --role prefill|decode|both --router URL`: one engine process that joins a router.
+
+Workers are plain processes: any scheduler (a shell, Kubernetes, Slurm) can
+start them anywhere the router and the other workers can reach.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+log = logging.getLogger("pdserve.worker")
+
+
+def add_arguments(p) -> None:
+    from pdserve.engine.cli import add_engine_arguments
+
+    add_engine_arguments(p)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    p.add_argument("--router", default=None, help="router URL to register with, e.g. http://127.0.0.1:8000")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (control API and KV)")
+    p.add_argument("--port", type=int, default=0, help="control API port (0: any free port)")
+    p.add_argument("--advertise-host", default=None, help="address others use to reach this worker")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--kv-transport", choices=["auto", "tcp"], default="auto",
+                   help="prefill side: shared memory when the decode worker is on this host, else TCP")
+    p.add_argument("--kv-layerwise", action=__import__("argparse").BooleanOptionalAction, default=True,
+                   help="send each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
+    p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none", help="KV compression on the wire")
+    p.add_argument("--kv-shm-dir", default="/dev/shm",
+                   help="decode side: directory for the shared KV cache ('' to disable)")
+    p.add_argument("--cpu-cores", default=None, help="pin this process to these cores, e.g. 0 or 0,1")
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--log-level", default="info")
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from pdserve.server import logs
+
+    logs.configure(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
+    if args.cpu_cores:
+        os.sched_setaffinity(0, {int(c) for c in args.cpu_cores.split(",")})
+    port = args.port or _free_port(args.host)
+    app = build(args, port)
+    uvicorn.run(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=10)
+    return 0
+
+
+def build(args, port: int):
+    from pdserve.config import EngineConfig
+    from pdserve.engine.cli import engine_kwargs
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.server.async_engine import AsyncEngine
+    from pdserve.server.metrics import ServerMetrics
+    from pdserve.server.worker import WorkerApi, build_worker_app
+    from pdserve.transfer.bridge import PrefillBridge
+    from pdserve.transfer.receiver import KVReceiverServer
+    from pdserve.transfer.sender import AutoKVSender
+
+    role = args.role
+    host = args.advertise_host or args.host
+    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:6]}"
+    kw = engine_kwargs(args)
+    if role in ("decode", "both") and args.kv_shm_dir and os.path.isdir(args.kv_shm_dir):
+        kw["kv_cache_shm_dir"] = args.kv_shm_dir
+    sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto") if role != "decode" else None
+    holder: dict = {}
+
+    def make_engine():
+        engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw))
+        if sender is not None:
+            engine.bridge = PrefillBridge(sender, engine.model_config.num_hidden_layers, args.kv_layerwise)
+        if role != "prefill":
+            holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host,
+                                                  scheme="shm" if engine.runner.kv_shm_paths else "tcp")
+            api.receiver = holder["receiver"]
+        return engine
+
+    engine = AsyncEngine(make_engine, ServerMetrics)
+    api = WorkerApi(engine, role, sender=sender)
+
+    async def join_router():
+        if not args.router:
+            return
+        await engine.ready.wait()
+        await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder)
+
+    async def close():
+        if sender is not None:
+            sender.close()
+        if holder.get("receiver"):
+            holder["receiver"].close()
+
+    return build_worker_app(api, on_startup=join_router, on_shutdown=close)
+
+
+async def _register_loop(args, worker_id, url, role, api, holder) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=args.router, timeout=5) as client:
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    recv = holder.get("receiver")
+                    await _post(client, "/internal/register", {
+                        "worker_id": worker_id, "url": url, "role": role,
+                        "kv_address": recv.address if recv else "", "host": socket.gethostname()})
+                    registered = True
+                    log.info("registered with %s as %s (%s)", args.router, worker_id, role)
+                r = await client.post("/internal/heartbeat", json={"worker_id": worker_id,
+                                                                   "stats": api.engine.stats or {}})
+                registered = r.status_code == 200  # 404: the router forgot us (restart): register again
+            except (httpx.HTTPError, OSError) as e:
+                registered = False
+                log.debug("router unreachable: %s", e)
+            await asyncio.sleep(args.heartbeat_s)
+
+
+async def _post(client, path, body) -> None:
+    r = await client.post(path, json=body)
+    r.raise_for_status()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,108 @@
+"""A real disaggregated deployment for tests: router + prefill + decode worker processes."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from tests.server.serverproc import REPO, _die_with_parent, free_port
+
+
+class Proc:
+    def __init__(self, name: str, *args: str):
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_die_with_parent)
+
+    def log(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 15) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Cluster:
+    """`router_args` and `worker_args` are extra CLI flags; workers register themselves."""
+
+    def __init__(self, model: str, prefill: int = 1, decode: int = 1, worker_args=(), prefill_args=(),
+                 decode_args=(), router_args=(), timeout_s: float = 120):
+        self.router = Proc("router", "router", "--model", model, "--worker-timeout-s", "2", *router_args)
+        self.url = self.router.url
+        self.workers: list[Proc] = []
+        try:
+            for role, n, extra in (("prefill", prefill, prefill_args), ("decode", decode, decode_args)):
+                for i in range(n):
+                    self.workers.append(Proc(f"{role}{i}", "worker", "--role", role, "--model", model,
+                                             "--router", self.url, "--worker-id", f"{role}{i}", "--threads", "1",
+                                             "--heartbeat-s", "0.3", *worker_args, *extra))
+            self.wait_workers(prefill, decode, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def worker(self, name: str) -> Proc:
+        return next(w for w in self.workers if w.name == name)
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/internal/workers", timeout=5).json()
+
+    def wait_workers(self, prefill: int, decode: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for p in [self.router, *self.workers]:
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log()}")
+            try:
+                ws = [w for w in self.status()["workers"] if w["alive"]]
+                roles = [w["role"] for w in ws]
+                if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("workers did not register:\n" + "\n".join(f"--- {p.name}\n{p.log()}"
+                                                                      for p in [self.router, *self.workers]))
+
+    def worker_state(self, name: str) -> dict:
+        return httpx.get(self.worker(name).url + "/internal/state", timeout=5).json()
+
+    def wait_idle(self, timeout_s: float = 20) -> dict[str, dict]:
+        """Every live worker's stats once nothing runs or waits and every block is free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = {w.name: self.worker_state(w.name)["stats"] for w in self.workers if w.proc.poll() is None}
+            idle = all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in states.values())
+            if idle or time.monotonic() > deadline:
+                return states
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in [*self.workers, self.router]:
+            p.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,39 @@
+"""Router + prefill worker + decode worker as real processes, driven by the openai client."""
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.transfer.cluster import Cluster
+
+ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "512"]
+PROMPTS = ["hello world", "tell me a story about the sea and the ships that sail on it " * 3, "x"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    with Cluster(tiny_model_dir, worker_args=ENGINE) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=16, num_gpu_blocks=512)
+    return {p: o.outputs[0].text for p, o in
+            zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))}
+
+
+def test_greedy_text_equals_collocated(cluster, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    for prompt in PROMPTS:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == reference[prompt]
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(ch.choices[0].text for ch in stream if ch.choices) == reference[prompt]
+    states = cluster.wait_idle()
+    for name, s in states.items():
+        assert s["num_free_blocks"] == s["num_blocks"], name
+    counters = cluster.status()["counters"]
+    assert counters["kv_bytes"] > 0 and counters["kv_failed"] == 0
