@@ -137,6 +137,9 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: RequestOut
         out.error = f"malformed stream: {e}"
     except httpx.HTTPError as e:
         out.error = describe_http_error(e, url)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:
+        # a chunk of the wrong shape ("choices": "x"): one bad response must not end the run
+        out.error = f"unexpected response shape: {type(e).__name__}: {e}"
 
 
 def _error_message(raw: bytes) -> str:
