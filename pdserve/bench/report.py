@@ -24,6 +24,8 @@ def format_summary(result: dict, percentile_metrics=("ttft", "tpot", "itl", "e2e
     from pdserve.bench.metrics import percentile_key
 
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="=")]
+    if result.get("interrupted"):
+        lines.append("INTERRUPTED: partial results, unfinished requests count as failed")
     lines += [_line("Successful requests:", result["completed"]),
               _line("Failed requests:", result["failed"]),
               _line("Benchmark duration (s):", result["duration"]),

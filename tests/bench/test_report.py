@@ -54,6 +54,7 @@ def test_interrupted_run_keeps_what_finished():
     r = finish(state)
     assert r["interrupted"] and r["completed"] == 3 and r["failed"] == 2 and r["duration"] == 1.5
     assert r["errors"][3:] == ["interrupted before it finished", "HTTP 503: x"]
+    assert "INTERRUPTED" in report.format_summary(r)
 
 
 def test_plain_progress_line(capsys, monkeypatch):
