@@ -47,6 +47,8 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
         self.bridge = None
+        # Decode role: reserved requests not yet activated -> lease deadline
+        self._reserved: dict[str, float] = {}
         self.load_time_s = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s", self.load_time_s,
                  self.model_config.name, self.runner.num_blocks, config.cache.block_size,
@@ -54,7 +56,10 @@ class LLMEngine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, kv_destination=None) -> Sequence:
+                    priority: int = 0, arrival_time: float | None = None, kv_destination=None,
+                    resume_token_ids: Seq[int] | None = None) -> Sequence:
+        """Queue a request. `resume_token_ids`: output another worker already produced (it
+        died mid-decode); they are recomputed here, not re-sent, and count towards max_tokens."""
         params = params or SamplingParams()
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
@@ -65,6 +70,11 @@ class LLMEngine:
                        arrival_time=arrival_time or time.monotonic())
         self.seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if resume_token_ids:
+            seq.output_token_ids = [int(t) for t in resume_token_ids]
+            # the same detokenizer state the first worker had: held-back bytes complete later
+            seq.output_text = self._detok[request_id].step(seq.output_token_ids)
+            seq.emitted_text_len = len(seq.output_text)
         if kv_destination is not None:
             if self.bridge is None:
                 raise InvalidRequest("this worker cannot send KV (it has no KV bridge)", "kv_transfer")
@@ -94,6 +104,7 @@ class LLMEngine:
         seq.num_computed_tokens = num_cached
         seq.num_external_tokens = len(ids) - num_cached
         self.seqs[request_id] = seq
+        self._reserved[request_id] = time.monotonic() + deadline_s
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         table = bm.block_table(request_id)
         dest = KVDestination(transfer_id=request_id, address=receiver.address, block_ids=table,
@@ -115,6 +126,7 @@ class LLMEngine:
         appended and decoding continues; without it (the prefill worker died or
         the transfer failed) the missing prompt tokens are recomputed here."""
         seq = self.seqs[request_id]
+        self._reserved.pop(request_id, None)
         if kv_complete:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens)
@@ -148,11 +160,21 @@ class LLMEngine:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
                                  f"({sc.max_num_batched_tokens}) with chunked prefill off", "prompt")
 
+    def expire_reservations(self, now: float | None = None) -> list[str]:
+        """Free the blocks of reservations whose KV and activation never came (lease expired)."""
+        now = time.monotonic() if now is None else now
+        gone = [rid for rid, deadline in self._reserved.items() if now > deadline]
+        for rid in gone:
+            self._reserved.pop(rid, None)
+            self.abort_request(rid)
+        return gone
+
     def abort_request(self, request_id: str) -> bool:
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
         seq.finish_reason = FinishReason.ABORT
+        self._reserved.pop(request_id, None)
         self._finish(seq)
         return True
 

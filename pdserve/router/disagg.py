@@ -14,7 +14,6 @@ the request moves to another worker, replaying prompt + tokens so far.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -45,6 +44,7 @@ class _Choice:
         self.arrival_s = time.monotonic()
         self.first_token_s = self.last_token_s = None
         self.workers: set[str] = set()
+        self.remote_ids: dict[str, str] = {}  # worker id -> the request id used there
 
     def emit(self, ev: dict) -> None:
         ids = list(ev.get("token_ids") or [])
@@ -137,7 +137,6 @@ class DisaggEngine:
         self.placer = placer or Placer()
         self.kv_timeout_s = kv_timeout_s
         self.max_in_flight = max_in_flight
-        self.failure = None
         self.draining = False
         self.ready = asyncio.Event()
         self.stats: dict | None = None
@@ -190,6 +189,12 @@ class DisaggEngine:
             g.abort()
 
     @property
+    def failure(self) -> str | None:
+        """Why requests cannot be served now (the app answers 503 with it), or None."""
+        missing = [r for r in ("prefill", "decode") if not self.registry.alive(r)]
+        return f"no {' and no '.join(missing)} worker is alive" if missing else None
+
+    @property
     def num_in_flight(self) -> int:
         return sum(len(g.subs) for g in self._groups)
 
@@ -235,6 +240,7 @@ class DisaggEngine:
             raise APIError(503, "the decode worker could not be reached; retry", headers={"Retry-After": "1"})
         c.group.acknowledge()
         c.workers = {p.worker_id, d.worker_id}
+        c.remote_ids = {p.worker_id: c.rid, d.worker_id: c.rid}
         first, prefill_task = await self._prefill(c, p, body, dest)
         await self._decode(c, d, first, kv_expected=first is not None)
         if prefill_task is not None:
@@ -285,19 +291,17 @@ class DisaggEngine:
     async def _replace(self, c: _Choice, reason: str) -> None:
         """The decode worker is gone: replay prompt + tokens so far on another worker."""
         self.counters["replaced"] += 1
+        failed = {wid for wid in c.workers if not (self.registry.get(wid) and self.registry.get(wid).alive)}
         for _ in range(3):
-            w = self.placer.pick_any(self.registry, exclude=c.workers)
+            w = self.placer.pick_any(self.registry, exclude=failed)
             if w is None:
                 break
             c.workers.add(w.worker_id)
+            failed.add(w.worker_id)  # if this one fails too, do not come back to it
             log.warning("request %s: decode worker lost (%s); continuing on %s", c.rid, reason, w.worker_id)
-            done = len(c.token_ids)
-            params = c.params
-            if params.max_tokens is not None:
-                params = dataclasses.replace(params, max_tokens=max(1, params.max_tokens - done),
-                                             min_tokens=max(0, params.min_tokens - done))
-            body = {"request_id": f"{c.rid}-r{len(c.workers)}", "prompt_token_ids": c.prompt + c.token_ids,
-                    "params": params_to_json(params)}
+            c.remote_ids[w.worker_id] = f"{c.rid}-r{len(c.workers)}"
+            body = {"request_id": c.remote_ids[w.worker_id], "prompt_token_ids": c.prompt,
+                    "resume_token_ids": c.token_ids, "params": params_to_json(c.params)}
             try:
                 await self._consume(c, w, "/internal/generate", body)
                 return
@@ -345,12 +349,12 @@ class DisaggEngine:
         return resp.json()
 
     async def _abort_everywhere(self, c: _Choice) -> None:
-        for wid in c.workers:
+        for wid, remote_id in c.remote_ids.items():
             w = self.registry.get(wid)
             if w is None or not w.alive:
                 continue
             try:
-                await self._http.post(w.url + "/internal/abort", json={"request_id": c.rid}, timeout=2)
+                await self._http.post(w.url + "/internal/abort", json={"request_id": remote_id}, timeout=2)
             except httpx.HTTPError:
                 pass
 

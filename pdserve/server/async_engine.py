@@ -33,6 +33,7 @@ class EngineInput:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_destination: object | None = None  # prefill role: where this request's KV goes
+    resume_token_ids: list[int] | None = None  # output a lost worker already produced
 
 
 class _Sub:
@@ -305,7 +306,7 @@ class AsyncEngine:
         try:
             for rid, inp, priority, arrival_s in items:
                 engine.add_request(rid, inp.prompt_token_ids, inp.params, priority=priority, arrival_time=arrival_s,
-                                   kv_destination=inp.kv_destination)
+                                   kv_destination=inp.kv_destination, resume_token_ids=inp.resume_token_ids)
                 added.append(rid)
             return None
         except InvalidRequest as e:

@@ -21,8 +21,16 @@ log = logging.getLogger("pdserve.server")
 def add_arguments(p) -> None:
     from pdserve.engine.cli import add_engine_arguments
 
-    p.add_argument("--mode", default="collocated", choices=["collocated"],
-                   help="worker role (prefill/decode roles come with the router)")
+    p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "collocated"],
+                   help="disaggregated: router + prefill and decode worker processes; collocated: one engine")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
+    p.add_argument("--policy", default="least_loaded", choices=["least_loaded", "round_robin"])
+    p.add_argument("--kv-layerwise", action=__import__("argparse").BooleanOptionalAction, default=True,
+                   help="stream each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
+    p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none")
+    p.add_argument("--kv-transport", choices=["auto", "tcp"], default="auto")
+    p.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
@@ -43,6 +51,13 @@ def run(args) -> int:
     from pdserve.server import logs
 
     logs.configure(args.log_level, args.log_format)
+    if args.mode == "disaggregated":
+        from pdserve.server.launcher import launch
+
+        if args.prefill < 1 or args.decode < 1:
+            print("pdserve serve: --prefill and --decode must be at least 1", file=sys.stderr)
+            return 2
+        return launch(args)
     try:
         app, engine = _build(args)
     except ValueError as e:  # ConfigError and friends: refuse before binding the port

@@ -131,6 +131,7 @@ class WorkerApi:
                 kv_ok = True
             except KVTransferError as e:
                 log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
+            self.receiver.cancel(rid)  # landed or given up: late frames must not touch the blocks
         group = self.engine.attach(b["request_id"], 1)
         try:
             first_out = await self.engine.call(lambda e: e.activate_transferred(rid, first, kv_ok))
@@ -161,7 +162,8 @@ class WorkerApi:
     async def generate(self, request: Request):
         b = await self._body(request)
         params = params_from_json(b.get("params", {}))
-        group = self.engine.submit([EngineInput(b["prompt_token_ids"], params)], request_id=b["request_id"])
+        inp = EngineInput(b["prompt_token_ids"], params, resume_token_ids=b.get("resume_token_ids"))
+        group = self.engine.submit([inp], request_id=b["request_id"])
         await group.accepted()
         return StreamingResponse(self._stream(group), media_type="application/x-ndjson")
 
@@ -172,6 +174,16 @@ class WorkerApi:
         if self.receiver is not None:
             self.receiver.cancel(rid)
         return JSONResponse({"aborted": rid})
+
+    async def reap_leases(self, every_s: float = 1.0) -> None:
+        """Free blocks reserved for KV that never came and a decode that was never asked for."""
+        await self.engine.ready.wait()
+        while self.engine.engine is not None and self.receiver is not None:
+            gone = await self.engine.call(lambda e: e.expire_reservations())
+            for rid in gone:
+                log.warning("request %s: reservation lease expired; its blocks are freed", rid)
+                self.receiver.cancel(rid)
+            await asyncio.sleep(every_s)
 
     async def state(self, request: Request):
         core = self.engine.engine
@@ -186,7 +198,9 @@ def build_worker_app(api: WorkerApi, on_startup=None, on_shutdown=None) -> FastA
     @asynccontextmanager
     async def lifespan(app):
         api.engine.start()
-        tasks = [asyncio.create_task(on_startup())] if on_startup else []
+        tasks = [asyncio.create_task(api.reap_leases())]
+        if on_startup:
+            tasks.append(asyncio.create_task(on_startup()))
         yield
         for t in tasks:
             t.cancel()

@@ -39,14 +39,30 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_faults(spec: str | None) -> dict[str, tuple[int, float]]:
+    """Fault injection for tests of the failure paths, from $PDSERVE_KV_FAULT:
+    `cut_at_layer=K` (drop the connection once before layer K), `stall_at_layer=K:S`
+    (sleep S seconds before layer K), `exit_at_layer=K` (the process dies there)."""
+    out = {}
+    for item in filter(None, (spec or "").split(",")):
+        name, _, value = item.partition("=")
+        layer, _, arg = value.partition(":")
+        out[name.strip()] = (int(layer), float(arg or 0))
+    return out
+
+
 class TcpKVSender(KVSender):
     """Push: connect to the decode worker's receiver and send frames."""
 
-    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0):
+    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0, lease_s: float = 120.0):
+        import os
+
         if wire_mode not in wire.WIRE_MODES:
             raise ValueError(f"wire mode must be one of {wire.WIRE_MODES}")
         self.wire_mode = wire_mode
         self.retry_window_s = retry_window_s
+        self.lease_s = lease_s  # a transfer nobody waits for is dropped after this
+        self.faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
         self._transfers: dict[str, _Outgoing] = {}
         self._socks: dict[str, socket.socket] = {}
         self._q: queue.Queue = queue.Queue()
@@ -59,6 +75,9 @@ class TcpKVSender(KVSender):
     def begin(self, dest, num_layers):
         t = _Outgoing(dest)
         t.stats.started_s = time.monotonic()
+        for tid, old in list(self._transfers.items()):  # leases of transfers nobody waited for
+            if t.stats.started_s - old.stats.started_s > self.lease_s:
+                self._transfers.pop(tid, None)
         self._transfers[dest.transfer_id] = t
 
     def save_layer(self, transfer_id, layer, token_start, k, v):
@@ -114,12 +133,26 @@ class TcpKVSender(KVSender):
                 continue
             self._send_with_retry(t, header, payload)
 
+    def _inject(self, header: dict, address: str) -> None:
+        layer = header.get("layer", -1)
+        if "stall_at_layer" in self.faults and self.faults["stall_at_layer"][0] == layer:
+            time.sleep(self.faults.pop("stall_at_layer")[1])
+        if "cut_at_layer" in self.faults and self.faults["cut_at_layer"][0] == layer:
+            del self.faults["cut_at_layer"]
+            self._socks[address].shutdown(socket.SHUT_RDWR)
+        if "exit_at_layer" in self.faults and self.faults["exit_at_layer"][0] == layer:
+            import os
+
+            os._exit(17)
+
     def _send_with_retry(self, t: _Outgoing, header: dict, payload) -> None:
         deadline = time.monotonic() + self.retry_window_s
         resend = False
         while True:
             try:
                 sock = self._sock(t.dest.address)
+                if self.faults:
+                    self._inject(header, t.dest.address)
                 if resend:  # a new connection: the receiver may lack what went before
                     for h, p in t.frames:
                         if h is not header:

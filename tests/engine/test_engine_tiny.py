@@ -198,3 +198,20 @@ def test_incremental_detokenizer_never_splits_utf8(tiny_llm):
     pieces = [detok.step([i]) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_resume_continues_where_another_worker_stopped(tiny_llm):
+    """A request resumed with the tokens a lost worker produced ends exactly as if uninterrupted."""
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = tiny_llm.generate("resume me", p)[0].outputs[0]
+    eng = tiny_llm.engine
+    ids = tiny_llm.tokenizer.encode("resume me")
+    eng.add_request("res", ids, p, resume_token_ids=full.token_ids[:5])
+    text = ""
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            text += o.new_text
+            final = o
+    assert final.outputs[0].token_ids == full.token_ids
+    assert final.outputs[0].text == full.text
+    assert_idle(tiny_llm)

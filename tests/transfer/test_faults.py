@@ -1,0 +1,121 @@
+"""Failures with real processes: each request still ends correctly, and no worker leaks blocks.
+
+Faults are injected inside the real sender ($PDSERVE_KV_FAULT) or by killing a
+process; everything else is the real router, workers and sockets.
+"""
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdserve import LLM, SamplingParams
+from tests.transfer.cluster import Cluster
+
+ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "512", "--kv-transport", "tcp"]
+PROMPT = "tell me a story about the sea and the ships that sail on it " * 4
+MAX = 24
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=16, num_gpu_blocks=512)
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True))[0].outputs[0].text
+
+
+def complete(url: str, timeout: float = 60) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=timeout, json={
+        "model": "m", "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True})
+    return r
+
+
+def model_name(url):
+    return httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+def run_request(c: Cluster) -> str:
+    r = httpx.post(c.url + "/v1/completions", timeout=60, json={
+        "model": model_name(c.url), "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def assert_no_leaks(c: Cluster):
+    for name, s in c.wait_idle().items():
+        assert s["num_running"] == 0 and s["num_waiting"] == 0, name
+        assert s["num_free_blocks"] == s["num_blocks"], f"{name} leaked blocks: {s}"
+
+
+def with_fault(model, fault: str, **kw):
+    old = os.environ.get("PDSERVE_KV_FAULT")
+    os.environ["PDSERVE_KV_FAULT"] = fault
+    try:
+        return Cluster(model, worker_args=ENGINE, **kw)
+    finally:
+        os.environ.pop("PDSERVE_KV_FAULT") if old is None else os.environ.__setitem__("PDSERVE_KV_FAULT", old)
+
+
+def test_connection_cut_at_layer_k_is_retried(tiny_model_dir, reference):
+    with with_fault(tiny_model_dir, "cut_at_layer=1") as c:
+        assert run_request(c) == reference
+        assert c.status()["counters"]["kv_retries"] >= 1
+        assert c.status()["counters"]["recomputed"] == 0
+        assert_no_leaks(c)
+
+
+def test_transfer_stalled_past_deadline_is_recomputed(tiny_model_dir, reference):
+    with with_fault(tiny_model_dir, "stall_at_layer=1:4", router_args=["--kv-timeout-s", "1.5"]) as c:
+        assert run_request(c) == reference
+        assert_no_leaks(c)
+
+
+def test_prefill_dies_mid_transfer(tiny_model_dir, reference):
+    with with_fault(tiny_model_dir, "exit_at_layer=1") as c:
+        assert run_request(c) == reference  # the decode worker recomputed the prompt
+        assert c.worker("prefill0").proc.wait(10) == 17
+        assert c.status()["counters"]["recomputed"] == 1
+        for name, s in c.wait_idle().items():
+            assert s["num_free_blocks"] == s["num_blocks"], name
+
+
+def test_decode_dies_mid_stream(tiny_model_dir, reference):
+    with Cluster(tiny_model_dir, worker_args=ENGINE) as c:
+        model = model_name(c.url)
+        text, killed = "", False
+        with httpx.stream("POST", c.url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                import json
+
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if not killed and len(text) >= 4:
+                    c.worker("decode0").kill()
+                    killed = True
+        assert killed and text == reference  # finished on the prefill worker, same tokens
+        assert c.status()["counters"]["replaced"] == 1
+        s = c.worker_state("prefill0")["stats"]
+        deadline = time.monotonic() + 10
+        while s["num_free_blocks"] != s["num_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            s = c.worker_state("prefill0")["stats"]
+        assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_reservation_lease_expires(tiny_model_dir):
+    """A reservation whose decode never comes is freed after its deadline."""
+    with Cluster(tiny_model_dir, worker_args=ENGINE) as c:
+        d = c.worker("decode0")
+        r = httpx.post(d.url + "/internal/reserve", json={"request_id": "orphan", "prompt_token_ids": list(range(40)),
+                                                          "params": {"max_tokens": 4}, "deadline_s": 0.5})
+        assert r.status_code == 200
+        s = c.worker_state("decode0")["stats"]
+        assert s["num_free_blocks"] < s["num_blocks"]
+        time.sleep(2.5)
+        s = c.worker_state("decode0")["stats"]
+        assert s["num_free_blocks"] == s["num_blocks"]
