@@ -26,7 +26,8 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         b = _json(await request.body())
         try:
             info = WorkerInfo(worker_id=str(b["worker_id"]), url=str(b["url"]), role=str(b["role"]),
-                              kv_address=str(b.get("kv_address", "")), host=str(b.get("host", "")))
+                              kv_address=str(b.get("kv_address", "")),
+                              kv_export_address=str(b.get("kv_export_address", "")), host=str(b.get("host", "")))
             registry.register(info)
         except (KeyError, ValueError) as e:
             raise APIError(400, f"bad registration: {e}") from None

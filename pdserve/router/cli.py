@@ -16,6 +16,8 @@ def add_arguments(p) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--policy", default="least_loaded", choices=["least_loaded", "round_robin"],
                    help="prefill placement; decode goes to the worker with the most free KV")
+    p.add_argument("--kv-mode", default="push", choices=["push", "pull"],
+                   help="push: P writes into blocks D reserved; pull: D fetches from P when told")
     p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")
     p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline for a request's KV to arrive")
     p.add_argument("--max-num-seqs-in-flight", type=int, default=1024)
@@ -40,7 +42,7 @@ def build(args):
     registry = Registry(timeout_s=args.worker_timeout_s)
     engine = DisaggEngine(core, registry, ServerMetrics(names[0] if names else info.config.name),
                           Placer(args.policy), kv_timeout_s=args.kv_timeout_s,
-                          max_in_flight=args.max_num_seqs_in_flight)
+                          max_in_flight=args.max_num_seqs_in_flight, kv_mode=args.kv_mode)
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes)
     return build_router_app(engine, registry, settings), engine

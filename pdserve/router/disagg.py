@@ -130,12 +130,15 @@ class DisaggEngine:
     """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
 
     def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = 30.0,
-                 max_in_flight: int = 1024):
+                 max_in_flight: int = 1024, kv_mode: str = "push"):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry
         self.metrics = metrics
         self.placer = placer or Placer()
         self.kv_timeout_s = kv_timeout_s
+        if kv_mode not in ("push", "pull"):
+            raise ValueError("kv_mode must be push or pull")
+        self.kv_mode = kv_mode
         self.max_in_flight = max_in_flight
         self.draining = False
         self.ready = asyncio.Event()
@@ -238,6 +241,12 @@ class DisaggEngine:
         except WorkerGone:
             self.registry.mark_dead(d.worker_id)
             raise APIError(503, "the decode worker could not be reached; retry", headers={"Retry-After": "1"})
+        if self.kv_mode == "pull" and p.kv_export_address:
+            dest["pull"] = True
+            try:  # D starts pulling now; P's exporter waits for the transfer to begin
+                await self._post(d, "/internal/pull", {"request_id": c.rid, "address": p.kv_export_address})
+            except WorkerGone:
+                dest["pull"] = False
         c.group.acknowledge()
         c.workers = {p.worker_id, d.worker_id}
         c.remote_ids = {p.worker_id: c.rid, d.worker_id: c.rid}

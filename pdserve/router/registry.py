@@ -20,6 +20,7 @@ class WorkerInfo:
     url: str  # the worker's control API, e.g. http://127.0.0.1:8101
     role: str
     kv_address: str = ""  # where its KV receiver listens (decode / both)
+    kv_export_address: str = ""  # where it serves KV pulls (prefill / both)
     kv_transports: list[str] = field(default_factory=list)
     host: str = ""
     stats: dict = field(default_factory=dict)  # last heartbeat's engine stats

@@ -30,6 +30,7 @@ def add_arguments(p) -> None:
                    help="stream each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
     p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none")
     p.add_argument("--kv-transport", choices=["auto", "tcp"], default="auto")
+    p.add_argument("--kv-mode", choices=["push", "pull"], default="push")
     p.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)

@@ -33,7 +33,7 @@ def launch(args) -> int:
     py = [sys.executable, "-m", "pdserve.cli"]
     router_url = f"http://{args.host}:{args.port}"
     router = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
-                   "--log-level", args.log_level]
+                   "--kv-mode", args.kv_mode, "--log-level", args.log_level]
     if args.model:
         router += ["--model", args.model]
     if args.api_key:

@@ -5,6 +5,7 @@ cache never travels here, only over the KV bridge (pdserve/transfer).
 
     POST /internal/prefill   prefill, stream the first token, then report the KV save
     POST /internal/reserve   reserve blocks for a prompt whose KV will arrive
+    POST /internal/pull      fetch that KV from a prefill worker (pull mode)
     POST /internal/decode    wait for that KV (or recompute), stream the rest
     POST /internal/generate  the whole request here (role both, or a fallback)
     POST /internal/abort     drop a request and its blocks
@@ -120,6 +121,14 @@ class WorkerApi:
                            headers={"Retry-After": "1"})
         return JSONResponse({"kv_destination": dest.to_json()})
 
+    async def pull(self, request: Request):
+        """Start fetching a reserved request's KV from the prefill worker at `address`."""
+        b = await self._body(request)
+        if self.receiver is None:
+            raise APIError(400, "this worker does not decode")
+        self.receiver.pull(str(b["address"]), b["request_id"] + "-0")
+        return JSONResponse({"pulling": b["request_id"]})
+
     async def decode(self, request: Request):
         b = await self._body(request)
         rid = b["request_id"] + "-0"
@@ -212,6 +221,7 @@ def build_worker_app(api: WorkerApi, on_startup=None, on_shutdown=None) -> FastA
     install_handlers(app)
     for path, fn, method in (("/internal/prefill", api.prefill, "POST"), ("/internal/reserve", api.reserve, "POST"),
                              ("/internal/decode", api.decode, "POST"), ("/internal/generate", api.generate, "POST"),
+                             ("/internal/pull", api.pull, "POST"),
                              ("/internal/abort", api.abort, "POST"), ("/internal/state", api.state, "GET")):
         app.add_api_route(path, fn, methods=[method])
     return app

@@ -68,7 +68,12 @@ def build(args, port: int):
     kw = engine_kwargs(args)
     if role in ("decode", "both") and args.kv_shm_dir and os.path.isdir(args.kv_shm_dir):
         kw["kv_cache_shm_dir"] = args.kv_shm_dir
-    sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto") if role != "decode" else None
+    sender = None
+    if role != "decode":
+        from pdserve.transfer.pull import PullKVExporter
+
+        exporter = PullKVExporter(host=args.host, wire_mode=args.kv_wire)
+        sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter)
     holder: dict = {}
 
     def make_engine():
@@ -108,9 +113,11 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
             try:
                 if not registered:
                     recv = holder.get("receiver")
+                    exporter = api.sender.exporter if api.sender is not None else None
                     await _post(client, "/internal/register", {
                         "worker_id": worker_id, "url": url, "role": role,
-                        "kv_address": recv.address if recv else "", "host": socket.gethostname()})
+                        "kv_address": recv.address if recv else "",
+                        "kv_export_address": exporter.address if exporter else "", "host": socket.gethostname()})
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
                 r = await client.post("/internal/heartbeat", json={"worker_id": worker_id,

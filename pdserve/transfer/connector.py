@@ -39,6 +39,7 @@ class KVDestination:
     block_size: int
     start_token: int = 0  # tokens the decode worker already caches: not sent
     num_tokens: int = 0  # prompt tokens the KV must cover in the end
+    pull: bool = False  # the decode worker will fetch the KV instead of receiving a push
     # shm only: the decode worker's cache files and layout
     shm_paths: list[str] = field(default_factory=list)
     shm_shape: list[int] = field(default_factory=list)

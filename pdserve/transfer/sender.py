@@ -255,14 +255,20 @@ def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[tor
 class AutoKVSender(KVSender):
     """Shared memory when the destination's cache files are visible from here, TCP otherwise."""
 
-    def __init__(self, wire_mode: str = "none", allow_shm: bool = True, retry_window_s: float = 5.0):
+    def __init__(self, wire_mode: str = "none", allow_shm: bool = True, retry_window_s: float = 5.0,
+                 exporter=None):
         self.tcp = TcpKVSender(wire_mode, retry_window_s)
         self.shm = ShmKVSender(retry_window_s) if allow_shm else None
+        self.exporter = exporter  # PullKVExporter for destinations that pull
         self._by_tid: dict[str, KVSender] = {}
 
     def _pick(self, dest: KVDestination) -> KVSender:
         import os
 
+        if dest.pull:
+            if self.exporter is None:
+                raise KVTransferError("this worker does not serve KV pulls")
+            return self.exporter
         if self.shm is not None and dest.shm_paths and os.path.exists(dest.shm_paths[0]):
             return self.shm
         return self.tcp
@@ -283,9 +289,9 @@ class AutoKVSender(KVSender):
 
     @property
     def total_bytes(self) -> int:
-        return self.tcp.total_bytes + (self.shm.total_bytes if self.shm else 0)
+        return sum(s.total_bytes for s in (self.tcp, self.shm, self.exporter) if s is not None)
 
     def close(self):
-        self.tcp.close()
-        if self.shm is not None:
-            self.shm.close()
+        for s in (self.tcp, self.shm, self.exporter):
+            if s is not None:
+                s.close()

@@ -115,3 +115,31 @@ def test_compressed_wire_agreement(tiny_model_dir, reference, wire_mode):
     receiver.close()
     print(f"{wire_mode} on the wire: {agree}/{total} greedy tokens agree with collocated")
     assert agree / total >= 0.5  # random tiny weights are fragile; the real-model figure is in docs
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "eager"])
+def test_pull_matches_collocated(tiny_model_dir, reference, layerwise):
+    """The decode side opens the connection and pulls, possibly before the prefill begins."""
+    from pdserve.transfer.pull import PullKVExporter
+
+    ref, tok = reference
+    p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8)
+    exporter = PullKVExporter()
+    receiver = KVReceiverServer(d.runner.kv_caches)
+    p.bridge = PrefillBridge(exporter, p.model_config.num_hidden_layers, layerwise)
+    params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            rid, ids = f"p{i}", tok.encode(prompt)
+            dest = d.reserve_for_transfer(rid, ids, params, receiver, deadline_s=30)
+            dest.pull = True
+            receiver.pull(exporter.address, rid)  # before the prefill even starts
+            p.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), kv_destination=dest)
+            first = run_until_done(p, rid)[-1].outputs[0].token_ids[0]
+            exporter.wait_for_save(rid, timeout_s=30)
+            receiver.wait_for_all(rid, timeout_s=30)
+            d.activate_transferred(rid, first, kv_complete=True)
+            assert run_until_done(d, rid)[-1].outputs[0].token_ids == ref[prompt]
+    finally:
+        exporter.close()
+        receiver.close()

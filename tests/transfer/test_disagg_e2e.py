@@ -37,3 +37,19 @@ def test_greedy_text_equals_collocated(cluster, reference):
         assert s["num_free_blocks"] == s["num_blocks"], name
     counters = cluster.status()["counters"]
     assert counters["kv_bytes"] > 0 and counters["kv_failed"] == 0
+
+
+@pytest.mark.parametrize("mode, transport, layerwise", [("push", "tcp", "--no-kv-layerwise"),
+                                                        ("pull", "tcp", "--kv-layerwise")])
+def test_modes_between_processes(tiny_model_dir, reference, mode, transport, layerwise):
+    with Cluster(tiny_model_dir, worker_args=ENGINE + ["--kv-transport", transport],
+                 prefill_args=[layerwise], router_args=["--kv-mode", mode]) as c:
+        import httpx
+
+        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
+        for prompt in PROMPTS:
+            r = httpx.post(c.url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.json()["choices"][0]["text"] == reference[prompt]
+        counters = c.status()["counters"]
+        assert counters["kv_bytes"] > 0 and counters["recomputed"] == 0

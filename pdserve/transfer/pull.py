@@ -1,0 +1,137 @@
+"""Pull mode: the prefill worker keeps each layer's KV until the decode worker asks for it.
+
+The decode worker opens the connection (`KVReceiverServer.pull`), names the
+transfer, and reads the same frames a push would send, layer by layer as
+the prefill produces them; its acknowledgement comes back on that
+connection. Useful when the decode side should control when bytes move
+(admission under memory pressure, seed 000 §3.2).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from pdserve.transfer import wire
+from pdserve.transfer.connector import KVSender, KVTransferError
+from pdserve.transfer.sender import _Outgoing
+
+log = logging.getLogger("pdserve.transfer")
+
+
+class PullKVExporter(KVSender):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, wire_mode: str = "none",
+                 wait_for_begin_s: float = 10.0, lease_s: float = 120.0):
+        self.wire_mode = wire_mode
+        self.wait_for_begin_s = wait_for_begin_s
+        self.lease_s = lease_s
+        self._transfers: dict[str, _Outgoing] = {}
+        self._cv = threading.Condition()
+        self._listener = socket.create_server((host, port))
+        self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        self._closed = False
+        self.total_bytes = 0
+        threading.Thread(target=self._accept_loop, name="kv-export", daemon=True).start()
+
+    # ---- contract
+    def begin(self, dest, num_layers):
+        t = _Outgoing(dest)
+        t.stats.started_s = time.monotonic()
+        with self._cv:
+            for tid, old in list(self._transfers.items()):
+                if t.stats.started_s - old.stats.started_s > self.lease_s:
+                    del self._transfers[tid]
+            self._transfers[dest.transfer_id] = t
+            self._cv.notify_all()
+
+    def save_layer(self, transfer_id, layer, token_start, k, v):
+        kp, kh = wire.encode(k, self.wire_mode)
+        vp, _ = wire.encode(v, self.wire_mode)
+        header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": k.shape[0], **kh}
+        with self._cv:
+            self._transfers[transfer_id].frames.append((header, kp + vp))
+            self._cv.notify_all()
+
+    def finish(self, transfer_id):
+        with self._cv:
+            self._transfers[transfer_id].finished = True
+            self._cv.notify_all()
+
+    def wait_for_save(self, transfer_id, timeout_s):
+        t = self._transfers[transfer_id]
+        ok = t.acked.wait(timeout_s)
+        with self._cv:
+            self._transfers.pop(transfer_id, None)
+        if not ok:
+            raise KVTransferError(f"{transfer_id}: nobody pulled the KV within {timeout_s}s")
+        if t.error:
+            raise KVTransferError(t.error)
+        t.stats.finished_s = time.monotonic()
+        return t.stats
+
+    def close(self):
+        self._closed = True
+        self._listener.close()
+
+    # ---- serving pulls
+    def _accept_loop(self):
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), name="kv-export-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tid = None
+        try:
+            h = wire.recv_header(sock)
+            if not h or h.get("op") != "pull":
+                return
+            tid = str(h.get("tid"))
+            t = self._await_transfer(tid)
+            if t is None:
+                wire.send_frame(sock, {"op": "abort", "tid": tid, "reason": "no such transfer here"})
+                return
+            self._stream(sock, t)
+            ack = wire.recv_header(sock)
+            if ack and ack.get("op") == "ack" and ack.get("ok"):
+                t.acked.set()
+            else:
+                t.error = f"{tid}: puller refused: {ack}"
+                t.acked.set()
+        except (OSError, wire.FrameError) as e:
+            log.info("pull of %s broke: %s", tid, e)  # the puller may come back and pull again
+        finally:
+            sock.close()
+
+    def _await_transfer(self, tid: str) -> _Outgoing | None:
+        """The pull may arrive before the prefill request that begins the transfer."""
+        deadline = time.monotonic() + self.wait_for_begin_s
+        with self._cv:
+            while tid not in self._transfers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(left)
+            return self._transfers[tid]
+
+    def _stream(self, sock: socket.socket, t: _Outgoing) -> None:
+        sent = 0
+        while True:
+            with self._cv:
+                while sent == len(t.frames) and not t.finished:
+                    self._cv.wait(1.0)
+                batch = t.frames[sent:]
+                finished = t.finished
+            for header, payload in batch:
+                n = wire.send_frame(sock, header, payload)
+                t.stats.bytes += n
+                t.stats.layers += 1
+                self.total_bytes += n
+            sent += len(batch)
+            if finished and sent == len(t.frames):
+                wire.send_frame(sock, {"op": "done", "tid": t.dest.transfer_id})
+                return
