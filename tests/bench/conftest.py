@@ -22,12 +22,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: str, *extra: str, timeout_s: float = 120):
+    def __init__(self, model_dir: str, *extra: str, mode: str = "collocated", timeout_s: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--model", model_dir, "--served-model-name", "tiny", *TINY_FLAGS, *extra]
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", mode, "--host", "127.0.0.1",
+               "--port", str(self.port), "--model", model_dir, "--served-model-name", "tiny", *TINY_FLAGS, *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready(timeout_s)
