@@ -32,7 +32,7 @@ def _engine_args(args) -> list[str]:
 def launch(args) -> int:
     py = [sys.executable, "-m", "pdserve.cli"]
     router_url = f"http://{args.host}:{args.port}"
-    router = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
+    router = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
                    "--kv-mode", args.kv_mode, "--log-level", args.log_level]
     if args.model:
         router += ["--model", args.model]

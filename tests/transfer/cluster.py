@@ -45,15 +45,16 @@ class Proc:
 class Cluster:
     """`router_args` and `worker_args` are extra CLI flags; workers register themselves."""
 
-    def __init__(self, model: str, prefill: int = 1, decode: int = 1, worker_args=(), prefill_args=(),
+    def __init__(self, model: str | None, prefill: int = 1, decode: int = 1, worker_args=(), prefill_args=(),
                  decode_args=(), router_args=(), timeout_s: float = 120):
-        self.router = Proc("router", "router", "--model", model, "--worker-timeout-s", "2", *router_args)
+        model_args = ["--model", model] if model else []  # None: the embedded model
+        self.router = Proc("router", "router", *model_args, "--worker-timeout-s", "2", *router_args)
         self.url = self.router.url
         self.workers: list[Proc] = []
         try:
             for role, n, extra in (("prefill", prefill, prefill_args), ("decode", decode, decode_args)):
                 for i in range(n):
-                    self.workers.append(Proc(f"{role}{i}", "worker", "--role", role, "--model", model,
+                    self.workers.append(Proc(f"{role}{i}", "worker", "--role", role, *model_args,
                                              "--router", self.url, "--worker-id", f"{role}{i}", "--threads", "1",
                                              "--heartbeat-s", "0.3", *worker_args, *extra))
             self.wait_workers(prefill, decode, timeout_s)

@@ -1,0 +1,239 @@
+"""KV bridge speed, each figure against a baseline measured in the same run.
+
+1. Bandwidth per transport vs the raw limit: shared memory vs a plain memcpy of
+   the same bytes; TCP push and pull vs a plain socket moving the same bytes
+   (`recv_into` a preallocated buffer). Target >= 0.8x.
+2. Exposed transfer time for a 2,000-token prompt on the real model: the time
+   from the prefill's last layer to the decode side holding every layer,
+   layer-wise vs eager. Target: layer-wise hides >= 90% of eager's.
+3. TTFT through HTTP, disaggregated (router + P + D processes) vs collocated,
+   for the same prompt. Target <= 1.1x.
+
+    .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--skip-ttft]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import statistics
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ helpers
+
+from pdserve.transfer.connector import KVDestination  # noqa: E402
+from pdserve.transfer.pull import PullKVExporter  # noqa: E402
+from pdserve.transfer.receiver import KVReceiverServer  # noqa: E402
+from pdserve.transfer.sender import ShmKVSender, TcpKVSender  # noqa: E402
+
+LAYERS, HEADS, DIM = 30, 3, 64  # SmolLM2-135M's KV shape
+
+
+def caches(num_blocks: int, block: int, shm_dir: str | None = None):
+    from pdserve.transfer.sender import map_shared_cache
+
+    shape = [num_blocks, block, HEADS, DIM]
+    if shm_dir:
+        import os
+        import uuid
+
+        paths = [os.path.join(shm_dir, f"pdserve-bench-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
+        maps = map_shared_cache(paths, shape, "float32")
+        return [(maps[2 * i], maps[2 * i + 1]) for i in range(LAYERS)], paths
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)], []
+
+
+def one_transfer(sender, receiver, kv, tokens: int, block: int, tid: str, paths, pull=False) -> float:
+    dest = KVDestination(tid, receiver.address, list(range(tokens // block + 1)), block, 0, tokens,
+                         pull=pull, shm_paths=paths, shm_shape=[tokens // block + 1, block, HEADS, DIM],
+                         shm_dtype="float32" if paths else "")
+    slots = torch.arange(tokens)
+    receiver.expect(dest, slots, LAYERS, deadline_s=60)
+    k = torch.randn(tokens, HEADS, DIM)
+    t0 = time.perf_counter()
+    if pull:
+        receiver.pull(sender.address, tid)
+    sender.begin(dest, LAYERS)
+    for layer in range(LAYERS):
+        sender.save_layer(tid, layer, 0, k, k)
+    sender.finish(tid)
+    receiver.wait_for_all(tid, 60)
+    dt = time.perf_counter() - t0
+    sender.wait_for_save(tid, 60)
+    receiver.cancel(tid)
+    return dt
+
+
+def raw_socket_s(nbytes: int, chunk: int) -> float:
+    """A plain loopback socket moving `nbytes` in `chunk`-sized sends into a preallocated buffer."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    buf = bytearray(chunk)
+    done = threading.Event()
+
+    def recv():
+        c, _ = srv.accept()
+        view, got = memoryview(buf), 0
+        while got < nbytes:
+            n = c.recv_into(view[: min(chunk, nbytes - got)])
+            got += n
+        c.sendall(b"k")
+        c.close()
+        done.set()
+
+    threading.Thread(target=recv, daemon=True).start()
+    s = socket.create_connection(srv.getsockname())
+    data = memoryview(torch.randn(chunk // 4).numpy().view("uint8"))
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < nbytes:
+        s.sendall(data[: min(chunk, nbytes - sent)])
+        sent += min(chunk, nbytes - sent)
+    s.recv(1)
+    dt = time.perf_counter() - t0
+    s.close()
+    srv.close()
+    return dt
+
+
+def bandwidth(tokens: int, reps: int) -> dict:
+    block = 16
+    nbytes = 2 * LAYERS * tokens * HEADS * DIM * 4
+    per_layer = 2 * tokens * HEADS * DIM * 4
+    out = {}
+    src, dst = torch.randn(nbytes // 4), torch.empty(nbytes // 4)
+    memcpy = min(_time(lambda: dst.copy_(src)) for _ in range(reps))
+    kv, paths = caches(tokens // block + 1, block, "/dev/shm")
+    rx = KVReceiverServer(kv, scheme="shm")
+    shm = min(one_transfer(ShmKVSender(), rx, kv, tokens, block, f"s{i}", paths) for i in range(reps))
+    rx.close()
+    _unlink(paths)
+    out["shm"] = (nbytes / shm / 1e9, nbytes / memcpy / 1e9)
+    kv, _ = caches(tokens // block + 1, block)
+    rx = KVReceiverServer(kv)
+    sock = min(raw_socket_s(nbytes, per_layer // 2) for _ in range(reps))
+    tcp = TcpKVSender()
+    push = min(one_transfer(tcp, rx, kv, tokens, block, f"t{i}", []) for i in range(reps))
+    exp = PullKVExporter()
+    pull = min(one_transfer(exp, rx, kv, tokens, block, f"p{i}", [], pull=True) for i in range(reps))
+    out["tcp push"] = (nbytes / push / 1e9, nbytes / sock / 1e9)
+    out["tcp pull"] = (nbytes / pull / 1e9, nbytes / sock / 1e9)
+    for x in (rx, tcp, exp):
+        x.close()
+    return out
+
+
+def exposed(tokens: int, reps: int) -> dict:
+    """Real model, P and D engines in this process, TCP between them."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.transfer.bridge import PrefillBridge
+
+    p = LLM(dtype="float32", max_num_batched_tokens=4096).engine
+    d = LLM(dtype="float32", max_num_batched_tokens=4096, enable_prefix_caching=False).engine
+    rx = KVReceiverServer(d.runner.kv_caches)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    out = {}
+    for mode in ("layerwise", "eager"):
+        p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers, layerwise=mode == "layerwise")
+        samples = []
+        for i in range(reps):
+            ids = torch.randint(100, 40000, (tokens,), generator=torch.Generator().manual_seed(i)).tolist()
+            rid = f"{mode}{i}"
+            dest = d.reserve_for_transfer(rid, ids, params, rx, deadline_s=120)
+            p.add_request(rid, ids, params, kv_destination=dest)
+            while p.has_unfinished_requests():
+                p.step()
+            t_first = time.perf_counter()  # prefill done, first token sampled
+            rx.wait_for_all(rid, 120)
+            samples.append(time.perf_counter() - t_first)
+            p.bridge.sender.wait_for_save(rid, 60)
+            rx.cancel(rid)
+            d.abort_request(rid)
+            p.block_manager.reset_prefix_cache()
+        p.bridge.sender.close()
+        out[mode] = statistics.median(samples)
+    rx.close()
+    return out
+
+
+def ttft(tokens: int, reps: int) -> dict:
+    import httpx
+
+    from tests.server.serverproc import ServerProcess
+    from tests.transfer.cluster import Cluster
+
+    prompt = torch.randint(100, 40000, (tokens,), generator=torch.Generator().manual_seed(99)).tolist()
+
+    def measure(url: str) -> float:
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        best = []
+        for i in range(reps + 1):
+            body = {"model": model, "prompt": [7 + i] + prompt[1:], "max_tokens": 2, "stream": True, "temperature": 0}
+            t0 = time.perf_counter()
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        best.append(time.perf_counter() - t0)
+                        break
+        return statistics.median(best[1:])  # the first request warms up
+
+    with ServerProcess("--threads", "1", "--dtype", "float32") as s:
+        coll = measure(s.url)
+    with Cluster(None, worker_args=["--dtype", "float32"]) as c:
+        dis = measure(c.url)
+    return {"collocated": coll, "disaggregated": dis}
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _unlink(paths):
+    import os
+
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-exposed", action="store_true")
+    ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    res: dict = {}
+    print(f"KV of {args.tokens} tokens x {LAYERS} layers (fp32): "
+          f"{2 * LAYERS * args.tokens * HEADS * DIM * 4 / 1e6:.1f} MB")
+    for name, (got, raw) in bandwidth(args.tokens, args.reps).items():
+        res[f"{name} GB/s"] = {"transport": got, "raw": raw, "ratio": got / raw}
+        print(f"{name:<10} {got:6.2f} GB/s   raw limit {raw:6.2f} GB/s   ratio {got / raw:5.2f}x  (target >= 0.8x)")
+    if not args.skip_exposed:
+        e = exposed(args.tokens, args.reps)
+        hidden = 1 - e["layerwise"] / e["eager"]
+        res["exposed_s"] = {**e, "hidden": hidden}
+        print(f"exposed transfer, {args.tokens}-token prompt: layer-wise {e['layerwise'] * 1e3:.1f} ms, "
+              f"eager {e['eager'] * 1e3:.1f} ms -> layer-wise hides {hidden:.0%} (target >= 90%)")
+    if not args.skip_ttft:
+        t = ttft(args.tokens, args.reps)
+        res["ttft_s"] = t
+        print(f"TTFT, {args.tokens}-token prompt over HTTP: disaggregated {t['disaggregated'] * 1e3:.0f} ms, "
+              f"collocated {t['collocated'] * 1e3:.0f} ms -> {t['disaggregated'] / t['collocated']:.2f}x (target <= 1.1x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
