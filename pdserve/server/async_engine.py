@@ -55,8 +55,12 @@ class RequestGroup:
         self.request_id = request_id
         self._engine = engine
         self.subs = [_Sub(self, i, f"{request_id}-{i}", arrival_s) for i in range(num)]
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        # A list and one waiter rather than an asyncio.Queue: this is fed once per
+        # token, and the queue's bookkeeping showed up in the per-token cost.
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+        self._loop = asyncio.get_running_loop()
+        self._ack: asyncio.Future = self._loop.create_future()
         self._num_finished = 0
 
     async def accepted(self) -> None:
@@ -67,9 +71,13 @@ class RequestGroup:
         """All (choice index, RequestOutput) pairs available now, at least one; None at the end."""
         if self._num_finished == len(self.subs):
             return None
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
         out = []
         for item in items:
             if isinstance(item, APIError):
@@ -78,6 +86,12 @@ class RequestGroup:
             if item[1].finished:
                 self._num_finished += 1
         return out
+
+    def put(self, item) -> None:
+        """Hand the group an (index, RequestOutput) pair or an APIError (event loop only)."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def abort(self) -> None:
         """Abort what is still running (client gone, error); a no-op once all finished."""
@@ -122,7 +136,7 @@ class AsyncEngine:
         for group in {s.group for s in self._subs.values()}:
             if not group._ack.done():
                 group._ack.set_exception(err)
-            group._queue.put_nowait(err)
+            group.put(err)
             self._abort_group(group)
 
     @property
@@ -234,7 +248,7 @@ class AsyncEngine:
                 del self._subs[out.request_id]
                 self.metrics.on_finish(out.outputs[0].finish_reason or "stop", sub.arrival_s, sub.first_token_s,
                                        sub.last_token_s, sub.num_tokens)
-            sub.group._queue.put_nowait((sub.index, out))
+            sub.group.put((sub.index, out))
 
     # ---- the engine thread
     def _post(self, fn, *args) -> None:

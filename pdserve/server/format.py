@@ -6,7 +6,10 @@ per-choice state a stream needs (text offsets, whether the role was sent).
 """
 from __future__ import annotations
 
+import json
 import time
+
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -68,6 +71,8 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
 class _Base:
     object_name = ""
     chunk_object_name = ""
+    _delta_key = ""  # where a streamed chunk's text goes: '"text":' or '"delta":{"content":'
+    _delta_end = ""
 
     def __init__(self, request_id: str, model: str, token_text: TokenText, num_choices: int, top_logprobs: int | None):
         self.id = request_id
@@ -76,6 +81,24 @@ class _Base:
         self.token_text = token_text
         self.top_logprobs = top_logprobs  # None: no logprobs asked for
         self.num_choices = num_choices
+        head = dumps({"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model})
+        self._chunk_head = head[:-1] + ',"choices":[{"index":'
+
+    def chunk_json(self, index: int, out, include_usage: bool) -> str | None:
+        """`chunk()` as JSON text. The common chunk (text only, not the last) is written
+        straight from a template: it is one per token per stream, the hot path."""
+        if out.finished or self.top_logprobs is not None:
+            chunk = self.chunk(index, out)
+            if chunk is None:
+                return None
+            if include_usage:
+                chunk["usage"] = None  # as OpenAI does: usage only on the last chunk
+            return dumps(chunk)
+        if not out.new_text:
+            return None  # bytes of an unfinished character: nothing to show yet
+        tail = ',"usage":null}' if include_usage else "}"
+        return (f'{self._chunk_head}{index},{self._delta_key}{dumps(out.new_text)}{self._delta_end},'
+                f'"logprobs":null,"finish_reason":null}}]{tail}')
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -91,6 +114,7 @@ class _Base:
 
 class CompletionFormatter(_Base):
     object_name = chunk_object_name = "text_completion"
+    _delta_key = '"text":'
 
     def __init__(self, *a, echo_texts: list[str] | None = None, n: int = 1, **kw):
         super().__init__(*a, **kw)
@@ -150,6 +174,8 @@ class CompletionFormatter(_Base):
 class ChatFormatter(_Base):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    _delta_key = '"delta":{"content":'
+    _delta_end = "}"
 
     def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict | None:
         if self.top_logprobs is None:

@@ -1,15 +1,24 @@
 """Prometheus metrics with vLLM's meanings under a `pdserve:` prefix.
 
 Latency histograms are fed per request by whoever sees the token stream (the
-worker's server here, the router later); engine-wide gauges and counters
-(running/waiting, KV usage, prefix-cache tokens, preemptions) are mirrored at
+worker's server, the router); engine-wide gauges and counters (running and
+waiting requests, KV usage, prefix-cache tokens, preemptions) are mirrored at
 scrape time from the engine's latest stats snapshot, so the engine loop never
 touches prometheus_client.
+
+Observations arrive once per generated token, on the event loop. prometheus_client's
+own Histogram takes a lock and walks every bucket per observation, which
+measured as the largest per-token cost of the server; so values are kept
+here in plain lists (bisect into the bucket, no lock: one thread writes and
+the scrape runs on that same thread) and handed to prometheus_client only
+when /metrics is read.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from bisect import bisect_left
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,47 +34,66 @@ TOKEN_GAP_BUCKETS_S = _geometric(0.0005, 1.6, 24)  # 0.5 ms .. ~25 s
 TOKEN_COUNT_BUCKETS = _geometric(1, 2.0, 20)  # 1 .. 512k tokens
 
 
+class Histogram:
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: list[float]):
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # bucket i holds bounds[i-1] < v <= bounds[i]
+        self.sum += value
+
+    def family(self, model: str) -> HistogramMetricFamily:
+        h = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        h.add_metric([model], buckets, self.sum)
+        return h
+
+
+class Counter:
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
 class ServerMetrics:
-    """One registry per server process; `render()` is the /metrics body."""
+    """One per server process; `render()` is the /metrics body."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
-        # `_created` series double the scrape size and no dashboard reads them
-        disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         self._stats: dict | None = None
-        labels = ["model_name"]
-
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
-
-        self.ttft = hist("pdserve:time_to_first_token_seconds",
-                         "Time from arrival to the first generated token.", LATENCY_BUCKETS_S)
-        self.itl = hist("pdserve:inter_token_latency_seconds",
-                        "Time between consecutive generated tokens of a request.", TOKEN_GAP_BUCKETS_S)
-        self.e2e = hist("pdserve:e2e_request_latency_seconds",
-                        "Time from arrival to the last token of a request.", LATENCY_BUCKETS_S)
-        self.queue = hist("pdserve:request_queue_time_seconds",
-                          "Time a request waited before it was first scheduled.", LATENCY_BUCKETS_S)
-        self.prefill = hist("pdserve:request_prefill_time_seconds",
-                            "Time from first scheduled to first token.", LATENCY_BUCKETS_S)
-        self.decode = hist("pdserve:request_decode_time_seconds",
-                           "Time from first token to last token.", LATENCY_BUCKETS_S)
-        self.req_prompt = hist("pdserve:request_prompt_tokens", "Prompt tokens per request.",
-                               TOKEN_COUNT_BUCKETS)
-        self.req_generation = hist("pdserve:request_generation_tokens", "Generated tokens per request.",
-                                   TOKEN_COUNT_BUCKETS)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", labels,
-                                     registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", labels,
-                                         registry=self.registry).labels(model_name)
-        self.success = Counter("pdserve:request_success", "Finished requests by finish reason.",
-                               labels + ["finished_reason"], registry=self.registry)
-        self.rejected = Counter("pdserve:request_rejected", "Requests refused by admission control.",
-                                labels, registry=self.registry).labels(model_name)
-        for reason in ("stop", "length", "abort"):  # present from the start, at zero
-            self.success.labels(model_name, reason)
-        self.registry.register(_EngineStatsCollector(self))
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.", LATENCY_BUCKETS_S)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds",
+                             "Time between consecutive generated tokens of a request.", TOKEN_GAP_BUCKETS_S)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds",
+                             "Time from arrival to the last token of a request.", LATENCY_BUCKETS_S)
+        self.queue = Histogram("pdserve:request_queue_time_seconds",
+                               "Time a request waited before it was first scheduled.", LATENCY_BUCKETS_S)
+        self.prefill = Histogram("pdserve:request_prefill_time_seconds",
+                                 "Time from first scheduled to first token.", LATENCY_BUCKETS_S)
+        self.decode = Histogram("pdserve:request_decode_time_seconds",
+                                "Time from first token to last token.", LATENCY_BUCKETS_S)
+        self.req_prompt = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per request.",
+                                    TOKEN_COUNT_BUCKETS)
+        self.req_generation = Histogram("pdserve:request_generation_tokens", "Generated tokens per request.",
+                                        TOKEN_COUNT_BUCKETS)
+        self.prompt_tokens = Counter()
+        self.generation_tokens = Counter()
+        self.rejected = Counter()
+        self.success = {reason: Counter() for reason in ("stop", "length", "abort")}  # present from the start
+        self.registry.register(_Collector(self))
 
     # ---- fed by the request stream
     def on_first_token(self, arrival_s: float, scheduled_s: float | None, first_token_s: float,
@@ -78,13 +106,13 @@ class ServerMetrics:
         self.req_prompt.observe(num_prompt_tokens)
 
     def on_tokens(self, num_tokens: int, gap_s: float | None) -> None:
-        self.generation_tokens.inc(num_tokens)
+        self.generation_tokens.value += num_tokens
         if gap_s is not None:
             self.itl.observe(gap_s)
 
     def on_finish(self, reason: str, arrival_s: float, first_token_s: float | None, last_token_s: float | None,
                   num_generated_tokens: int) -> None:
-        self.success.labels(self.model_name, reason).inc()
+        self.success.setdefault(reason, Counter()).inc()
         if last_token_s is not None:
             self.e2e.observe(last_token_s - arrival_s)
             if first_token_s is not None:
@@ -99,33 +127,49 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _EngineStatsCollector:
-    """Gauges and counters the engine already keeps; re-reporting them avoids double bookkeeping."""
-
+class _Collector:
     def __init__(self, metrics: ServerMetrics):
         self.m = metrics
 
     def describe(self):
-        return []  # values appear only once an engine has reported
+        return []  # families are built at scrape time; nothing to check at registration
 
     def collect(self):
-        s, name = self.m._stats, self.m.model_name
+        m, name = self.m, self.m.model_name
+        for h in (m.ttft, m.itl, m.e2e, m.queue, m.prefill, m.decode, m.req_prompt, m.req_generation):
+            yield h.family(name)
+        yield _counter("pdserve:prompt_tokens", "Prompt tokens processed.", name, m.prompt_tokens.value)
+        yield _counter("pdserve:generation_tokens", "Tokens generated.", name, m.generation_tokens.value)
+        yield _counter("pdserve:request_rejected", "Requests refused by admission control.", name, m.rejected.value)
+        success = CounterMetricFamily("pdserve:request_success", "Finished requests by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, c in m.success.items():
+            success.add_metric([name, reason], c.value)
+        yield success
+        yield from self._engine(m._stats, name)
+
+    @staticmethod
+    def _engine(s: dict | None, name: str):
+        """Gauges and counters the engine already keeps; re-reporting them avoids double bookkeeping."""
         if not s:
             return
-        gauges = (("pdserve:num_requests_running", "Requests in the running batch.", s["num_running"]),
-                  ("pdserve:num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
-                  ("pdserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s["kv_usage"]),
-                  ("pdserve:kv_cache_free_blocks", "KV-cache blocks free or evictable.", s["num_free_blocks"]))
-        for metric, doc, value in gauges:
+        for metric, doc, key in (
+                ("pdserve:num_requests_running", "Requests in the running batch.", "num_running"),
+                ("pdserve:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+                ("pdserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_usage"),
+                ("pdserve:kv_cache_free_blocks", "KV-cache blocks free or evictable.", "num_free_blocks")):
             g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            g.add_metric([name], value)
+            g.add_metric([name], s[key])
             yield g
-        counters = (("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                     s["prefix_cache_queries_tokens"]),
-                    ("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                     s["prefix_cache_hits_tokens"]),
-                    ("pdserve:num_preemptions", "Sequences preempted for lack of KV blocks.", s["num_preemptions"]))
-        for metric, doc, value in counters:
-            c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric([name], value)
-            yield c
+        yield _counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", name,
+                       s["prefix_cache_queries_tokens"])
+        yield _counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", name,
+                       s["prefix_cache_hits_tokens"])
+        yield _counter("pdserve:num_preemptions", "Sequences preempted for lack of KV blocks.", name,
+                       s["num_preemptions"])
+
+
+def _counter(metric: str, doc: str, model: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(metric, doc, labels=["model_name"])
+    c.add_metric([model], value)
+    return c

@@ -7,19 +7,18 @@ keeps its KV blocks after nobody is listening.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import AsyncIterator
 
 from pdserve.server.errors import APIError
+from pdserve.server.format import dumps, usage
 
 log = logging.getLogger("pdserve.server")
 DONE = "data: [DONE]\n\n"
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse(obj: dict) -> str:
-    return f"data: {_dumps(obj)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 async def read_body(request, limit_bytes: int) -> bytes:
@@ -47,16 +46,12 @@ async def sse_events(group, fmt, include_usage: bool, num_prompt_tokens: int, on
             parts = []
             for index, out in batch:
                 completion_tokens += len(out.new_token_ids)
-                chunk = fmt.chunk(index, out)
+                chunk = fmt.chunk_json(index, out, include_usage)
                 if chunk is not None:
-                    if include_usage:
-                        chunk["usage"] = None  # as OpenAI does: usage only on the last chunk
-                    parts.append(sse(chunk))
+                    parts.append(f"data: {chunk}\n\n")
             if parts:
                 yield "".join(parts)
         if include_usage:
-            from pdserve.server.format import usage
-
             yield sse(fmt.usage_chunk(usage(num_prompt_tokens, completion_tokens)))
         finish = "ok"
         yield DONE

@@ -48,6 +48,10 @@ def test_engine_that_failed_to_load_answers_503(tmp_path):
     os.makedirs(tmp_path / "empty")
     with ServerProcess("--model", str(tmp_path / "empty"), wait_ready=False) as srv:
         health = srv.wait_health(503, 60)
+        deadline = time.monotonic() + 60
+        while health["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            health = srv.health()
         assert health["status"] == "failed" and health["reason"]
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503

@@ -103,3 +103,18 @@ def test_loading_engine_answers_503_then_reports_the_load_failure():
     assert h.status_code == 503 and h.json()["status"] == "loading"
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
     assert failed.status_code == 503 and "no such model" in failed.json()["reason"]
+
+
+@pytest.mark.parametrize("cls", ["CompletionFormatter", "ChatFormatter"])
+def test_templated_chunk_equals_the_dict_chunk(cls):
+    import json
+    from types import SimpleNamespace as NS
+
+    from pdserve.server import format as F
+
+    fmt = getattr(F, cls)("cmpl-1", 'model "x"', None, 2, None)
+    out = NS(finished=False, new_text='a"é\n\\', new_token_ids=[1],
+             outputs=[NS(finish_reason=None, stop_reason=None, logprobs=None)])
+    for include_usage in (False, True):
+        want = fmt.chunk(1, out) | ({"usage": None} if include_usage else {})
+        assert json.loads(fmt.chunk_json(1, out, include_usage)) == want
