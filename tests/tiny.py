@@ -14,7 +14,9 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 
 def write_tiny_model(path: str, *, layers=2, hidden=64, heads=4, kv_heads=2, inter=128,
-                     max_pos=512, qkv_bias=False, seed=0) -> str:
+                     max_pos=512, qkv_bias=False, seed=0, logit_scale=1.0) -> str:
+    """`logit_scale` > 1 sharpens the output distribution: fewer near-ties, so greedy
+    choices survive the tiny numeric differences between a decode and a recompute."""
     os.makedirs(path, exist_ok=True)
     # byte-level vocabulary: the 256 byte symbols, then the special tokens
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -48,7 +50,7 @@ def write_tiny_model(path: str, *, layers=2, hidden=64, heads=4, kv_heads=2, int
 
     hd = hidden // heads
     state = {"model.embed_tokens.weight": rnd(vocab_size, hidden, scale=0.5),
-             "model.norm.weight": 1 + rnd(hidden), "lm_head.weight": rnd(vocab_size, hidden, scale=0.5)}
+             "model.norm.weight": 1 + rnd(hidden), "lm_head.weight": rnd(vocab_size, hidden, scale=0.5 * logit_scale)}
     for i in range(layers):
         p = f"model.layers.{i}."
         state.update({
