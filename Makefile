@@ -23,8 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/pdserve generate --chat --max-tokens 64 \
-		--prompt "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port $(PORT)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
