@@ -16,7 +16,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence, Status
+from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
 

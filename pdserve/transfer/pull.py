@@ -14,8 +14,8 @@ import threading
 import time
 
 from pdserve.transfer import wire
-from pdserve.transfer.connector import KVSender, KVTransferError
-from pdserve.transfer.sender import _Outgoing
+from pdserve.transfer.connector import KVSender
+from pdserve.transfer.sender import _Outgoing, settle
 
 log = logging.getLogger("pdserve.transfer")
 
@@ -32,7 +32,7 @@ class PullKVExporter(KVSender):
         self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
         self._closed = False
         self.total_bytes = 0
-        threading.Thread(target=self._accept_loop, name="kv-export", daemon=True).start()
+        wire.serve_connections(self._listener, self._serve, "kv-export")
 
     # ---- contract
     def begin(self, dest, num_layers):
@@ -63,26 +63,13 @@ class PullKVExporter(KVSender):
         ok = t.acked.wait(timeout_s)
         with self._cv:
             self._transfers.pop(transfer_id, None)
-        if not ok:
-            raise KVTransferError(f"{transfer_id}: nobody pulled the KV within {timeout_s}s")
-        if t.error:
-            raise KVTransferError(t.error)
-        t.stats.finished_s = time.monotonic()
-        return t.stats
+        return settle(t, ok, f"{transfer_id}: nobody pulled the KV within {timeout_s}s")
 
     def close(self):
         self._closed = True
         self._listener.close()
 
     # ---- serving pulls
-    def _accept_loop(self):
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="kv-export-conn", daemon=True).start()
-
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tid = None

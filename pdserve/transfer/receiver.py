@@ -52,7 +52,7 @@ class KVReceiverServer(KVReceiver):
         self._listener = socket.create_server((host, port))
         self.address = f"{scheme}://{host}:{self._listener.getsockname()[1]}"
         self._closed = False
-        threading.Thread(target=self._accept_loop, name="kv-recv-accept", daemon=True).start()
+        wire.serve_connections(self._listener, self._serve, "kv-recv")
 
     # ---- contract
     def expect(self, dest, slots, num_layers, deadline_s):
@@ -140,23 +140,32 @@ class KVReceiverServer(KVReceiver):
             if not e.done.is_set() and now > e.deadline:
                 self._fail(tid, f"{tid}: KV did not arrive before its deadline")
 
-    def _accept_loop(self):
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), name="kv-recv", daemon=True).start()
-
     def _serve(self, sock: socket.socket) -> None:
-        staging = wire.StagingBuffer()
+        """Receive frames; land each layer in a helper thread while the next one arrives
+        (two staging buffers), so the socket copy and the scatter into slots overlap."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        staging = [wire.StagingBuffer(), wire.StagingBuffer()]
+        landing = [None, None]
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kv-land")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        i = 0
         try:
             while True:
                 header = wire.recv_header(sock)
                 if header is None:
                     return
-                payload = staging.receive(sock, header["nbytes"]) if header["nbytes"] else None
+                if header.get("op") == "layer" and header["nbytes"]:
+                    if landing[i] is not None:
+                        landing[i].result()  # this buffer's previous frame has landed
+                    payload = staging[i].receive(sock, header["nbytes"])
+                    landing[i] = pool.submit(self._on_frame, header, payload)
+                    i ^= 1
+                    continue
+                payload = staging[i].receive(sock, header["nbytes"]) if header["nbytes"] else None
+                for f in landing:  # frames before a "done" must have landed before it counts
+                    if f is not None:
+                        f.result()
                 reply = self._on_frame(header, payload)
                 if reply is not None:
                     wire.send_frame(sock, reply)
@@ -164,6 +173,7 @@ class KVReceiverServer(KVReceiver):
             # The sender retries on a new connection; the deadline fails what never comes.
             log.info("KV connection closed: %s", e)
         finally:
+            pool.shutdown(wait=True)
             sock.close()
 
     def _on_frame(self, h: dict, payload) -> dict | None:

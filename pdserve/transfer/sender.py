@@ -34,6 +34,16 @@ class _Outgoing:
     stats: TransferStats = field(default_factory=TransferStats)
 
 
+def settle(t: _Outgoing, acked: bool, timeout_message: str) -> TransferStats:
+    """The end of a sender's wait: its stats, or the reason it failed."""
+    if not acked:
+        raise KVTransferError(timeout_message)
+    if t.error:
+        raise KVTransferError(t.error)
+    t.stats.finished_s = time.monotonic()
+    return t.stats
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.split("://", 1)[1].rsplit(":", 1)
     return host, int(port)
@@ -96,12 +106,7 @@ class TcpKVSender(KVSender):
         t = self._transfers[transfer_id]
         ok = t.acked.wait(timeout_s)
         self._transfers.pop(transfer_id, None)
-        if not ok:
-            raise KVTransferError(f"{transfer_id}: receiver did not acknowledge within {timeout_s}s")
-        if t.error:
-            raise KVTransferError(t.error)
-        t.stats.finished_s = time.monotonic()
-        return t.stats
+        return settle(t, ok, f"{transfer_id}: receiver did not acknowledge within {timeout_s}s")
 
     def abort(self, transfer_id: str, reason: str) -> None:
         t = self._transfers.pop(transfer_id, None)

@@ -65,6 +65,21 @@ def recv_header(sock: socket.socket) -> dict | None:
     return header
 
 
+def serve_connections(listener: socket.socket, handler, name: str) -> None:
+    """Accept connections until the listener closes; each gets `handler(sock)` in its own thread."""
+    import threading
+
+    def loop():
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # closed: we are shutting down
+                return
+            threading.Thread(target=handler, args=(sock,), name=name, daemon=True).start()
+
+    threading.Thread(target=loop, name=f"{name}-accept", daemon=True).start()
+
+
 class StagingBuffer:
     """A growable byte buffer that payloads are received into, reused across frames."""
 
