@@ -1,0 +1,211 @@
+"""The conductor's decisions (seed 000 §5) as pure functions: no I/O, no clocks.
+
+The router calls them with what heartbeats and the prefix index report; the
+simulator calls the very same ones with what its latency model predicts, so a
+policy is written once. Every time is in seconds (`_s`), every length in tokens.
+
+- §5.1 placement: score_i = (1 - H_i) * D_prefill(L) + alpha * Q_i, lowest wins;
+  alpha grows with load (protect queues at peak, chase cache hits when calm).
+- §5.2 predictive early rejection: predict TTFT and the TPOT on the chosen
+  decode instance *before* any prefill work, and refuse (429) what would miss
+  its SLO; refuse new long requests while the decode pool's KV is above a
+  watermark (seed 000 checklist #7: 92%).
+- §5.3 capacity: N_D / N_P = (Lout / Lin) * (Theta_P / Theta_D).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from pdserve.planner.capacity import pd_ratio
+
+# ---------------------------------------------------------------- cost models
+
+
+@dataclass(frozen=True)
+class PrefillCostModel:
+    """D_prefill(L) = a + b*L + c*L^2 seconds for an L-token prompt on one worker.
+
+    The quadratic term is attention over the prompt; the linear term the
+    weights' FLOPs; `a` the fixed per-step cost (launches, sampling)."""
+
+    a_s: float = 0.0
+    b_s_per_token: float = 0.0
+    c_s_per_token2: float = 0.0
+
+    def __call__(self, tokens: float) -> float:
+        return max(0.0, self.a_s + self.b_s_per_token * tokens + self.c_s_per_token2 * tokens * tokens)
+
+
+def fit_prefill_cost(samples: Sequence[tuple[int, float]]) -> PrefillCostModel:
+    """Least-squares fit of (prompt tokens, measured prefill seconds) samples.
+
+    Fewer distinct lengths than coefficients, or a negative fitted term (noise
+    on a short range), drops to a simpler model: a cost model that predicts a
+    shorter prefill for a longer prompt would invert placement decisions."""
+    if not samples:
+        raise ValueError("need at least one (tokens, seconds) sample")
+    x = np.array([float(t) for t, _ in samples])
+    y = np.array([float(s) for _, s in samples])
+    distinct = len(set(x.tolist()))
+    for degree in (2, 1, 0):
+        if distinct <= degree:
+            continue
+        coef = np.linalg.lstsq(np.vander(x, degree + 1, increasing=True), y, rcond=None)[0]
+        if degree == 0 or (coef[1:] >= 0).all():
+            coef = list(coef) + [0.0] * (2 - degree)
+            return PrefillCostModel(max(0.0, coef[0]), coef[1], coef[2])
+    raise AssertionError("unreachable: degree 0 always fits")
+
+
+@dataclass(frozen=True)
+class DecodeCostModel:
+    """One decode step = base + per_seq * batch + per_kv_token * tokens of context
+    in the batch: decode is memory-bound, so it pays for weights once per step
+    (base) and for every cached token it reads (per_kv_token)."""
+
+    base_s: float = 0.0
+    per_seq_s: float = 0.0
+    per_kv_token_s: float = 0.0
+
+    def step_s(self, batch: int, context_tokens: float) -> float:
+        return self.base_s + self.per_seq_s * batch + self.per_kv_token_s * context_tokens
+
+
+def fit_decode_cost(samples: Sequence[tuple[int, int, float]]) -> DecodeCostModel:
+    """Least squares over (batch size, context tokens in the batch, step seconds)."""
+    if len(samples) < 3:
+        raise ValueError("need at least three (batch, context_tokens, step_s) samples")
+    a = np.array([[1.0, b, c] for b, c, _ in samples])
+    y = np.array([s for _, _, s in samples])
+    coef = np.clip(np.linalg.lstsq(a, y, rcond=None)[0], 0.0, None)
+    return DecodeCostModel(*map(float, coef))
+
+
+# ---------------------------------------------------------------- §5.1 placement
+
+
+def prefill_score(hit_ratio: float, prefill_time_s: float, queue_drain_s: float, alpha: float) -> float:
+    """Seed 000 §5.1: (1 - H_i) * D_prefill(L) + alpha * Q_i, in seconds; lower is better."""
+    if not 0.0 <= hit_ratio <= 1.0:
+        raise ValueError(f"hit_ratio must be in [0, 1], got {hit_ratio}")
+    return (1.0 - hit_ratio) * prefill_time_s + alpha * queue_drain_s
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    worker_id: str
+    hit_ratio: float = 0.0       # H_i: cached share of this request's prompt on this worker
+    prefill_time_s: float = 0.0  # D_prefill(L) on this worker's own cost model
+    queue_drain_s: float = 0.0   # Q_i: time until its queue is empty
+
+
+def choose_prefill(cands: Sequence[PrefillCandidate], alpha: float) -> tuple[PrefillCandidate, float]:
+    """The candidate with the lowest §5.1 score, and that score; ties by worker id
+    so the router and the simulator agree exactly."""
+    if not cands:
+        raise ValueError("no prefill candidates")
+    scored = [(prefill_score(c.hit_ratio, c.prefill_time_s, c.queue_drain_s, alpha), c.worker_id, c)
+              for c in cands]
+    score, _, best = min(scored, key=lambda t: (t[0], t[1]))
+    return best, score
+
+
+def queue_drain_s(queued_prompt_tokens: Sequence[int], cost: PrefillCostModel) -> float:
+    """Q_i: the prefill time of everything already waiting on a worker."""
+    return sum(cost(t) for t in queued_prompt_tokens)
+
+
+def pool_utilisation(queue_drains_s: Sequence[float], horizon_s: float) -> float:
+    """Load of a prefill pool in [0, 1]: mean queue drain as a share of `horizon_s`
+    (the TTFT SLO, say), each capped at 1 so one stuck worker cannot read as peak."""
+    if not queue_drains_s or horizon_s <= 0:
+        return 0.0
+    return sum(min(1.0, q / horizon_s) for q in queue_drains_s) / len(queue_drains_s)
+
+
+def adaptive_alpha(utilisation: float, alpha_min: float = 0.5, alpha_max: float = 4.0) -> float:
+    """Seed 000 §5.1: raise alpha at peak (keep queues short), lower it when calm
+    (chase prefix hits). Linear in utilisation, clamped to [alpha_min, alpha_max]."""
+    u = min(1.0, max(0.0, utilisation))
+    return alpha_min + (alpha_max - alpha_min) * u
+
+
+# ---------------------------------------------------------------- §5.2 admission
+
+
+def predict_ttft(queue_s: float, prefill_s: float, transfer_s: float) -> float:
+    """TTFT = wait in the prefill queue + own prefill + the KV's exposed transfer."""
+    return queue_s + prefill_s + transfer_s
+
+
+def predict_tpot(model: DecodeCostModel, num_running: int, context_tokens: int,
+                 prompt_tokens: int, max_tokens: int) -> float:
+    """TPOT the decode instance would give once this request joins its batch.
+
+    Context is counted at the request's midpoint (prompt + half its output):
+    the mean over its life, as the batch's others are at random points too."""
+    batch = num_running + 1
+    return model.step_s(batch, context_tokens + prompt_tokens + max_tokens / 2)
+
+
+@dataclass(frozen=True)
+class Admission:
+    admitted: bool
+    reason: str = "ok"          # ok | ttft_slo | tpot_slo | kv_backpressure
+    retry_after_s: int = 0      # for the 429's Retry-After header (whole seconds)
+
+
+ADMIT = Admission(True)
+
+
+def _retry_after_s(excess_s: float) -> int:
+    # HTTP's Retry-After is whole seconds; never 0, or clients spin.
+    return max(1, math.ceil(excess_s))
+
+
+def admit(predicted_ttft_s: float, predicted_tpot_s: float,
+          slo_ttft_s: float | None, slo_tpot_s: float | None) -> Admission:
+    """Refuse what would break an SLO; an SLO of None is not checked.
+
+    Retry-After for TTFT is the predicted excess: the queue must drain that
+    much first. For TPOT it is 1 s: the decode batch shrinks as requests
+    finish, at a pace the router cannot predict better than that."""
+    if slo_ttft_s is not None and predicted_ttft_s > slo_ttft_s:
+        return Admission(False, "ttft_slo", _retry_after_s(predicted_ttft_s - slo_ttft_s))
+    if slo_tpot_s is not None and predicted_tpot_s > slo_tpot_s:
+        return Admission(False, "tpot_slo", 1)
+    return ADMIT
+
+
+def is_long_request(prompt_tokens: int, max_tokens: int, long_threshold_tokens: int) -> bool:
+    """Long = its whole KV footprint (prompt + output) reaches the threshold."""
+    return prompt_tokens + max_tokens >= long_threshold_tokens
+
+
+def pool_kv_usage(usages: Sequence[float], num_blocks: Sequence[int]) -> float:
+    """KV usage of a decode pool: used blocks over all blocks (big workers weigh more)."""
+    total = sum(num_blocks)
+    return sum(u * n for u, n in zip(usages, num_blocks)) / total if total else 0.0
+
+
+def backpressure(decode_kv_usage: float, *, is_long: bool, watermark: float = 0.92) -> Admission:
+    """Above the watermark, refuse new long requests: they would force preemption
+    on the decode side after their prefill was paid for. Short ones still pass."""
+    if is_long and decode_kv_usage > watermark:
+        return Admission(False, "kv_backpressure", 1)
+    return ADMIT
+
+
+# ---------------------------------------------------------------- §5.3 capacity
+
+
+def recommended_pd_ratio(mean_lin: float, mean_lout: float, theta_p: float, theta_d: float) -> float | None:
+    """N_D / N_P (seed 000 §5.3), or None before there is anything to divide by.
+    The formula lives in the planner; the router and planner must not disagree."""
+    if mean_lin <= 0 or theta_d <= 0:
+        return None
+    return pd_ratio(mean_lin, mean_lout, theta_p, theta_d)

@@ -1,0 +1,147 @@
+"""Golden and unit tests of the conductor's pure decisions (seed 000 §5).
+
+Seed 000 §5 gives one number per idea: H_i = 0.8 leaves 20% to compute (§5.1),
+SLOs of TTFT < 500 ms / TPOT < 30 ms (its architecture figure), KV watermark
+92% (checklist #7) and the two P:D ratios 0.5 and 32 (§5.3). The tests pin
+those, and the behaviour the seed describes in words around them.
+"""
+import pytest
+
+from pdserve.router import conductor as c
+
+
+# ---------------------------------------------------------------- §5.1
+
+
+def test_seed000_s5_1_hit_0_8_leaves_20_percent_of_prefill():
+    """§5.1: "如果发现 P 节点 i 已经缓存了该请求 80% 的前缀（H_i = 0.8），则意味着只需要计算剩下的 20%"."""
+    d_prefill_s = 1.0
+    assert c.prefill_score(0.8, d_prefill_s, 0.0, alpha=1.0) == pytest.approx(0.2)
+    assert c.prefill_score(0.0, d_prefill_s, 0.0, alpha=1.0) == pytest.approx(1.0)
+
+
+def test_seed000_s5_1_score_adds_alpha_times_queue():
+    assert c.prefill_score(0.5, 0.4, 0.3, alpha=2.0) == pytest.approx(0.5 * 0.4 + 2.0 * 0.3)
+
+
+def test_seed000_s5_1_cache_hit_wins_when_calm_queue_wins_at_peak():
+    """§5.1: small alpha in calm periods favours prefix hits; large alpha at peak
+    favours the node whose queue drains first."""
+    cached_busy = c.PrefillCandidate("p0", hit_ratio=0.8, prefill_time_s=1.0, queue_drain_s=0.5)
+    cold_idle = c.PrefillCandidate("p1", hit_ratio=0.0, prefill_time_s=1.0, queue_drain_s=0.0)
+    calm, peak = c.adaptive_alpha(0.0), c.adaptive_alpha(1.0)
+    assert calm < peak
+    # calm: 0.2 + 0.5*0.5 = 0.45 < 1.0
+    best, score = c.choose_prefill([cached_busy, cold_idle], calm)
+    assert best.worker_id == "p0" and score == pytest.approx(0.45)
+    # peak: 0.2 + 4*0.5 = 2.2 > 1.0
+    best, score = c.choose_prefill([cached_busy, cold_idle], peak)
+    assert best.worker_id == "p1" and score == pytest.approx(1.0)
+
+
+def test_choose_prefill_ties_break_by_worker_id():
+    a, b = c.PrefillCandidate("b", 0.0, 1.0, 0.0), c.PrefillCandidate("a", 0.0, 1.0, 0.0)
+    assert c.choose_prefill([a, b], 1.0)[0].worker_id == "a"
+
+
+def test_prefill_score_rejects_bad_hit_ratio():
+    with pytest.raises(ValueError):
+        c.prefill_score(1.5, 1.0, 0.0, 1.0)
+    with pytest.raises(ValueError):
+        c.choose_prefill([], 1.0)
+
+
+def test_adaptive_alpha_clamps_and_pool_utilisation():
+    assert c.adaptive_alpha(-1.0) == 0.5 and c.adaptive_alpha(9.0) == 4.0
+    assert c.adaptive_alpha(0.5, 1.0, 3.0) == pytest.approx(2.0)
+    assert c.pool_utilisation([0.25, 5.0], horizon_s=0.5) == pytest.approx((0.5 + 1.0) / 2)
+    assert c.pool_utilisation([], 0.5) == 0.0
+
+
+def test_fit_prefill_cost_recovers_quadratic():
+    truth = c.PrefillCostModel(0.01, 2e-4, 3e-8)
+    samples = [(n, truth(n)) for n in (16, 128, 512, 1024, 2048)]
+    fit = c.fit_prefill_cost(samples)
+    assert fit.a_s == pytest.approx(0.01, rel=1e-6)
+    assert fit.b_s_per_token == pytest.approx(2e-4, rel=1e-6)
+    assert fit.c_s_per_token2 == pytest.approx(3e-8, rel=1e-6)
+    assert c.queue_drain_s([128, 512], fit) == pytest.approx(truth(128) + truth(512))
+
+
+def test_fit_prefill_cost_degrades_gracefully():
+    # one length: a constant; two: a line; a concave cloud must not get a negative L^2 term
+    assert c.fit_prefill_cost([(100, 0.5), (100, 0.7)])(5000) == pytest.approx(0.6)
+    line = c.fit_prefill_cost([(100, 0.1), (200, 0.2)])
+    assert line(400) == pytest.approx(0.4) and line.c_s_per_token2 == 0.0
+    concave = c.fit_prefill_cost([(100, 0.10), (200, 0.19), (400, 0.30), (800, 0.40)])
+    assert concave.c_s_per_token2 >= 0 and concave.b_s_per_token >= 0
+    assert concave(1600) > concave(800)
+    with pytest.raises(ValueError):
+        c.fit_prefill_cost([])
+
+
+def test_fit_decode_cost_and_predict_tpot():
+    truth = c.DecodeCostModel(0.010, 0.0005, 1e-6)
+    samples = [(b, ctx, truth.step_s(b, ctx)) for b, ctx in ((1, 100), (4, 2000), (8, 9000), (16, 4000))]
+    fit = c.fit_decode_cost(samples)
+    assert fit.base_s == pytest.approx(0.010) and fit.per_kv_token_s == pytest.approx(1e-6)
+    # joining a batch of 3 holding 3000 tokens with a 1000-token prompt and 200 to generate
+    assert c.predict_tpot(fit, 3, 3000, 1000, 200) == pytest.approx(0.010 + 4 * 0.0005 + 4100e-6)
+
+
+# ---------------------------------------------------------------- §5.2
+
+SLO_TTFT_S, SLO_TPOT_S = 0.500, 0.030  # seed 000 figure: "TTFT < 500ms, TPOT < 30ms"
+
+
+def test_seed000_s5_2_predicted_ttft_over_slo_is_rejected_before_prefill():
+    """§5.2: a request predicted to miss its SLO gets 429 at once, with a Retry-After."""
+    ttft = c.predict_ttft(queue_s=1.2, prefill_s=0.3, transfer_s=0.05)
+    assert ttft == pytest.approx(1.55)
+    d = c.admit(ttft, 0.020, SLO_TTFT_S, SLO_TPOT_S)
+    assert not d.admitted and d.reason == "ttft_slo" and d.retry_after_s == 2  # ceil(1.05)
+
+
+def test_seed000_s5_2_decode_tpot_over_slo_is_rejected():
+    """§5.2: "预测该请求到达 D 节点后由于显存排队必然会违反 TPOT SLO" -> 429."""
+    d = c.admit(0.2, 0.045, SLO_TTFT_S, SLO_TPOT_S)
+    assert not d.admitted and d.reason == "tpot_slo" and d.retry_after_s >= 1
+
+
+def test_seed000_s5_2_within_slo_admitted_and_off_by_default():
+    assert c.admit(0.45, 0.025, SLO_TTFT_S, SLO_TPOT_S) == c.ADMIT
+    assert c.admit(99.0, 9.0, None, None).admitted  # no SLO set: nothing is refused
+    assert c.admit(0.2, 0.001, SLO_TTFT_S, SLO_TPOT_S).retry_after_s == 0
+
+
+def test_seed000_checklist7_kv_watermark_92_stops_long_requests_only():
+    """Checklist #7 / interview Q3: above the 92% watermark, refuse new *long* requests."""
+    assert c.backpressure(0.93, is_long=True) == c.Admission(False, "kv_backpressure", 1)
+    assert c.backpressure(0.93, is_long=False).admitted
+    assert c.backpressure(0.92, is_long=True).admitted  # at the mark is still fine
+    assert not c.backpressure(0.85, is_long=True, watermark=0.80).admitted
+
+
+def test_pool_kv_usage_weights_by_blocks_and_long_request():
+    assert c.pool_kv_usage([1.0, 0.0], [300, 100]) == pytest.approx(0.75)
+    assert c.pool_kv_usage([], []) == 0.0
+    assert c.is_long_request(3000, 1000, 4096) is False
+    assert c.is_long_request(3096, 1000, 4096) is True
+
+
+# ---------------------------------------------------------------- §5.3
+
+
+def test_seed000_s5_3_summarisation_long_in_short_out_ratio_0_5():
+    """§5.3 scene 1: Lin 8,000, Lout 500, Theta_P 4,000, Theta_D 500 -> N_D/N_P = 0.5."""
+    assert c.recommended_pd_ratio(8000, 500, 4000, 500) == pytest.approx(0.5)
+
+
+def test_seed000_s5_3_reasoning_short_in_long_out_ratio_32():
+    """§5.3 scene 2: Lin 1,000, Lout 4,000, same GPUs -> N_D/N_P = 32."""
+    assert c.recommended_pd_ratio(1000, 4000, 4000, 500) == pytest.approx(32)
+
+
+def test_recommended_pd_ratio_none_without_observations():
+    assert c.recommended_pd_ratio(0, 0, 4000, 500) is None
+    assert c.recommended_pd_ratio(1000, 100, 4000, 0) is None
