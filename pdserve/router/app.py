@@ -36,20 +36,37 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
 
     async def heartbeat(request: Request):
         b = _json(await request.body())
-        if not registry.heartbeat(str(b.get("worker_id")), b.get("stats") or {}):
+        wid = str(b.get("worker_id"))
+        if not registry.heartbeat(wid, b.get("stats") or {}):
             return JSONResponse({"error": "unknown worker: register again"}, status_code=404)
         engine.refresh_stats()
-        return {"ok": True}
+        if not isinstance(b.get("kv_events"), dict):
+            return {"ok": True}
+        return {"ok": True, "kv_snapshot": _feed_index(engine.placer.index, wid, b["kv_events"])}
 
     async def workers(request: Request):
         return {"workers": [{"worker_id": w.worker_id, "url": w.url, "role": w.role, "alive": w.alive,
                              "kv_address": w.kv_address, "stats": w.stats} for w in registry.all()],
-                "counters": engine.counters, "policy": engine.placer.name}
+                "counters": engine.counters, "policy": engine.placer.name,
+                "prefix_index": engine.placer.index.stats()}
 
     app.add_api_route("/internal/register", register, methods=["POST"])
     app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"])
     app.add_api_route("/internal/workers", workers, methods=["GET"])
     return app
+
+
+def _feed_index(index, worker_id: str, kv: dict) -> bool:
+    """Apply a heartbeat's KV events (and snapshot); True when the worker must send a snapshot."""
+    try:
+        epoch = str(kv["epoch"])
+        index.apply_events(worker_id, epoch, kv.get("events") or [])
+        snap = kv.get("snapshot")
+        if isinstance(snap, dict):
+            index.apply_snapshot(worker_id, epoch, int(snap["seq"]), snap.get("block_hashes") or [])
+    except (KeyError, TypeError, ValueError) as e:
+        raise APIError(400, f"bad kv_events: {e}") from None
+    return index.needs_snapshot(worker_id)
 
 
 def _json(raw: bytes) -> dict:

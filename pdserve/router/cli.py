@@ -5,6 +5,8 @@ import logging
 import os
 import sys
 
+from pdserve.router.policy import POLICIES
+
 log = logging.getLogger("pdserve.router")
 
 
@@ -14,8 +16,9 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--policy", default="least_loaded", choices=["least_loaded", "round_robin"],
-                   help="prefill placement; decode goes to the worker with the most free KV")
+    p.add_argument("--policy", default="least_loaded", choices=list(POLICIES),
+                   help="prefill placement (cache_aware: seed 000 §5.1 score over the prefix index); "
+                        "decode goes to the worker with the most free KV")
     p.add_argument("--kv-mode", default="push", choices=["push", "pull"],
                    help="push: P writes into blocks D reserved; pull: D fetches from P when told")
     p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")

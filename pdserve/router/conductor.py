@@ -119,6 +119,13 @@ def queue_drain_s(queued_prompt_tokens: Sequence[int], cost: PrefillCostModel) -
     return sum(cost(t) for t in queued_prompt_tokens)
 
 
+def next_busy_until_s(now_s: float, busy_until_s: float, prefill_s: float) -> float:
+    """A worker's virtual clock: when the work the router has sent it will be done.
+    Q_i = busy_until - now. Heartbeats are a second stale; this is not, so a
+    burst does not all land on the worker that looked idle a second ago."""
+    return max(now_s, busy_until_s) + prefill_s
+
+
 def pool_utilisation(queue_drains_s: Sequence[float], horizon_s: float) -> float:
     """Load of a prefill pool in [0, 1]: mean queue drain as a share of `horizon_s`
     (the TTFT SLO, say), each capped at 1 so one stuck worker cannot read as peak."""

@@ -1,8 +1,17 @@
 """Choosing workers for a request: adapts registry entries to the pure policy functions."""
 from __future__ import annotations
 
-from pdserve.router import policy
+import time
+
+from pdserve.kv.hashing import block_hashes, hash_block
+from pdserve.router import conductor, policy
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerInfo
+
+# Until a worker reports its calibrated D_prefill (stats "prefill_cost_s": [a, b, c]): only the
+# ratio of the score's two terms matters, and both come from this same model, so its scale is moot.
+DEFAULT_PREFILL_COST = conductor.PrefillCostModel(0.005, 1e-4, 0.0)
+HASH_PREFIX_TOKENS = 64  # consistent_hash keys on this much of the prompt (the system prompt, say)
 
 
 def candidate(w: WorkerInfo) -> policy.Candidate:
@@ -11,13 +20,25 @@ def candidate(w: WorkerInfo) -> policy.Candidate:
                             float(s.get("kv_usage", 0.0)))
 
 
+def prefill_cost(w: WorkerInfo) -> conductor.PrefillCostModel:
+    abc = (w.stats or {}).get("prefill_cost_s")
+    return conductor.PrefillCostModel(*map(float, abc)) if abc else DEFAULT_PREFILL_COST
+
+
 class Placer:
     """Prefill by `prefill_policy`, decode by KV headroom (seed 000 §5.1)."""
 
-    def __init__(self, prefill_policy: str = "least_loaded"):
+    def __init__(self, prefill_policy: str = "least_loaded", index: PrefixIndex | None = None,
+                 alpha: float | None = None, clock=time.monotonic):
+        if prefill_policy not in policy.POLICIES:
+            raise ValueError(f"policy must be one of {policy.POLICIES}")
         self.name = prefill_policy
+        self.index = index or PrefixIndex()
+        self.alpha = alpha  # None: adaptive to the prefill pool's load
+        self._clock = clock
+        self._busy_until_s: dict[str, float] = {}
         self._rr = policy.RoundRobin()
-        self._prefill = {"least_loaded": policy.least_loaded, "round_robin": self._rr}[prefill_policy]
+        self._prefill = {"least_loaded": policy.least_loaded, "round_robin": self._rr}.get(prefill_policy)
 
     def pick(self, registry: Registry, prompt: list[int]) -> tuple[WorkerInfo | None, WorkerInfo | None]:
         ps, ds = registry.alive("prefill"), registry.alive("decode")
@@ -26,9 +47,34 @@ class Placer:
         # dedicated workers first: a `both` worker serves a role only when no specialist is alive
         ps = [w for w in ps if w.role == "prefill"] or ps
         ds = [w for w in ds if w.role == "decode"] or ds
-        p = self._choose(ps, self._prefill)
+        if self.name == "cache_aware":
+            p = self._cache_aware(ps, prompt)
+        elif self.name == "consistent_hash":
+            key = hash_block(0, prompt[:HASH_PREFIX_TOKENS])
+            p = {w.worker_id: w for w in ps}[policy.consistent_hash(key, [w.worker_id for w in ps])]
+        else:
+            p = self._choose(ps, self._prefill)
         d = self._choose(ds, policy.most_kv_headroom)
         return p, d
+
+    def _cache_aware(self, ps: list[WorkerInfo], prompt: list[int]) -> WorkerInfo:
+        now, hashes = self._clock(), {}
+        cands = []
+        for w in ps:
+            bs = int((w.stats or {}).get("kv_block_size", 0))
+            if bs and bs not in hashes:
+                hashes[bs] = block_hashes(prompt, bs)
+            hit = self.index.hit_ratio(w.worker_id, hashes[bs], bs, len(prompt)) if bs else 0.0
+            queue_s = max(0.0, self._busy_until_s.get(w.worker_id, now) - now)
+            cands.append(conductor.PrefillCandidate(w.worker_id, hit, prefill_cost(w)(len(prompt)), queue_s))
+        alpha = self.alpha
+        if alpha is None:
+            horizon_s = max(c.prefill_time_s for c in cands) * 4  # "busy" = four prompts like this queued
+            alpha = conductor.adaptive_alpha(conductor.pool_utilisation([c.queue_drain_s for c in cands], horizon_s))
+        best, _ = conductor.choose_prefill(cands, alpha)
+        self._busy_until_s[best.worker_id] = conductor.next_busy_until_s(
+            now, self._busy_until_s.get(best.worker_id, now), (1 - best.hit_ratio) * best.prefill_time_s)
+        return next(w for w in ps if w.worker_id == best.worker_id)
 
     def pick_any(self, registry: Registry, exclude: set[str]) -> WorkerInfo | None:
         """A worker to run a whole request: a decode worker if one is left, else a prefill worker."""

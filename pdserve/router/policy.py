@@ -5,9 +5,14 @@ conductor's cache-aware score (seed 000 §5.1) joins them here.
 """
 from __future__ import annotations
 
+import bisect
+import hashlib
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
+
+# prefill placement policies the router offers (`--policy`); decode is always by KV headroom
+POLICIES = ("least_loaded", "round_robin", "cache_aware", "consistent_hash")
 
 
 @dataclass(frozen=True)
@@ -37,3 +42,20 @@ class RoundRobin:
     def __call__(self, cands: Sequence[Candidate]) -> Candidate:
         ordered = sorted(cands, key=lambda c: c.worker_id)
         return ordered[next(self._n) % len(ordered)]
+
+
+def _ring_point(key: bytes) -> int:
+    # blake2b, not Python's salted hash: every router process must build the same ring
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def consistent_hash(key: int, worker_ids: Sequence[str], vnodes: int = 64) -> str:
+    """The worker owning `key` on a hash ring (seed 000 §1.3): requests sharing a
+    prefix go to one worker, and a worker joining or leaving moves only ~1/N keys.
+    `vnodes` points per worker even out the arcs."""
+    if not worker_ids:
+        raise ValueError("no workers")
+    ring = sorted((_ring_point(f"{w}#{i}".encode()), w) for w in worker_ids for i in range(vnodes))
+    point = _ring_point(key.to_bytes(8, "little"))
+    i = bisect.bisect_left(ring, (point, ""))
+    return ring[i % len(ring)][1]

@@ -78,6 +78,8 @@ def build(args, port: int):
 
     def make_engine():
         engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw))
+        # the router's prefix index follows these; without a router nobody drains them
+        engine.block_manager.record_events = bool(args.router)
         if sender is not None:
             engine.bridge = PrefillBridge(sender, engine.model_config.num_hidden_layers, args.kv_layerwise)
         if role != "prefill":
@@ -107,6 +109,9 @@ def build(args, port: int):
 async def _register_loop(args, worker_id, url, role, api, holder) -> None:
     import httpx
 
+    from pdserve.server.kv_publisher import KVEventPublisher
+
+    kv_pub = KVEventPublisher()
     async with httpx.AsyncClient(base_url=args.router, timeout=5) as client:
         registered = False
         while True:
@@ -120,9 +125,12 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                         "kv_export_address": exporter.address if exporter else "", "host": socket.gethostname()})
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
-                r = await client.post("/internal/heartbeat", json={"worker_id": worker_id,
-                                                                   "stats": api.engine.stats or {}})
+                events, block_size, cached = await api.engine.call(kv_pub.drain_fn())
+                r = await client.post("/internal/heartbeat", json={
+                    "worker_id": worker_id, "stats": {**(api.engine.stats or {}), "kv_block_size": block_size},
+                    "kv_events": kv_pub.payload(events, cached)})
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
+                kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
             except (httpx.HTTPError, OSError) as e:
                 registered = False
                 log.debug("router unreachable: %s", e)

@@ -1,0 +1,108 @@
+"""Placer policies over a registry and the prefix index; the heartbeat's KV event path."""
+import pytest
+
+from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.hashing import block_hashes
+from pdserve.router import policy
+from pdserve.router.app import _feed_index
+from pdserve.router.placement import Placer
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.registry import Registry, WorkerInfo
+from pdserve.server.errors import APIError
+from pdserve.server.kv_publisher import KVEventPublisher
+
+BS = 16
+
+
+def _registry(num_prefill=2):
+    reg = Registry()
+    for i in range(num_prefill):
+        reg.register(WorkerInfo(f"p{i}", f"http://p{i}", "prefill"))
+        reg.heartbeat(f"p{i}", {"kv_block_size": BS})
+    reg.register(WorkerInfo("d0", "http://d0", "decode"))
+    return reg
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_cache_aware_follows_the_prefix_then_spreads_a_burst():
+    reg, clock = _registry(), _Clock()
+    placer = Placer("cache_aware", clock=clock)
+    prompt = list(range(20 * BS))
+    placer.index.apply_events("p1", "e", [{"seq": 1, "kind": "stored", "block_hashes": block_hashes(prompt, BS)}])
+    p, d = placer.pick(reg, prompt)
+    assert (p.worker_id, d.worker_id) == ("p1", "d0")  # H = 1 on p1
+    # cold prompts: the first goes to p0 (idle), and a burst alternates since each pick books time
+    cold = [list(range(1000 + i * 500, 1000 + i * 500 + 400)) for i in range(4)]
+    assert [placer.pick(reg, c)[0].worker_id for c in cold] == ["p0", "p1", "p0", "p1"]
+    clock.t += 60  # all drained
+    assert placer.pick(reg, prompt + [1])[0].worker_id == "p1"
+
+
+def test_cache_aware_busy_cached_worker_loses_at_high_alpha():
+    reg, clock = _registry(), _Clock()
+    prompt = list(range(8 * BS))
+    for alpha, want in ((0.1, "p1"), (50.0, "p0")):
+        placer = Placer("cache_aware", alpha=alpha, clock=clock)
+        placer.index.apply_events("p1", "e", [{"seq": 1, "kind": "stored", "block_hashes": block_hashes(prompt, BS)}])
+        placer._busy_until_s["p1"] = clock.t + 0.05  # p1 has 50 ms of queued prefill
+        assert placer.pick(reg, prompt)[0].worker_id == want
+
+
+def test_consistent_hash_sticks_to_a_prefix_and_moves_little():
+    reg = _registry(num_prefill=4)
+    placer = Placer("consistent_hash")
+    convo = list(range(100))
+    first = placer.pick(reg, convo)[0].worker_id
+    assert all(placer.pick(reg, convo + list(range(n)))[0].worker_id == first for n in (5, 50, 500))
+    keys = range(2000)
+    before = {k: policy.consistent_hash(k, ["a", "b", "c", "d"]) for k in keys}
+    after = {k: policy.consistent_hash(k, ["a", "b", "c"]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(before[k] == "d" for k in moved)  # only the leaver's keys move
+    assert 0.15 < len(moved) / len(keys) < 0.35
+    with pytest.raises(ValueError):
+        policy.consistent_hash(1, [])
+
+
+def test_unknown_policy_rejected():
+    with pytest.raises(ValueError):
+        Placer("random")
+
+
+def test_publisher_to_index_through_the_heartbeat_path():
+    """Worker side numbers drained events; a lost heartbeat forces a snapshot that resyncs."""
+    bm = BlockManager(num_blocks=8, block_size=4, record_events=True)
+    pub, idx = KVEventPublisher(), PrefixIndex()
+
+    def heartbeat(deliver=True):
+        events, _, cached = pub.drain_fn()(type("E", (), {"block_manager": bm})())
+        body = pub.payload(events, cached)
+        if deliver:
+            pub.want_snapshot = _feed_index(idx, "w", body)
+
+    def run(seq_id, tokens):
+        assert bm.allocate(seq_id, len(tokens))
+        bm.cache_full_blocks(seq_id, tokens, len(tokens))
+        bm.free(seq_id)
+
+    a, b = list(range(8)), list(range(50, 62))
+    run("a", a)
+    heartbeat()
+    assert idx.hit_blocks("w", block_hashes(a, 4)) == 2 and not pub.want_snapshot
+    run("b", b)
+    heartbeat(deliver=False)  # the router never saw these
+    run("c", list(range(90, 94)))
+    heartbeat()
+    assert pub.want_snapshot and idx.hit_blocks("w", block_hashes(b, 4)) == 0
+    heartbeat()  # carries the snapshot
+    assert not pub.want_snapshot
+    assert idx.hit_blocks("w", block_hashes(b, 4)) == 3
+    with pytest.raises(APIError):
+        _feed_index(idx, "w", {"events": []})
