@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--policy", default="least_loaded", choices=list(POLICIES),
+    p.add_argument("--policy", default="cache_aware", choices=list(POLICIES),
                    help="prefill placement (cache_aware: seed 000 §5.1 score over the prefix index); "
                         "decode goes to the worker with the most free KV")
     p.add_argument("--kv-mode", default="push", choices=["push", "pull"],

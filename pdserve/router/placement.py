@@ -28,7 +28,7 @@ def prefill_cost(w: WorkerInfo) -> conductor.PrefillCostModel:
 class Placer:
     """Prefill by `prefill_policy`, decode by KV headroom (seed 000 §5.1)."""
 
-    def __init__(self, prefill_policy: str = "least_loaded", index: PrefixIndex | None = None,
+    def __init__(self, prefill_policy: str = "cache_aware", index: PrefixIndex | None = None,
                  alpha: float | None = None, clock=time.monotonic):
         if prefill_policy not in policy.POLICIES:
             raise ValueError(f"policy must be one of {policy.POLICIES}")
@@ -65,8 +65,12 @@ class Placer:
             if bs and bs not in hashes:
                 hashes[bs] = block_hashes(prompt, bs)
             hit = self.index.hit_ratio(w.worker_id, hashes[bs], bs, len(prompt)) if bs else 0.0
-            queue_s = max(0.0, self._busy_until_s.get(w.worker_id, now) - now)
-            cands.append(conductor.PrefillCandidate(w.worker_id, hit, prefill_cost(w)(len(prompt)), queue_s))
+            prefill_s = prefill_cost(w)(len(prompt))
+            # the router's own bookings, or what the last heartbeat saw waiting (work other
+            # routers sent, or a cost model that runs slow): whichever is longer
+            booked_s = self._busy_until_s.get(w.worker_id, now) - now
+            queue_s = max(0.0, booked_s, int((w.stats or {}).get("num_waiting", 0)) * prefill_s)
+            cands.append(conductor.PrefillCandidate(w.worker_id, hit, prefill_s, queue_s))
         alpha = self.alpha
         if alpha is None:
             horizon_s = max(c.prefill_time_s for c in cands) * 4  # "busy" = four prompts like this queued

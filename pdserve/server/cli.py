@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
                    help="disaggregated: router + prefill and decode worker processes; collocated: one engine")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
-    p.add_argument("--policy", dest="router_policy", default="least_loaded", choices=list(POLICIES),
+    p.add_argument("--policy", dest="router_policy", default="cache_aware", choices=list(POLICIES),
                    help="router's prefill placement (disaggregated); the engine's own is --scheduling-policy")
     p.add_argument("--kv-layerwise", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="stream each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
