@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -29,6 +30,67 @@ inline float dot(const float* q, const T* k, int64_t d) {
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// fp32 K rows: two tokens per iteration so two FMA chains run at once.
+inline void scores_f32(const float* q, const float* const* krows, int64_t len, int64_t D, float* out) {
+  int64_t t = 0;
+  for (; t + 2 <= len; t += 2) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krows[t] + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krows[t + 1] + i), a1);
+    }
+    // horizontal sums of both accumulators together
+    __m256 h = _mm256_hadd_ps(a0, a1);
+    __m128 lo = _mm256_castps256_ps128(h), hi = _mm256_extractf128_ps(h, 1);
+    __m128 sum = _mm_add_ps(lo, hi);  // [a0 01, a0 23, a1 01, a1 23] pairs
+    sum = _mm_hadd_ps(sum, sum);
+    out[t] = _mm_cvtss_f32(sum);
+    out[t + 1] = _mm_cvtss_f32(_mm_shuffle_ps(sum, sum, 1));
+  }
+  for (; t < len; ++t) out[t] = dot(q, krows[t], D);
+}
+// exp for 8 floats (Cephes' range reduction + degree-5 polynomial, ~1 ulp on the
+// softmax range x <= 0): the scalar expf loop was most of this kernel's time.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// s[t] = exp(s[t] - m) in place; returns the sum
+inline float exp_sum(float* s, int64_t len, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= len; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = 0;
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, acc);
+  for (int j = 0; j < 8; ++j) sum += tmp[j];
+  for (; t < len; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+  return sum;
+}
+#define PDS_AVX2_ATTN 1
+#endif
+
 template <typename T>
 void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -46,23 +108,35 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<const T*> krows;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, h = idx % KVH, len = lens[b];
       const int64_t* table = bt + b * max_blocks;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qp[(b * H + h * G) * D + i]) * (float)scale;
       scores.assign(G * len, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* krow = kp + table[t / BS] * blk_stride + (t % BS) * tok_stride + h * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(qf.data() + g * D, krow, D);
+      krows.resize(len);
+      for (int64_t t = 0; t < len; ++t) krows[t] = kp + table[t / BS] * blk_stride + (t % BS) * tok_stride + h * D;
+#ifdef PDS_AVX2_ATTN
+      if constexpr (std::is_same<T, float>::value) {
+        if (D % 8 == 0) {
+          for (int64_t g = 0; g < G; ++g) scores_f32(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len);
+          goto softmax;
+        }
       }
+#endif
+      for (int64_t t = 0; t < len; ++t)
+        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(qf.data() + g * D, krows[t], D);
+    softmax:
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * len;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+#ifdef PDS_AVX2_ATTN
+        const float sum = exp_sum(s, len, m);
+#else
         float sum = 0;
-        // vectorised through glibc's libmvec (needs -fno-math-errno)
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
+        for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+#endif
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
