@@ -48,12 +48,19 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         return {"workers": [{"worker_id": w.worker_id, "url": w.url, "role": w.role, "alive": w.alive,
                              "kv_address": w.kv_address, "stats": w.stats} for w in registry.all()],
                 "counters": engine.counters, "policy": engine.placer.name,
-                "prefix_index": engine.placer.index.stats()}
+                "prefix_index": engine.placer.index.stats(),
+                "admission": _admission_status(engine.admitter)}
 
     app.add_api_route("/internal/register", register, methods=["POST"])
     app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"])
     app.add_api_route("/internal/workers", workers, methods=["GET"])
     return app
+
+
+def _admission_status(admitter) -> dict | None:
+    if admitter is None:
+        return None
+    return {"admitted": admitter.admitted, "rejected": dict(admitter.rejected), **vars(admitter.config)}
 
 
 def _feed_index(index, worker_id: str, kv: dict) -> bool:
@@ -108,3 +115,9 @@ class _RouterCollector:
             queue.add_metric([role], sum((w.stats or {}).get("num_waiting", 0) for w in ws))
         yield alive
         yield queue
+        rejected = CounterMetricFamily("pdserve:router_early_rejected", "Requests refused before prefill "
+                                       "(predicted SLO miss, or KV backpressure).", labels=["reason"])
+        counts = self.engine.admitter.rejected if self.engine.admitter is not None else {}
+        for reason in ("ttft_slo", "tpot_slo", "kv_backpressure"):
+            rejected.add_metric([reason], counts.get(reason, 0))
+        yield rejected

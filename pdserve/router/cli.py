@@ -19,6 +19,14 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default="cache_aware", choices=list(POLICIES),
                    help="prefill placement (cache_aware: seed 000 §5.1 score over the prefix index); "
                         "decode goes to the worker with the most free KV")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="refuse (429) requests whose predicted TTFT exceeds this, before any prefill (off by default)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="refuse requests whose decode worker's predicted TPOT exceeds this (off by default)")
+    p.add_argument("--kv-watermark", type=float, default=None,
+                   help="refuse new long requests while decode KV usage is above this fraction, e.g. 0.92 (off)")
+    p.add_argument("--long-request-tokens", type=int, default=1024,
+                   help="prompt + max_tokens at or above this is a long request for --kv-watermark")
     p.add_argument("--kv-mode", default="push", choices=["push", "pull"],
                    help="push: P writes into blocks D reserved; pull: D fetches from P when told")
     p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")
@@ -32,6 +40,7 @@ def add_arguments(p) -> None:
 def build(args):
     from pdserve.engine.loader import load_model_info
     from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.router.admission import AdmissionConfig, Admitter
     from pdserve.router.app import build_router_app
     from pdserve.router.disagg import DisaggEngine
     from pdserve.router.placement import Placer
@@ -43,9 +52,13 @@ def build(args):
     core = _Core(info.config, Tokenizer.from_loaded(info))
     names = args.served_model_name or []
     registry = Registry(timeout_s=args.worker_timeout_s)
+    ms = (lambda v: None if v is None else v / 1e3)
+    admission = AdmissionConfig(slo_ttft_s=ms(args.slo_ttft_ms), slo_tpot_s=ms(args.slo_tpot_ms),
+                                kv_watermark=args.kv_watermark, long_request_tokens=args.long_request_tokens)
     engine = DisaggEngine(core, registry, ServerMetrics(names[0] if names else info.config.name),
                           Placer(args.policy), kv_timeout_s=args.kv_timeout_s,
-                          max_in_flight=args.max_num_seqs_in_flight, kv_mode=args.kv_mode)
+                          max_in_flight=args.max_num_seqs_in_flight, kv_mode=args.kv_mode,
+                          admitter=Admitter(admission) if admission.enabled else None)
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes)
     return build_router_app(engine, registry, settings), engine

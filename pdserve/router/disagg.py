@@ -130,11 +130,12 @@ class DisaggEngine:
     """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
 
     def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = 30.0,
-                 max_in_flight: int = 1024, kv_mode: str = "push"):
+                 max_in_flight: int = 1024, kv_mode: str = "push", admitter=None):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry
         self.metrics = metrics
         self.placer = placer or Placer()
+        self.admitter = admitter  # router.admission.Admitter: early rejection (seed 000 §5.2), or None
         self.kv_timeout_s = kv_timeout_s
         if kv_mode not in ("push", "pull"):
             raise ValueError("kv_mode must be push or pull")
@@ -210,12 +211,24 @@ class DisaggEngine:
         if self.num_in_flight + len(inputs) > self.max_in_flight:
             self.metrics.rejected.inc()
             raise APIError(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
+        if self.admitter is not None:
+            self._admit(inputs)
         group = RouterGroup(self, request_id or f"req-{time.monotonic_ns()}", inputs, priority)
         self._groups.add(group)
         for t in group.tasks:
             t.add_done_callback(lambda _t, g=group: self._groups.discard(g) if all(x.done() for x in g.tasks)
                                 else None)
         return group
+
+    def _admit(self, inputs) -> None:
+        """Refuse before any prefill work what would miss its SLO (429 with Retry-After)."""
+        for inp in inputs:
+            max_tokens = inp.params.max_tokens or self.engine.max_model_len - len(inp.prompt_token_ids)
+            d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens)
+            if not d.admitted:
+                self.metrics.rejected.inc()
+                raise APIError(429, f"request refused to protect the SLOs ({d.reason}); retry later",
+                               code=d.reason, headers={"Retry-After": str(d.retry_after_s)})
 
     # ---- one choice
     async def run_choice(self, c: _Choice) -> None:

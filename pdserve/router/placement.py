@@ -58,7 +58,20 @@ class Placer:
         return p, d
 
     def _cache_aware(self, ps: list[WorkerInfo], prompt: list[int]) -> WorkerInfo:
-        now, hashes = self._clock(), {}
+        now = self._clock()
+        best = self._best_prefill(ps, prompt, now)
+        self._busy_until_s[best.worker_id] = conductor.next_busy_until_s(
+            now, self._busy_until_s.get(best.worker_id, now), (1 - best.hit_ratio) * best.prefill_time_s)
+        return next(w for w in ps if w.worker_id == best.worker_id)
+
+    def peek_prefill(self, registry: Registry, prompt: list[int]) -> conductor.PrefillCandidate | None:
+        """The prefill candidate cache_aware would pick now, booking nothing (for admission)."""
+        ps = registry.alive("prefill")
+        ps = [w for w in ps if w.role == "prefill"] or ps
+        return self._best_prefill(ps, prompt, self._clock()) if ps else None
+
+    def _best_prefill(self, ps: list[WorkerInfo], prompt: list[int], now: float) -> conductor.PrefillCandidate:
+        hashes: dict[int, list[int]] = {}
         cands = []
         for w in ps:
             bs = int((w.stats or {}).get("kv_block_size", 0))
@@ -75,10 +88,7 @@ class Placer:
         if alpha is None:
             horizon_s = max(c.prefill_time_s for c in cands) * 4  # "busy" = four prompts like this queued
             alpha = conductor.adaptive_alpha(conductor.pool_utilisation([c.queue_drain_s for c in cands], horizon_s))
-        best, _ = conductor.choose_prefill(cands, alpha)
-        self._busy_until_s[best.worker_id] = conductor.next_busy_until_s(
-            now, self._busy_until_s.get(best.worker_id, now), (1 - best.hit_ratio) * best.prefill_time_s)
-        return next(w for w in ps if w.worker_id == best.worker_id)
+        return conductor.choose_prefill(cands, alpha)[0]
 
     def pick_any(self, registry: Registry, exclude: set[str]) -> WorkerInfo | None:
         """A worker to run a whole request: a decode worker if one is left, else a prefill worker."""

@@ -1,0 +1,68 @@
+"""Early rejection and KV backpressure from registry state (seed 000 §5.2), and the 429 it becomes."""
+import httpx
+import pytest
+
+from pdserve.router.admission import AdmissionConfig, Admitter
+from pdserve.router.placement import Placer
+from pdserve.router.registry import Registry, WorkerInfo
+from tests.transfer.cluster import Cluster
+
+
+def _registry(decode_stats):
+    reg = Registry()
+    reg.register(WorkerInfo("p0", "http://p0", "prefill"))
+    reg.heartbeat("p0", {"kv_block_size": 16, "prefill_cost_s": [0.0, 1e-3, 0.0]})  # 1 ms per token
+    reg.register(WorkerInfo("d0", "http://d0", "decode"))
+    reg.heartbeat("d0", decode_stats)
+    return reg
+
+
+def test_ttft_prediction_includes_booked_queue():
+    reg, placer = _registry({}), Placer("cache_aware", clock=lambda: 0.0)
+    adm = Admitter(AdmissionConfig(slo_ttft_s=0.5))
+    assert adm.check(reg, placer, list(range(300)), 10).admitted  # 0.3 s
+    placer.pick(reg, list(range(1000, 1400)))  # books 0.4 s on p0
+    d = adm.check(reg, placer, list(range(300)), 10)  # 0.4 + 0.3 > 0.5
+    assert (d.admitted, d.reason, d.retry_after_s) == (False, "ttft_slo", 1)
+    assert adm.admitted == 1 and adm.rejected["ttft_slo"] == 1
+
+
+def test_tpot_checked_only_with_a_decode_model():
+    busy = {"num_running": 20, "kv_usage": 0.5, "num_blocks": 100, "kv_block_size": 16}
+    adm = Admitter(AdmissionConfig(slo_tpot_s=0.030))
+    assert adm.check(_registry(busy), Placer(), [1] * 10, 10).admitted
+    modelled = {**busy, "decode_cost_s": [0.010, 0.001, 0.0]}  # 10 + 21 ms > 30 ms
+    d = adm.check(_registry(modelled), Placer(), [1] * 10, 10)
+    assert (d.admitted, d.reason) == (False, "tpot_slo")
+
+
+def test_kv_watermark_refuses_long_requests_only():
+    full = {"kv_usage": 0.95, "num_blocks": 100}
+    adm = Admitter(AdmissionConfig(kv_watermark=0.92, long_request_tokens=1024))
+    assert adm.check(_registry(full), Placer(), [1] * 100, 100).admitted
+    d = adm.check(_registry(full), Placer(), [1] * 1000, 100)
+    assert (d.admitted, d.reason) == (False, "kv_backpressure")
+    assert adm.check(_registry({"kv_usage": 0.5, "num_blocks": 100}), Placer(), [1] * 1000, 100).admitted
+
+
+def test_config_validation_and_off_by_default():
+    assert not AdmissionConfig().enabled
+    with pytest.raises(ValueError):
+        AdmissionConfig(kv_watermark=1.5)
+    with pytest.raises(ValueError):
+        AdmissionConfig(slo_ttft_s=0)
+
+
+def test_router_answers_429_with_retry_after(tiny_model_dir):
+    """An SLO no request can meet: every request is refused before reaching a worker."""
+    with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
+                 router_args=["--slo-ttft-ms", "0.001"]) as c:
+        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
+        r = httpx.post(c.url + "/v1/completions", timeout=30,
+                       json={"model": model, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        status = c.status()
+        assert status["admission"]["rejected"] == {"ttft_slo": 1}
+        assert c.worker_state("prefill0")["stats"]["prefix_cache_queries_tokens"] == 0  # no prefill work
+        assert 'pdserve:router_early_rejected_total{reason="ttft_slo"} 1.0' in httpx.get(c.url + "/metrics").text
