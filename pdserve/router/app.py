@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.router import conductor
 from pdserve.router.disagg import DisaggEngine
 from pdserve.router.registry import Registry, WorkerInfo
 from pdserve.server.app import ServerSettings, build_app
@@ -54,7 +55,34 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
     app.add_api_route("/internal/register", register, methods=["POST"])
     app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"])
     app.add_api_route("/internal/workers", workers, methods=["GET"])
+    app.add_api_route("/internal/conductor", lambda: conductor_status(engine.metrics, registry), methods=["GET"])
     return app
+
+
+def _mean(h) -> float | None:
+    n = sum(h.counts)
+    return h.sum / n if n else None
+
+
+def _mean_stat(workers, key: str) -> float | None:
+    vals = [float(w.stats[key]) for w in workers if (w.stats or {}).get(key)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def conductor_status(metrics, registry: Registry) -> dict:
+    """Observed mean Lin / Lout and the P:D ratio seed 000 §5.3 recommends for them.
+
+    Theta_P / Theta_D are the means of what live workers report in their stats
+    (`prefill_tokens_per_s`, `decode_tokens_per_s`); until they do, the ratio is null."""
+    lin, lout = _mean(metrics.req_prompt), _mean(metrics.req_generation)
+    theta_p = _mean_stat(registry.alive("prefill"), "prefill_tokens_per_s")
+    theta_d = _mean_stat(registry.alive("decode"), "decode_tokens_per_s")
+    ratio = None
+    if None not in (lin, lout, theta_p, theta_d):
+        ratio = conductor.recommended_pd_ratio(lin, lout, theta_p, theta_d)
+    return {"mean_lin_tokens": lin, "mean_lout_tokens": lout, "theta_p_tokens_per_s": theta_p,
+            "theta_d_tokens_per_s": theta_d, "recommended_nd_per_np": ratio,
+            "num_prefill": len(registry.alive("prefill")), "num_decode": len(registry.alive("decode"))}
 
 
 def _admission_status(admitter) -> dict | None:
@@ -121,3 +149,12 @@ class _RouterCollector:
         for reason in ("ttft_slo", "tpot_slo", "kv_backpressure"):
             rejected.add_metric([reason], counts.get(reason, 0))
         yield rejected
+        st = conductor_status(self.engine.metrics, self.registry)
+        for key, name, doc in (("mean_lin_tokens", "observed_mean_prompt_tokens", "Mean prompt tokens (Lin)."),
+                               ("mean_lout_tokens", "observed_mean_generation_tokens", "Mean generated tokens (Lout)."),
+                               ("recommended_nd_per_np", "recommended_pd_ratio",
+                                "N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D), seed 000 §5.3.")):
+            if st[key] is not None:
+                g = GaugeMetricFamily(f"pdserve:{name}", doc)
+                g.add_metric([], st[key])
+                yield g

@@ -66,3 +66,31 @@ def test_router_answers_429_with_retry_after(tiny_model_dir):
         assert status["admission"]["rejected"] == {"ttft_slo": 1}
         assert c.worker_state("prefill0")["stats"]["prefix_cache_queries_tokens"] == 0  # no prefill work
         assert 'pdserve:router_early_rejected_total{reason="ttft_slo"} 1.0' in httpx.get(c.url + "/metrics").text
+
+
+def test_conductor_status_reports_lin_lout_and_ratio():
+    from pdserve.router.app import conductor_status
+    from pdserve.server.metrics import ServerMetrics
+
+    m, reg = ServerMetrics("m"), Registry()
+    reg.register(WorkerInfo("p0", "http://p0", "prefill"))
+    reg.register(WorkerInfo("d0", "http://d0", "decode"))
+    assert conductor_status(m, reg)["recommended_nd_per_np"] is None  # nothing observed yet
+    for lin, lout in ((6000, 400), (10000, 600)):
+        m.req_prompt.observe(lin)
+        m.req_generation.observe(lout)
+    reg.heartbeat("p0", {"prefill_tokens_per_s": 4000})
+    reg.heartbeat("d0", {"decode_tokens_per_s": 500})
+    st = conductor_status(m, reg)
+    assert (st["mean_lin_tokens"], st["mean_lout_tokens"]) == (8000, 500)
+    assert st["recommended_nd_per_np"] == pytest.approx(0.5)  # seed 000 §5.3 scene 1
+    from types import SimpleNamespace
+
+    from pdserve.router.app import _RouterCollector
+
+    engine = SimpleNamespace(metrics=m, admitter=None, counters={k: 0 for k in (
+        "kv_bytes", "kv_seconds", "kv_failed", "kv_retries", "recomputed", "replaced")})
+    gauges = {f.name: f.samples[0].value for f in _RouterCollector(engine, reg).collect() if f.type == "gauge"
+              and f.samples and not f.samples[0].labels}
+    assert gauges["pdserve:recommended_pd_ratio"] == pytest.approx(0.5)
+    assert gauges["pdserve:observed_mean_prompt_tokens"] == 8000
