@@ -5,6 +5,8 @@ every transport and mode; the pieces are the real engines, the real sockets.
 """
 import threading
 
+import torch
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -143,3 +145,34 @@ def test_pull_matches_collocated(tiny_model_dir, reference, layerwise):
     finally:
         exporter.close()
         receiver.close()
+
+
+def test_receiver_converts_kv_dtype_and_block_size(tiny_model_dir, reference):
+    """P in float32 with 4-token blocks, D in bfloat16 with 8-token blocks: D's slots hold P's
+    K/V converted to bfloat16, token for token."""
+    ref, tok = reference
+    p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8, dtype="bfloat16")
+    rx = KVReceiverServer(d.runner.kv_caches)
+    p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers)
+    ids = tok.encode(PROMPTS[2])
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    dest = d.reserve_for_transfer("dt", ids, params, rx, deadline_s=30)
+    p.add_request("dt", ids, params, kv_destination=dest)
+    while p.has_unfinished_requests():
+        p.step()
+    p_table = list(p.block_manager.block_table("dt")) if p.block_manager.owns_blocks("dt") else None
+    rx.wait_for_all("dt", 30)
+    d_table = d.block_manager.block_table("dt")
+    pos = torch.arange(len(ids))
+    d_slots = torch.tensor(d_table)[pos // 8] * 8 + pos % 8
+    for layer in (0, p.model_config.num_hidden_layers - 1):
+        dk = d.runner.kv_caches[layer][0].view(-1, *d.runner.kv_caches[layer][0].shape[-2:])[d_slots]
+        assert dk.dtype == torch.bfloat16
+        # P's own copy: recompute from P's prefix cache blocks (still cached after the request)
+        hit, n = p.block_manager.find_cached_prefix("probe", ids + [0])
+        p_slots = torch.tensor([b.block_id for b in hit])[pos[:n] // 4] * 4 + pos[:n] % 4
+        pk = p.runner.kv_caches[layer][0].view(-1, *p.runner.kv_caches[layer][0].shape[-2:])[p_slots]
+        torch.testing.assert_close(dk[:n], pk.to(torch.bfloat16))
+        p.block_manager.seqs.pop("probe", None)
+    rx.close()
+    assert p_table is None  # P freed its blocks once the first token was out
