@@ -5,6 +5,7 @@ start them anywhere the router and the other workers can reach.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -26,13 +27,15 @@ def add_arguments(p) -> None:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--kv-transport", choices=["auto", "tcp"], default="auto",
                    help="prefill side: shared memory when the decode worker is on this host, else TCP")
-    p.add_argument("--kv-layerwise", action=__import__("argparse").BooleanOptionalAction, default=True,
+    p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="send each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
     p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none", help="KV compression on the wire")
     p.add_argument("--kv-shm-dir", default="/dev/shm",
                    help="decode side: directory for the shared KV cache ('' to disable)")
     p.add_argument("--cpu-cores", default=None, help="pin this process to these cores, e.g. 0 or 0,1")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill roles: measure D_prefill(L) at start-up for the router's placement and admission")
     p.add_argument("--log-level", default="info")
 
 
@@ -95,6 +98,11 @@ def build(args, port: int):
         if not args.router:
             return
         await engine.ready.wait()
+        if args.calibrate and role != "decode":
+            from pdserve.server.calibrate import calibration_stats, measure_prefill
+
+            holder["calibration"] = calibration_stats(await api.engine.call(measure_prefill))
+            log.info("prefill calibration: %s", holder["calibration"])
         await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder)
 
     async def close():
@@ -127,7 +135,8 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
                 events, block_size, cached = await api.engine.call(kv_pub.drain_fn())
                 r = await client.post("/internal/heartbeat", json={
-                    "worker_id": worker_id, "stats": {**(api.engine.stats or {}), "kv_block_size": block_size},
+                    "worker_id": worker_id, "stats": {**(api.engine.stats or {}), "kv_block_size": block_size,
+                                                      **holder.get("calibration", {})},
                     "kv_events": kv_pub.payload(events, cached)})
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
                 kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))

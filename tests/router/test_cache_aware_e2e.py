@@ -36,5 +36,7 @@ def test_cache_aware_beats_round_robin_on_prefix_hits(tiny_model_dir):
             index = status["prefix_index"]
             assert set(index) >= {"prefill0", "prefill1"}
             assert all(w["synced"] for w in index.values()), index
+            prefill_stats = [w["stats"] for w in status["workers"] if w["role"] == "prefill"]
+            assert all(len(s["prefill_cost_s"]) == 3 for s in prefill_stats)  # calibrated at start-up
     print(rates)
     assert rates["cache_aware"] >= 1.5 * rates["round_robin"], rates
