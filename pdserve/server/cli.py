@@ -28,6 +28,12 @@ def add_arguments(p) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     p.add_argument("--policy", dest="router_policy", default="cache_aware", choices=list(POLICIES),
                    help="router's prefill placement (disaggregated); the engine's own is --scheduling-policy")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="router refuses (429) requests predicted to miss this TTFT, before prefill (off by default)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="router refuses requests whose decode worker's predicted TPOT exceeds this (off)")
+    p.add_argument("--kv-watermark", type=float, default=None,
+                   help="router refuses new long requests while decode KV usage is above this, e.g. 0.92 (off)")
     p.add_argument("--kv-layerwise", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="stream each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
     p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none")

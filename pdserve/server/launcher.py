@@ -29,11 +29,21 @@ def _engine_args(args) -> list[str]:
     return out + (["--model", args.model] if args.model else [])
 
 
+def _admission_args(args) -> list[str]:
+    """The router's early-rejection flags that were set (each is off unless given)."""
+    out = []
+    for flag in ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            out += ["--" + flag.replace("_", "-"), str(v)]
+    return out
+
+
 def launch(args) -> int:
     py = [sys.executable, "-m", "pdserve.cli"]
     router_url = f"http://{args.host}:{args.port}"
     router = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
-                   "--kv-mode", args.kv_mode, "--log-level", args.log_level]
+                   "--kv-mode", args.kv_mode, "--log-level", args.log_level, *_admission_args(args)]
     if args.model:
         router += ["--model", args.model]
     if args.api_key:

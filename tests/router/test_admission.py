@@ -94,3 +94,23 @@ def test_conductor_status_reports_lin_lout_and_ratio():
               and f.samples and not f.samples[0].labels}
     assert gauges["pdserve:recommended_pd_ratio"] == pytest.approx(0.5)
     assert gauges["pdserve:observed_mean_prompt_tokens"] == 8000
+
+
+def test_serve_passes_admission_flags_to_the_router():
+    import argparse
+
+    from pdserve.router import cli as router_cli
+    from pdserve.server import cli as serve_cli
+    from pdserve.server.launcher import _admission_args
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    args = p.parse_args(["--slo-ttft-ms", "500", "--kv-watermark", "0.92", "--policy", "consistent_hash"])
+    assert args.router_policy == "consistent_hash"
+    flags = _admission_args(args)
+    assert flags == ["--slo-ttft-ms", "500.0", "--kv-watermark", "0.92"]
+    assert _admission_args(p.parse_args([])) == []
+    rp = argparse.ArgumentParser()
+    router_cli.add_arguments(rp)
+    r = rp.parse_args(flags)
+    assert (r.slo_ttft_ms, r.slo_tpot_ms, r.kv_watermark, r.policy) == (500.0, None, 0.92, "cache_aware")
