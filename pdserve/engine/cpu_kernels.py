@@ -17,6 +17,18 @@ _module = None
 _failed = False
 
 
+def _default_cache_dir() -> str:
+    """One build per interpreter prefix and torch version: two virtual environments
+    sharing one directory would rebuild over each other's module at every switch."""
+    import hashlib
+    import sys
+
+    import torch
+
+    key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    return os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels", key)
+
+
 def load():
     """The compiled module, or None when unavailable."""
     global _module, _failed
@@ -32,8 +44,7 @@ def load():
 
                 csrc = os.path.join(os.path.dirname(__file__), "csrc")
                 srcs = [os.path.join(csrc, f) for f in ("paged_attention.cpp", "gguf_matmul.cpp")]
-                cache = os.environ.get("PDSERVE_KERNEL_CACHE",
-                                       os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels"))
+                cache = os.environ.get("PDSERVE_KERNEL_CACHE") or _default_cache_dir()
                 os.makedirs(cache, exist_ok=True)
                 _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
                                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
