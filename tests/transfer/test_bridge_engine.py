@@ -3,7 +3,6 @@
 Disaggregated greedy output must equal collocated output token for token, for
 every transport and mode; the pieces are the real engines, the real sockets.
 """
-import threading
 
 import torch
 

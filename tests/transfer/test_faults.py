@@ -4,7 +4,6 @@ Faults are injected inside the real sender ($PDSERVE_KV_FAULT) or by killing a
 process; everything else is the real router, workers and sockets.
 """
 import os
-import threading
 import time
 
 import httpx
@@ -31,12 +30,6 @@ def sharp_model_dir(tmp_path_factory):
 def reference(sharp_model_dir):
     llm = LLM(sharp_model_dir, dtype="float32", block_size=16, num_gpu_blocks=512)
     return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True))[0].outputs[0].text
-
-
-def complete(url: str, timeout: float = 60) -> dict:
-    r = httpx.post(url + "/v1/completions", timeout=timeout, json={
-        "model": "m", "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True})
-    return r
 
 
 def model_name(url):
