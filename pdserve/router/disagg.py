@@ -280,8 +280,7 @@ class DisaggEngine:
             log.warning("request %s: prefill worker %s failed (%s); the decode worker recomputes",
                         c.rid, p.worker_id, e)
             self.registry.mark_dead(p.worker_id) if isinstance(e, (WorkerGone, httpx.TransportError)) else None
-            self.counters["recomputed"] += 1
-            return None, None
+            return None, None  # the decode worker recomputes; its "kv" event is counted below
         first = ev["token_ids"][0]
         c.emit({**ev, "finished": False})
 
@@ -339,6 +338,10 @@ class DisaggEngine:
                     ev = json.loads(line)
                     if ev.get("event") == "output":
                         c.emit(ev)
+                    elif ev.get("event") == "kv" and not ev.get("ok"):
+                        # P died or the KV missed its deadline (even after P's first token
+                        # was out): the decode worker recomputed the prompt
+                        self.counters["recomputed"] += 1
                     elif ev.get("event") == "error":
                         raise APIError(ev.get("status", 500), ev.get("message", "worker error"))
             finally:
