@@ -140,3 +140,26 @@ def test_logprobs(client, model_id, tiny_offline):
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
     for t in content:  # a token holding part of a UTF-8 character shows as U+FFFD but keeps its bytes
         assert t.bytes and ("\ufffd" in t.token or bytes(t.bytes) == t.token.encode())
+
+
+def test_chat_stream_with_n_choices(client, model_id, tiny_offline):
+    ref = offline_chat(tiny_offline, CHAT).outputs[0].text
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=MAX, temperature=0, n=2,
+                                                stream=True, extra_body=EXTRA):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: ref, 1: ref}
+
+
+def test_echo_and_tokenize(client, model_id, tiny_server, tiny_offline):
+    import httpx
+
+    r = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
+                                  extra_body=EXTRA)
+    assert r.choices[0].text == PROMPTS[0] + offline_text(tiny_offline, PROMPTS[0], max_tokens=4).outputs[0].text
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    tok = httpx.post(tiny_server.url + "/tokenize", json={"prompt": PROMPTS[0]}, headers=auth).json()
+    assert tok["tokens"] == tiny_offline.tokenizer.encode(PROMPTS[0]) and tok["count"] == r.usage.prompt_tokens
+    chat = httpx.post(tiny_server.url + "/tokenize", json={"messages": CHAT}, headers=auth).json()
+    assert chat["count"] == len(offline_chat(tiny_offline, CHAT).prompt_token_ids)
