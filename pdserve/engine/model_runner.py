@@ -50,6 +50,7 @@ class ModelRunner:
         import os
         import uuid
 
+        sweep_stale_kv_files(directory)
         tag = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         numel = 1
         for s in self.kv_shape:
@@ -169,3 +170,40 @@ class ModelRunner:
         kc.index_copy_(0, idx, k.to(device=self.device, dtype=kc.dtype))
         vc.index_copy_(0, idx, v.to(device=self.device, dtype=vc.dtype))
 
+
+
+def sweep_stale_kv_files(directory: str) -> list[str]:
+    """Remove KV cache files left by dead workers (`pdserve-kv-<pid>-...`).
+
+    atexit cannot run for a worker that was killed (SIGKILL, OOM, a crash), and
+    /dev/shm is RAM: without this sweep every such death leaks a whole KV cache."""
+    import os
+    import re
+
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.match(r"pdserve-kv-(\d+)-[0-9a-f]+-\d+[kv]$", name)
+        if not m or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

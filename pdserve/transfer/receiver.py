@@ -156,6 +156,12 @@ class KVReceiverServer(KVReceiver):
                 if header is None:
                     return
                 if header.get("op") == "layer" and header["nbytes"]:
+                    target = self._direct_target(header)
+                    if target is not None:  # raw KV into few slot runs: straight into the cache
+                        for view in target[1]:
+                            wire.recv_exact(sock, memoryview(view.view(torch.uint8).numpy()).cast("B"))
+                        self._mark_landed(target[0], header)
+                        continue
                     if landing[i] is not None:
                         landing[i].result()  # this buffer's previous frame has landed
                     payload = staging[i].receive(sock, header["nbytes"])
@@ -199,21 +205,52 @@ class KVReceiverServer(KVReceiver):
             return {"op": "ack", "tid": tid, "ok": True}
         raise wire.FrameError(f"unknown op {op!r}")
 
-    def _land_layer(self, e: _Expected, h: dict, payload) -> None:
+    def _check_range(self, e: _Expected, h: dict) -> tuple[int, int, int, int]:
         layer, start, n = int(h["layer"]), int(h["start"]), int(h["n"])
         lo = start - e.dest.start_token
         if not (0 <= layer < e.num_layers and 0 <= lo and lo + n <= e.tokens):
             raise wire.FrameError(f"frame for layer {layer} tokens {start}+{n} is outside the transfer")
+        return layer, start, n, lo
+
+    def _direct_target(self, h: dict) -> tuple[_Expected, list[torch.Tensor]] | None:
+        """Where a raw (uncompressed, same dtype) layer frame can be received in place:
+        the K runs then the V runs of the reserved slots, when they are few. None ->
+        take the staging path (compressed, converted, scattered or unexpected frames)."""
+        e = self._expected.get(h.get("tid"))
+        if e is None or e.error or h.get("scaled") or h.get("inplace"):
+            return None
+        layer, _, n, lo = self._check_range(e, h)
+        k_cache, v_cache = self.kv_caches[layer]
+        if h.get("dtype") != str(k_cache.dtype).removeprefix("torch."):
+            return None
+        row = tuple(k_cache.shape[-2:])
+        if h["nbytes"] != 2 * n * row[0] * row[1] * k_cache.element_size():
+            raise wire.FrameError(f"layer frame of {h['nbytes']} bytes does not hold {n} tokens of K and V")
+        runs = wire.slot_runs(e.slots[lo:lo + n])
+        if not wire.few_runs(runs, n):
+            return None
+        views = [c.view(-1, *row)[first:first + m] for c in (k_cache, v_cache) for _, first, m in runs]
+        return e, views
+
+    def _land_layer(self, e: _Expected, h: dict, payload) -> None:
+        layer, start, n, lo = self._check_range(e, h)
         if not h.get("inplace"):
             k_cache, v_cache = self.kv_caches[layer]
             shape = (n,) + tuple(k_cache.shape[-2:])
             k, off = wire.decode(payload, h, shape, 0)
             v, _ = wire.decode(payload, h, shape, off)
             slots = e.slots[lo:lo + n]
-            k_cache.view(-1, *shape[1:]).index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.view(-1, *shape[1:]).index_copy_(0, slots, v.to(v_cache.dtype))
-            e.stats.bytes += h["nbytes"]
-        e.covered[layer].add((start, n))
-        e.stats.layers += 1
-        if e.layer_complete(layer):
+            wire.copy_into_slots(k_cache.view(-1, *shape[1:]), slots, k)
+            wire.copy_into_slots(v_cache.view(-1, *shape[1:]), slots, v)
+        self._mark_landed(e, h)
+
+    def _mark_landed(self, e: _Expected, h: dict) -> None:
+        layer = int(h["layer"])
+        with self._lock:  # frames of one layer may land from two threads
+            if not h.get("inplace"):
+                e.stats.bytes += h["nbytes"]
+            e.covered[layer].add((int(h["start"]), int(h["n"])))
+            e.stats.layers += 1
+            complete = e.layer_complete(layer)
+        if complete:
             e.layer_events[layer].set()

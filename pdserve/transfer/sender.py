@@ -224,6 +224,7 @@ class ShmKVSender(TcpKVSender):
     def __init__(self, retry_window_s: float = 5.0):
         super().__init__("none", retry_window_s)
         self._maps: dict[str, list[torch.Tensor]] = {}
+        self._slots: dict = {}
 
     def begin(self, dest, num_layers):
         if dest.shm_paths and dest.shm_paths[0] not in self._maps:
@@ -233,10 +234,14 @@ class ShmKVSender(TcpKVSender):
     def save_layer(self, transfer_id, layer, token_start, k, v):
         t = self._transfers[transfer_id]
         caches = self._maps[t.dest.shm_paths[0]]
-        slots = destination_slots(t.dest, token_start, k.shape[0])
+        key = (transfer_id, token_start, k.shape[0])  # every layer of a chunk lands in the same slots
+        if self._slots.get("key") != key:
+            slots = destination_slots(t.dest, token_start, k.shape[0])
+            self._slots = {"key": key, "slots": slots, "runs": wire.slot_runs(slots)}
+        slots, runs = self._slots["slots"], self._slots["runs"]
         kc, vc = caches[2 * layer], caches[2 * layer + 1]
-        kc.view(-1, *kc.shape[-2:]).index_copy_(0, slots, k.to(kc.dtype))
-        vc.view(-1, *vc.shape[-2:]).index_copy_(0, slots, v.to(vc.dtype))
+        wire.copy_into_slots(kc.view(-1, *kc.shape[-2:]), slots, k, runs)
+        wire.copy_into_slots(vc.view(-1, *vc.shape[-2:]), slots, v, runs)
         t.stats.bytes += 2 * k.numel() * kc.element_size()
         self._enqueue(t, {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start,
                           "n": k.shape[0], "inplace": True}, [])

@@ -94,6 +94,43 @@ class StagingBuffer:
         return view
 
 
+# ---------------------------------------------------------------- slots
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Split flat slot ids into runs of consecutive slots: (offset in `slots`, first slot, length).
+
+    A fresh decode worker hands out consecutive blocks, so a transfer is usually a
+    handful of runs; copying (or receiving) run by run moves the bytes once, at
+    memcpy speed, where a per-row scatter pays a second pass."""
+    n = slots.numel()
+    if n == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+    starts = [0] + breaks
+    ends = breaks + [n]
+    first = slots[starts].tolist()
+    return [(a, f, b - a) for a, f, b in zip(starts, first, ends)]
+
+
+def few_runs(runs: list, n: int) -> bool:
+    """Whether copying run by run beats one scatter (runs of >= ~8 slots)."""
+    return len(runs) <= max(4, n // 8)
+
+
+def copy_into_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                    runs: list[tuple[int, int, int]] | None = None) -> None:
+    """cache[slots] = x along dim 0 of `cache` ([num_slots, ...]), run by run when
+    the slots form few runs (contiguous copies), else one scatter. `runs`, when the
+    caller has them (the same slots for every layer), saves recomputing them."""
+    runs = slot_runs(slots) if runs is None else runs
+    if few_runs(runs, slots.numel()):
+        x = x.to(cache.dtype)
+        for off, first, n in runs:
+            cache[first:first + n].copy_(x[off:off + n])
+    else:
+        cache.index_copy_(0, slots, x.to(cache.dtype))
+
+
 # ---------------------------------------------------------------- compression
 
 def encode(x: torch.Tensor, mode: str) -> tuple[list[torch.Tensor], dict]:

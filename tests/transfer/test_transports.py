@@ -1,0 +1,111 @@
+"""Each KV transport lands exactly the bytes it was given in the reserved slots,
+whatever the slot layout: consecutive blocks (received in place, run by run),
+a few fragments, or scattered blocks (received into staging, then scattered)."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from pdserve.transfer import wire
+from pdserve.transfer.connector import KVDestination
+from pdserve.transfer.receiver import KVReceiverServer
+from pdserve.transfer.sender import ShmKVSender, TcpKVSender, destination_slots, map_shared_cache
+
+LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 24, 4, 2, 8
+
+
+def test_slot_runs():
+    assert wire.slot_runs(torch.tensor([], dtype=torch.long)) == []
+    assert wire.slot_runs(torch.tensor([5, 6, 7, 12, 13, 3])) == [(0, 5, 3), (3, 12, 2), (5, 3, 1)]
+    assert wire.slot_runs(torch.arange(10, 20)) == [(0, 10, 10)]
+
+
+@pytest.mark.parametrize("runs", [None, []])
+def test_copy_into_slots_both_paths(runs):
+    cache = torch.zeros(40, 3)
+    slots = torch.tensor([9, 10, 11, 30, 31, 2])
+    x = torch.randn(6, 3)
+    wire.copy_into_slots(cache, slots, x, None if runs is None else wire.slot_runs(slots))
+    assert torch.equal(cache[slots], x)
+    assert cache.abs().sum() == x.abs().sum()  # nothing written elsewhere
+
+
+LAYOUTS = {
+    "consecutive": list(range(3, 3 + 10)),
+    "fragmented": [7, 8, 9, 0, 1, 2, 15, 16, 17, 18],
+    "scattered": [20, 3, 11, 7, 1, 14, 9, 22, 5, 17],
+}
+
+
+def _caches(paths=None):
+    shape = [BLOCKS, BLOCK, HEADS, DIM]
+    if paths:
+        maps = map_shared_cache(paths, shape, "float32")
+        return [(maps[2 * i], maps[2 * i + 1]) for i in range(LAYERS)]
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_transport_lands_every_layout(layout, transport, tmp_path):
+    paths = []
+    if transport == "shm":
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+        paths = [os.path.join(base, f"pdserve-test-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
+    try:
+        kv = _caches(paths)
+        rx = KVReceiverServer(kv, scheme=transport)
+        sender = ShmKVSender() if transport == "shm" else TcpKVSender()
+        tokens, start = 37, 5  # the receiver already holds tokens [0, 5): incremental
+        dest = KVDestination("t1", rx.address, LAYOUTS[layout], BLOCK, start, tokens,
+                             shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+                             shm_dtype="float32" if paths else "")
+        slots = destination_slots(dest, start, tokens - start)
+        rx.expect(dest, slots, LAYERS, deadline_s=30)
+        sent = {}
+        sender.begin(dest, LAYERS)
+        for layer in range(LAYERS):
+            for lo, hi in ((start, 20), (20, tokens)):  # two chunks per layer, as chunked prefill sends
+                k, v = torch.randn(hi - lo, HEADS, DIM), torch.randn(hi - lo, HEADS, DIM)
+                sent[layer, lo] = (k, v)
+                sender.save_layer("t1", layer, lo, k, v)
+        sender.finish("t1")
+        rx.wait_for_all("t1", 30)
+        sender.wait_for_save("t1", 30)
+        for (layer, lo), (k, v) in sent.items():
+            s = slots[lo - start: lo - start + k.shape[0]]
+            k_cache, v_cache = kv[layer]
+            assert torch.equal(k_cache.view(-1, HEADS, DIM)[s], k), (layer, lo)
+            assert torch.equal(v_cache.view(-1, HEADS, DIM)[s], v), (layer, lo)
+        # nothing outside the reserved slots was touched
+        mask = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
+        mask[slots] = False
+        for k_cache, v_cache in kv:
+            assert k_cache.view(-1, HEADS, DIM)[mask].abs().sum() == 0
+            assert v_cache.view(-1, HEADS, DIM)[mask].abs().sum() == 0
+        sender.close()
+        rx.close()
+    finally:
+        for p in paths:
+            os.unlink(p)
+
+
+def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
+    """A killed decode worker cannot remove its /dev/shm cache; the next one does."""
+    import subprocess
+    import sys
+
+    from pdserve.engine.model_runner import sweep_stale_kv_files
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"pdserve-kv-{dead}-0123abcd-7k"
+    live = tmp_path / f"pdserve-kv-{os.getpid()}-0123abcd-7v"
+    other = tmp_path / "not-ours-123"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    assert sweep_stale_kv_files(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
