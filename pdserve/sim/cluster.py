@@ -1,0 +1,304 @@
+"""A simulated deployment: clients, the router's own decisions, and instances.
+
+Modes: "collocated" (N instances of role both), "chunked" (the same with
+chunked prefill) and "disagg" (N prefill + M decode instances, KV moved
+eager or layer-wise over a bandwidth). Placement is the router's `Placer`
+(pdserve/router/placement.py) and early rejection its `Admitter`
+(admission.py), fed with the instances' exact stats at the simulated clock
+and a prefix index fed by the block managers' own KV events; the simulator
+adds no policy of its own.
+
+Clients follow pdserve bench: send times from pdserve/bench/arrivals.py,
+per-tag and global concurrency limits, and the metrics of
+pdserve/bench/metrics.py over the same `RequestOutput` records.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.bench import arrivals, metrics
+from pdserve.bench.client import RequestOutput
+from pdserve.config import SchedulerConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.router import conductor
+from pdserve.router.admission import AdmissionConfig, Admitter
+from pdserve.router.placement import Placer
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.registry import Registry, WorkerInfo
+from pdserve.sim.events import EventLoop
+from pdserve.sim.instance import SimInstance, Timing
+from pdserve.sim.latency import LatencyModel, StepShape, TransferModel
+from pdserve.sim.workload import HashCache, SimRequest
+
+MODES = ("collocated", "chunked", "disagg")
+
+
+@dataclass
+class PoolConfig:
+    """Identical instances: how many, the latency model of one, its KV pool and scheduler."""
+
+    count: int
+    latency: LatencyModel
+    num_blocks: int
+    gpus_per_instance: int = 1
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class ClusterConfig:
+    mode: str
+    pools: dict[str, PoolConfig]  # "both", or "prefill" and "decode"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    transfer: TransferModel | None = None
+    policy: str = "cache_aware"
+    admission: AdmissionConfig | None = None
+    max_concurrency: int | None = None
+    tag_concurrency: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        want = {"prefill", "decode"} if self.mode == "disagg" else {"both"}
+        if set(self.pools) != want:
+            raise ValueError(f"mode {self.mode} needs pools {sorted(want)}, got {sorted(self.pools)}")
+        if self.mode == "disagg" and self.transfer is None:
+            raise ValueError("disaggregated mode needs a transfer model")
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.count * p.gpus_per_instance for p in self.pools.values())
+
+
+class _Gate:
+    """A concurrency limit: requests over it wait, in order, for a slot."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.busy, self.queue = limit, 0, deque()
+
+
+class Cluster:
+    def __init__(self, cfg: ClusterConfig):
+        self.cfg = cfg
+        self.loop = EventLoop()
+        self.registry = Registry()
+        self.index = PrefixIndex()
+        self.hashes = HashCache(cfg.block_size)
+        self._current: tuple[list[int], list[int]] | None = None  # (prompt, its hashes) being placed
+        kw = {"block_hasher": self._hasher} if "block_hasher" in inspect.signature(Placer).parameters else {}
+        self.placer = Placer(cfg.policy, self.index, clock=lambda: self.loop.now, **kw)
+        self.admitter = Admitter(cfg.admission) if cfg.admission and cfg.admission.enabled else None
+        self.instances: dict[str, SimInstance] = {}
+        self._event_seq: dict[str, int] = {}
+        self._pending_d: deque = deque()  # disagg: placed requests waiting for decode blocks
+        for role, pool in cfg.pools.items():
+            static = _cost_stats(pool.latency, cfg)
+            for i in range(pool.count):
+                wid = f"{role}-{i}"
+                inst = SimInstance(wid, role, pool.latency, pool.scheduler, pool.num_blocks, cfg.block_size,
+                                   self.loop, enable_prefix_caching=cfg.enable_prefix_caching,
+                                   record_events=cfg.policy == "cache_aware" and role != "decode")
+                inst.on_prefilled, inst.on_finished, inst.on_step = self._prefilled, self._finished, self._stepped
+                inst.static_stats = static
+                self.instances[wid] = inst
+                self._event_seq[wid] = 0
+                self.registry.register(WorkerInfo(wid, f"sim://{wid}", role, stats={}))
+
+    # ---- running a workload
+    def run(self, requests: list[SimRequest], request_rate: float = math.inf, burstiness: float = 1.0, *,
+            seed: int = 0, use_trace_times: bool = True, goodput: dict[str, float] | None = None,
+            percentiles=metrics.DEFAULT_PERCENTILES, percentile_metrics=metrics.METRICS) -> dict:
+        """Simulate every request; the result has pdserve bench's fields plus a "sim" section."""
+        wall0 = time.perf_counter()
+        times = arrivals.schedule(requests, request_rate, burstiness, seed=seed, use_trace_times=use_trace_times)
+        self.outputs = [RequestOutput(prompt_len=r.prompt_len, tag=r.tag) for r in requests]
+        self.gates = {t: _Gate(n) for t, n in self.cfg.tag_concurrency.items()}
+        self.overall = _Gate(self.cfg.max_concurrency)
+        self._live: dict[str, tuple[SimRequest, Timing]] = {}
+        for r, t in sorted(zip(requests, times), key=lambda rt: rt[1]):
+            self.loop.at(t, self._arrive, r)
+        self.loop.run()
+        end = max((o.start_s + o.latency_s for o in self.outputs if o.success), default=0.0)
+        start = min(times) if times else 0.0
+        res = metrics.result(self.outputs, end - start, percentiles=percentiles,
+                             percentile_metrics=percentile_metrics, goodput=goodput)
+        wall = time.perf_counter() - wall0
+        res["sim"] = self._summary(len(requests), wall)
+        return res
+
+    def _summary(self, n: int, wall_s: float) -> dict:
+        insts = self.instances.values()
+        span = self.loop.now or 1.0
+        return {"mode": self.cfg.mode, "gpus": self.cfg.gpus, "simulated_s": self.loop.now,
+                "wall_s": wall_s, "requests_per_wall_s": n / wall_s if wall_s > 0 else None,
+                "events": self.loop.num_events, "policy": self.cfg.policy,
+                "instances": {i.worker_id: {"steps": i.num_steps, "busy_pct": 100.0 * i.busy_s / span,
+                                            "preemptions": i.sched.num_preemptions,
+                                            "prefix_hit_pct": 100.0 * i.bm.stats.hit_rate}
+                              for i in insts},
+                "rejected": dict(self.admitter.rejected) if self.admitter else {}}
+
+    # ---- clients
+    def _arrive(self, r: SimRequest) -> None:
+        gate = self.gates.get(r.tag)
+        if gate is not None and gate.limit is not None and gate.busy >= gate.limit:
+            gate.queue.append(r)
+            return
+        self._through_tag(r)
+
+    def _through_tag(self, r: SimRequest) -> None:
+        gate = self.gates.get(r.tag)
+        if gate is not None:
+            gate.busy += 1
+        if self.overall.limit is not None and self.overall.busy >= self.overall.limit:
+            self.overall.queue.append(r)
+            return
+        self._send(r)
+
+    def _send(self, r: SimRequest) -> None:
+        self.overall.busy += 1
+        out = self.outputs[r.rid]
+        out.start_s = self.loop.now
+        timing = Timing(self.loop.now)
+        self._live[str(r.rid)] = (r, timing)
+        self._route(r, timing)
+
+    def _done(self, rid: str) -> None:
+        r, t = self._live.pop(rid)
+        out = self.outputs[r.rid]
+        if t.error:
+            out.error = t.error
+        else:
+            out.success = True
+            out.output_tokens = t.tokens
+            out.ttft_s = t.first_s - t.start_s
+            out.itl_s = t.itl_s
+            out.latency_s = t.last_s - t.start_s
+        self.overall.busy -= 1
+        if self.overall.queue:
+            self._send(self.overall.queue.popleft())
+        gate = self.gates.get(r.tag)
+        if gate is not None:
+            gate.busy -= 1
+            if gate.queue:
+                self._through_tag(gate.queue.popleft())
+
+    # ---- the router
+    def _hasher(self, prompt, bs):
+        cur = self._current
+        if cur is not None and prompt is cur[0] and bs == self.cfg.block_size:
+            return cur[1]
+        from pdserve.kv.hashing import block_hashes
+        return block_hashes(prompt, bs)
+
+    def _refresh_stats(self) -> None:
+        for wid, inst in self.instances.items():
+            w = self.registry.get(wid)
+            s = inst.stats()
+            s.update(inst.static_stats)
+            s["running_context_tokens"] = sum(q.num_computed_tokens for q in inst.sched.running)
+            w.stats = s
+
+    def _route(self, r: SimRequest, timing: Timing) -> None:
+        prompt = r.prompt_ids()
+        hashes = self.hashes.prompt_hashes(r, prompt) if self.cfg.enable_prefix_caching else []
+        need = -(-(r.prompt_len + r.output_len) // self.cfg.block_size)
+        smallest = min(p.num_blocks for p in self.cfg.pools.values())
+        if need > smallest:
+            return self._fail(str(r.rid), timing, f"prompt + max_tokens needs {need} KV blocks; the pool holds "
+                                                  f"{smallest}")
+        self._refresh_stats()
+        self._current = (prompt, hashes)
+        try:
+            if self.admitter is not None:
+                d = self.admitter.check(self.registry, self.placer, prompt, r.output_len)
+                if not d.admitted:
+                    return self._fail(str(r.rid), timing, f"429 refused to protect the SLOs ({d.reason})")
+            p, dw = self.placer.pick(self.registry, prompt)
+        finally:
+            self._current = None
+        rid = str(r.rid)
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+        if self.cfg.mode != "disagg":
+            seq = Sequence(rid, prompt, params, arrival_time=self.loop.now)
+            self.instances[p.worker_id].add(seq, timing, hashes)
+            return
+        if hasattr(self.placer, "book_decode"):
+            self.placer.book_decode(dw.worker_id, rid, r.prompt_len, r.output_len)
+        self._reserve_then_prefill(rid, prompt, hashes, params, timing, p.worker_id, dw.worker_id)
+
+    def _reserve_then_prefill(self, rid, prompt, hashes, params, timing, p_id, d_id) -> None:
+        d = self.instances[d_id]
+        seq = d.reserve(rid, prompt, hashes, params, self.loop.now)
+        if seq is None:  # no room on that decode instance now: wait for a finish there
+            self._pending_d.append((rid, prompt, hashes, params, timing, p_id, d_id))
+            return
+        p = self.instances[p_id]
+        pseq = Sequence(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
+                        arrival_time=self.loop.now)
+        pseq.d_seq, pseq.d_id = seq, d_id
+        p.add(pseq, Timing(timing.start_s), hashes)
+
+    def _prefilled(self, p: SimInstance, pseq: Sequence, now: float, step_s: float) -> None:
+        """The prefill instance sampled the first token (it streams at once) and sends the KV."""
+        rid = pseq.seq_id
+        _, timing = self._live[rid]
+        timing.token(now)
+        d_seq, d_id = pseq.d_seq, pseq.d_id
+        tokens = d_seq.num_external_tokens
+        tr = self.cfg.transfer
+        busy_s, exposed_s = tr.exposed_s(tokens * p.latency.kv_bytes_per_token(), p.latency.layers(), step_s)
+        if tr.layerwise:  # the link starts with the first layer, if it is free by then
+            done = max(now + exposed_s, p.link_free_s + busy_s)
+        else:
+            done = max(now, p.link_free_s) + busy_s + tr.latency_s
+        p.link_free_s = done
+        self.loop.at(done, self._kv_arrived, d_id, d_seq, timing)
+
+    def _kv_arrived(self, d_id: str, d_seq: Sequence, timing: Timing) -> None:
+        self.instances[d_id].activate(d_seq, timing)
+
+    def _finished(self, inst: SimInstance, seq: Sequence) -> None:
+        if hasattr(self.placer, "release_decode"):
+            self.placer.release_decode(seq.seq_id)
+        self._done(seq.seq_id)
+        if inst.role == "decode" and self._pending_d:
+            waiting, self._pending_d = self._pending_d, deque()
+            for item in waiting:
+                self._reserve_then_prefill(*item)
+
+    def _fail(self, rid: str, timing: Timing, error: str) -> None:
+        timing.error = error
+        self._done(rid)
+
+    def _stepped(self, inst: SimInstance) -> None:
+        """After a step: publish the block manager's KV events to the router's prefix index."""
+        if not inst.bm.record_events:
+            return
+        evs = inst.bm.drain_events()
+        if not evs:
+            return
+        n = self._event_seq[inst.worker_id]
+        batch = [{"seq": n + i + 1, "kind": e.kind, "block_hashes": e.block_hashes} for i, e in enumerate(evs)]
+        self._event_seq[inst.worker_id] = n + len(evs)
+        self.index.apply_events(inst.worker_id, "sim", batch)
+
+
+def _cost_stats(lat: LatencyModel, cfg: ClusterConfig) -> dict:
+    """What a worker reports about itself: D_prefill(L) and the decode step model, fitted by the
+    router's own functions (conductor.fit_*) to what the latency model says, as workers calibrate."""
+    lengths = [64, 256, 1024, 4096, 16384]
+    pre = conductor.fit_prefill_cost([(n, lat.step_s(StepShape(prefill_tokens=n, prefill_seqs=1,
+                                                                prefill_attention=n * (n + 1) / 2)))
+                                      for n in lengths])
+    dec = conductor.fit_decode_cost([(b, b * c, lat.step_s(StepShape(decode_seqs=b, decode_context=b * c)))
+                                     for b in (1, 8, 32, 128) for c in (256, 2048, 8192)])
+    return {"prefill_cost_s": [pre.a_s, pre.b_s_per_token, pre.c_s_per_token2],
+            "decode_cost_s": [dec.base_s, dec.per_seq_s, dec.per_kv_token_s],
+            "kv_bytes_per_token": lat.kv_bytes_per_token(), "num_layers": lat.layers(),
+            "kv_layerwise": cfg.transfer.layerwise if cfg.transfer else True}

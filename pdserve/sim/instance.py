@@ -1,0 +1,271 @@
+"""One simulated worker: the engine's own Scheduler and BlockManager, with the model
+runner replaced by a latency model.
+
+A step is what LLMEngine.step does (pdserve/engine/llm_engine.py), minus the
+tensors: `scheduler.schedule()`, a latency-model duration instead of the
+forward pass, then the same bookkeeping when the step ends (computed tokens,
+`cache_full_blocks`, one new token for each sequence whose tokens are all
+computed, `scheduler.finish`).
+
+Fast path (same results, fewer Python calls): when every running sequence is
+decoding, nothing waits and the pool has the blocks, the next k steps are
+exactly k one-token steps for the same batch. They are committed at once (one
+`allocate` per sequence for k tokens, one duration per step from the latency
+model) and cut short, at a step boundary, if new work arrives meanwhile.
+Generated tokens are not registered in the prefix cache: simulated outputs are
+placeholder ids that no later prompt can match.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sequence import Sequence, Status
+from pdserve.kv.block_manager import BlockManager, SeqBlocks
+from pdserve.sim.events import EventLoop
+from pdserve.sim.latency import LatencyModel, StepShape, chunk_attention
+
+OUTPUT_TOKEN = 0  # placeholder id of every simulated output token
+
+
+class SimBlockManager(BlockManager):
+    """The engine's block manager plus one hook: hashes computed once per request are
+    handed over (`prime`) so `find_cached_prefix` does not hash the prompt again."""
+
+    def prime(self, seq_id: str, hashes: list[int]) -> None:
+        if self.enable_prefix_caching:
+            self.seqs.setdefault(seq_id, SeqBlocks()).hashes = list(hashes)
+
+
+@dataclass
+class Timing:
+    """What a client would see of one request, in simulated seconds."""
+
+    start_s: float
+    first_s: float | None = None
+    last_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    done: bool = False
+    error: str = ""
+
+    def token(self, t: float) -> None:
+        if self.first_s is None:
+            self.first_s = t
+        else:
+            self.itl_s.append(t - self.last_s)
+        self.last_s = t
+        self.tokens += 1
+
+
+@dataclass
+class _FastForward:
+    seqs: list[Sequence]
+    start_s: float
+    ends_s: list[float]  # end of each planned step
+    k: int
+
+
+class SimInstance:
+    """role: "both" (collocated), "prefill" or "decode". Callbacks into the cluster:
+    `on_prefilled(inst, seq, t, step_s)` (prefill role, first token sampled) and
+    `on_finished(inst, seq)`; `on_step(inst)` after every step (KV events, retries)."""
+
+    def __init__(self, worker_id: str, role: str, latency: LatencyModel, sched: SchedulerConfig, num_blocks: int,
+                 block_size: int, loop: EventLoop, *, enable_prefix_caching: bool = True, record_events: bool = False,
+                 ff_max_steps: int = 64):
+        self.worker_id, self.role, self.latency, self.loop = worker_id, role, latency, loop
+        self.bm = SimBlockManager(num_blocks, block_size, enable_prefix_caching, record_events)
+        self.sched = Scheduler(sched, self.bm)
+        self.timing: dict[str, Timing] = {}
+        self.on_prefilled = self.on_finished = self.on_step = None
+        self.ff_max_steps = ff_max_steps
+        self.busy = False
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.link_free_s = 0.0  # when this instance's NICs finish the KV sends queued on them
+        self._ff: _FastForward | None = None
+        self._version = 0
+
+    # ---- work arriving
+    def add(self, seq: Sequence, timing: Timing, hashes: list[int] | None = None) -> None:
+        self.timing[seq.seq_id] = timing
+        if hashes is not None:
+            self.bm.prime(seq.seq_id, hashes)
+        self.sched.add(seq)
+        self.kick()
+
+    def reserve(self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams,
+                arrival_s: float) -> Sequence | None:
+        """Decode role: blocks for a prompt whose KV another instance computes, keeping the
+        prefix cached here (as LLMEngine.reserve_for_transfer). None when the pool is short."""
+        self.bm.prime(rid, hashes)
+        cached, num_cached = self.bm.find_cached_prefix(rid, prompt)
+        if not self.bm.allocate(rid, len(prompt), cached):
+            self.bm.free(rid)
+            return None
+        seq = Sequence(rid, prompt, params, arrival_time=arrival_s)
+        seq.num_computed_tokens = num_cached
+        seq.num_external_tokens = len(prompt) - num_cached
+        return seq
+
+    def activate(self, seq: Sequence, timing: Timing) -> None:
+        """The KV arrived: the prefill worker's first token is appended and decoding goes on."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids, seq.num_prompt_tokens)
+        seq.output_token_ids.append(OUTPUT_TOKEN)
+        self.timing[seq.seq_id] = timing
+        if len(seq.output_token_ids) >= seq.params.max_tokens:
+            self._finish(seq)
+            return
+        self.sched.add(seq)
+        self.kick()
+
+    # ---- stepping
+    def kick(self) -> None:
+        if self.busy:
+            if self._ff is not None:
+                self._cut_fast_forward()
+            return
+        if self.sched.has_unfinished():
+            self._step()
+
+    def _step(self) -> None:
+        if self._fast_forward():
+            return
+        out = self.sched.schedule()
+        for seq in out.preempted:  # its blocks (and primed hashes) are gone; it will look again
+            self.bm.prime(seq.seq_id, [])
+        if out.empty:
+            return  # blocked on KV blocks: a finish elsewhere frees some and kicks again
+        shape = StepShape()
+        for s in out.scheduled:
+            seq, n, done = s.seq, s.num_new_tokens, s.seq.num_computed_tokens
+            if n == 1 and done == seq.num_tokens - 1 and done >= seq.num_prompt_tokens:
+                shape.decode_seqs += 1
+                shape.decode_context += done
+            else:
+                shape.prefill_tokens += n
+                shape.prefill_seqs += 1
+                shape.prefill_context += done
+                shape.prefill_attention += chunk_attention(done, n)
+        dur = self.latency.step_s(shape)
+        self.busy = True
+        self.busy_s += dur
+        self.num_steps += 1
+        self.loop.after(dur, self._step_done, out, dur)
+
+    def _step_done(self, out, dur: float) -> None:
+        now = self.loop.now
+        self.busy = False
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is Status.FINISHED:
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + s.num_new_tokens
+            if before < seq.num_prompt_tokens:
+                self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids,
+                                          min(seq.num_computed_tokens, seq.num_prompt_tokens))
+            if seq.num_computed_tokens == seq.num_tokens:
+                self._emit(seq, now, dur)
+        if self.on_step:
+            self.on_step(self)
+        self.kick()
+
+    def _emit(self, seq: Sequence, now: float, dur: float) -> None:
+        seq.output_token_ids.append(OUTPUT_TOKEN)
+        if self.role == "prefill":
+            self.sched.finish(seq)
+            self.timing.pop(seq.seq_id, None)
+            self.on_prefilled(self, seq, now, dur)
+            return
+        self.timing[seq.seq_id].token(now)
+        if len(seq.output_token_ids) >= seq.params.max_tokens:
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.sched.finish(seq)
+        t = self.timing.pop(seq.seq_id)
+        t.done = True
+        if self.on_finished:
+            self.on_finished(self, seq)
+
+    # ---- fast path for steady decoding
+    def _fast_forward(self) -> bool:
+        sched, bm = self.sched, self.bm
+        running = sched.running
+        if self.role == "prefill" or len(sched.waiting) or not running \
+                or len(running) > sched.config.max_num_batched_tokens:
+            return False
+        k = self.ff_max_steps
+        context0 = 0
+        for seq in running:
+            done = seq.num_computed_tokens
+            if seq.num_tokens - done != 1:
+                return False
+            k = min(k, seq.params.max_tokens - len(seq.output_token_ids))
+            context0 += done
+        if k < 2:
+            return False
+        bs, need = bm.block_size, 0
+        for seq in running:
+            need += -(-(seq.num_computed_tokens + k) // bs) - len(bm.seqs[seq.seq_id].blocks)
+        if need > bm.num_free_blocks:
+            return False
+        for seq in running:
+            if not bm.allocate(seq.seq_id, seq.num_computed_tokens + k):
+                raise AssertionError("fast path: allocation failed after the free-block check")
+        durs = self.latency.decode_steps_s(len(running), context0, k)
+        ends, t = [], self.loop.now
+        for d in durs.tolist():
+            t += d
+            ends.append(t)
+        self._ff = _FastForward(list(running), self.loop.now, ends, k)
+        self.busy = True
+        self._version += 1
+        self.loop.at(ends[-1], self._ff_done, self._version)
+        return True
+
+    def _cut_fast_forward(self) -> None:
+        """New work: stop after the step in flight (it cannot be taken back)."""
+        ff, now = self._ff, self.loop.now
+        starts = [ff.start_s] + ff.ends_s[:-1]
+        j = max(1, bisect.bisect_left(starts, now))
+        if j < ff.k:
+            ff.k = j
+            self._version += 1
+            self.loop.at(ff.ends_s[j - 1], self._ff_done, self._version)
+
+    def _ff_done(self, version: int) -> None:
+        if version != self._version:
+            return
+        ff, self._ff = self._ff, None
+        self.busy = False
+        k, ends = ff.k, ff.ends_s
+        self.busy_s += ends[k - 1] - ff.start_s
+        self.num_steps += k
+        gaps = [ends[i] - ends[i - 1] for i in range(1, k)]
+        for seq in ff.seqs:
+            seq.num_computed_tokens += k
+            seq.output_token_ids.extend([OUTPUT_TOKEN] * k)
+            t = self.timing[seq.seq_id]
+            t.itl_s.append(ends[0] - t.last_s)
+            t.itl_s.extend(gaps)
+            t.last_s = ends[k - 1]
+            t.tokens += k
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                self._finish(seq)
+        if self.on_step:
+            self.on_step(self)
+        self.kick()
+
+    # ---- what the router sees (heartbeat stats)
+    def stats(self) -> dict:
+        bm = self.bm
+        return {"num_running": len(self.sched.running), "num_waiting": len(self.sched.waiting),
+                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                "kv_block_size": bm.block_size}

@@ -1,0 +1,226 @@
+"""How long one engine iteration takes: roofline from the planner, or a fitted profile.
+
+An iteration is described by a `StepShape`: what the scheduler put in the
+batch. Both models answer `step_s(shape)`; the simulator needs nothing else.
+
+- `RooflineLatency`: the planner's roofline (pdserve/planner/roofline.py) for
+  a mixed batch, with per-accelerator efficiency factors (the share of peak
+  FLOP/s and bandwidth real kernels reach) and a fixed per-step overhead.
+- `ProfileLatency`: t = a + b*prefill_tokens + c*decode_seqs + d*decode_context
+  + e*prefill_attention, least squares over steps of our engine measured on
+  this machine (`pdserve sim --calibrate`, see calibrate.py).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from pdserve.planner.deployment import Deployment
+from pdserve.planner.hardware import NETWORK_BYTES_PER_S
+from pdserve.planner.memory import kv_bytes_per_token, kv_shards
+from pdserve.planner.models import ModelShape, param_count
+from pdserve.planner.roofline import pp_hop_time_s, tp_comm_time_s, weight_bytes_read
+from pdserve.planner.transfer import exposed_transfer_s
+
+
+@dataclass
+class StepShape:
+    """One scheduled batch. `prefill_attention` counts causal query-key pairs of the
+    prompt chunks: sum of n * (context_before + (n + 1) / 2) over chunks of n tokens."""
+
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    prefill_attention: float = 0.0
+    decode_seqs: int = 0
+    decode_context: int = 0  # tokens already cached, summed over the decoding sequences
+    prefill_context: int = 0  # tokens cached before each prompt chunk, summed (read, not recomputed)
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    def features(self) -> list[float]:
+        return [1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.decode_context),
+                float(self.prefill_attention)]
+
+
+def chunk_attention(ctx_before: int, n: int) -> float:
+    """Causal query-key pairs when n new tokens attend to ctx_before cached ones and to each other."""
+    return n * (ctx_before + (n + 1) / 2.0)
+
+
+# Share of the datasheet peak that serving kernels reach: (compute, bandwidth).
+# Source: vLLM/SGLang H100 reports put dense prefill MFU at ~50-60% and decode
+# bandwidth utilisation at ~70-85%; one pair for all GPUs until we measure more.
+DEFAULT_EFFICIENCY = (0.55, 0.8)
+EFFICIENCY: dict[str, tuple[float, float]] = {
+    "cpu-local": (0.35, 0.5),  # our engine here: matmuls ~1/3 of peak, attention worse (shared/FINDINGS.md)
+}
+
+
+class LatencyModel:
+    """What the simulator asks of a latency model (a Protocol in spirit)."""
+
+    name = "latency"
+
+    def step_s(self, shape: StepShape) -> float:
+        raise NotImplementedError
+
+    def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
+        """k pure-decode steps of `batch` sequences, the context growing by `batch` a step."""
+        return np.array([self.step_s(StepShape(decode_seqs=batch, decode_context=context0 + i * batch))
+                         for i in range(k)])
+
+    def layers(self) -> int:
+        """Layers the KV is sent in (layer-wise transfer overlaps one layer with the next)."""
+        raise NotImplementedError
+
+    def kv_bytes_per_token(self) -> float:
+        raise NotImplementedError
+
+
+class RooflineLatency(LatencyModel):
+    """max(FLOPs / (TP x peak), bytes per GPU / bandwidth) + TP all-reduces + PP hops + overhead."""
+
+    def __init__(self, dep: Deployment, overhead_s: float = 0.0):
+        self.dep = dep
+        self.overhead_s = overhead_s
+        m = dep.model
+        self.name = f"roofline {m.name} on {dep.gpu.name} tp={dep.tp}"
+        self._linear_flops = 2.0 * param_count(m, active=True)
+        self._attn_flops = 2.0 * m.layers * m.heads * (m.qk_dim + m.v_dim)  # per query-key pair
+        self._kv_bytes = kv_bytes_per_token(m, dep.kv_bytes_per_element) / kv_shards(m, dep.tp)
+        self._peak = dep.peak_flops * dep.tp
+        self._bw = dep.memory_bytes_per_s
+        self._weights: dict[int, float] = {}
+        self._comm: dict[int, float] = {}
+
+    def step_s(self, s: StepShape) -> float:
+        tokens = s.prefill_tokens + s.decode_seqs
+        if tokens == 0:
+            return 0.0
+        w = self._weights.get(tokens)
+        if w is None:  # memoised: an MoE's weight read depends on the token count
+            w = self._weights[tokens] = weight_bytes_read(self.dep.model, tokens, self.dep.weight_bytes_per_param) / self.dep.tp
+            self._comm[tokens] = tp_comm_time_s(self.dep, tokens) + pp_hop_time_s(self.dep, tokens)
+        flops = self._linear_flops * tokens + self._attn_flops * (s.prefill_attention + s.decode_context)
+        # KV read for decode context and for prompt chunks' earlier context; KV written for new tokens
+        kv_tokens = s.decode_context + s.prefill_context + tokens
+        bytes_ = w + self._kv_bytes * kv_tokens
+        return max(flops / self._peak, bytes_ / self._bw) + self._comm[tokens] + self.overhead_s
+
+    def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
+        self.step_s(StepShape(decode_seqs=batch))  # fills the per-token-count memo
+        ctx = context0 + batch * np.arange(k, dtype=np.float64)
+        flops = self._linear_flops * batch + self._attn_flops * ctx
+        bytes_ = self._weights[batch] + self._kv_bytes * (ctx + batch)
+        return np.maximum(flops / self._peak, bytes_ / self._bw) + (self._comm[batch] + self.overhead_s)
+
+    def layers(self) -> int:
+        return self.dep.model.layers
+
+    def kv_bytes_per_token(self) -> float:
+        return kv_bytes_per_token(self.dep.model, self.dep.kv_bytes_per_element)
+
+
+FEATURES = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token",
+            "e_s_per_attention_pair")
+
+
+@dataclass
+class ProfileLatency(LatencyModel):
+    """A per-iteration time fitted to measured steps of our engine (`pdserve sim --calibrate`)."""
+
+    coef: list[float]
+    model_layers: int = 30
+    kv_bytes_per_token_: float = 0.0
+    threads: int = 0
+    source: str = ""
+    samples: list[dict] = field(default_factory=list)  # what was measured, kept with the fit
+
+    def __post_init__(self):
+        if len(self.coef) != len(FEATURES):
+            raise ValueError(f"a profile has {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
+        self.name = f"profile ({self.source or 'fitted'}, threads={self.threads})"
+        self._c = [float(c) for c in self.coef]
+
+    def step_s(self, s: StepShape) -> float:
+        if s.prefill_tokens + s.decode_seqs == 0:
+            return 0.0
+        a, b, c, d, e = self._c
+        return a + b * s.prefill_tokens + c * s.decode_seqs + d * s.decode_context + e * s.prefill_attention
+
+    def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
+        a, _, c, d, _ = self._c
+        return a + c * batch + d * (context0 + batch * np.arange(k, dtype=np.float64))
+
+    def layers(self) -> int:
+        return self.model_layers
+
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_bytes_per_token_
+
+    @classmethod
+    def fit(cls, samples: list[tuple[StepShape, float]], **kw) -> "ProfileLatency":
+        """Least squares with every coefficient >= 0: a term fitted negative (noise over a short
+        range) is dropped and the rest refitted, so a longer batch is never predicted faster."""
+        x = np.array([s.features() for s, _ in samples])
+        y = np.array([t for _, t in samples])
+        active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
+        while True:
+            coef = np.zeros(x.shape[1])
+            sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+            coef[active] = sol
+            neg = [i for i, c in zip(active, sol) if c < 0]
+            if not neg:
+                break
+            active.remove(min(neg, key=lambda i: coef[i]))
+        rows = [{**asdict(s), "measured_s": t} for s, t in samples]
+        return cls(coef=coef.tolist(), samples=rows, **kw)
+
+    def save(self, path: str) -> None:
+        d = {"kind": "pdserve-sim-profile", "features": list(FEATURES), "coef": self._c,
+             "model_layers": self.model_layers, "kv_bytes_per_token": self.kv_bytes_per_token_,
+             "threads": self.threads, "source": self.source, "samples": self.samples}
+        with open(path, "w") as f:
+            json.dump(d, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "ProfileLatency":
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("kind") != "pdserve-sim-profile":
+            raise ValueError(f"{path}: not a profile written by `pdserve sim --calibrate`")
+        return cls(coef=d["coef"], model_layers=d["model_layers"], kv_bytes_per_token_=d["kv_bytes_per_token"],
+                   threads=d.get("threads", 0), source=d.get("source", path), samples=d.get("samples", []))
+
+
+def roofline_for(model: ModelShape, gpu, tp: int = 1, kv_dtype: str = "bf16", dtype: str = "bf16",
+                 efficiency: tuple[float, float] | None = None, overhead_s: float = 0.0) -> RooflineLatency:
+    ce, be = efficiency or EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
+    dep = Deployment(model, gpu, tp=tp, dtype=dtype, kv_dtype=kv_dtype, compute_efficiency=ce,
+                     bandwidth_efficiency=be)
+    return RooflineLatency(dep, overhead_s)
+
+
+def network_bytes_per_s(gbps: float) -> float:
+    """Effective bytes/s of a network: the seeds' figures for 100/200/400 Gbps, else 90% of line rate."""
+    return NETWORK_BYTES_PER_S.get(int(gbps), gbps * 1e9 / 8 * 0.9) if gbps == int(gbps) else gbps * 1e9 / 8 * 0.9
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """KV from a prefill to a decode instance: `links` NICs of `bytes_per_s`, eager or layer-wise."""
+
+    bytes_per_s: float
+    layerwise: bool = True
+    links: int = 1
+    latency_s: float = 0.0  # per transfer: connection, notification
+
+    def exposed_s(self, kv_bytes: float, layers: int, prefill_s: float) -> tuple[float, float]:
+        """(time the link is busy, time left on the critical path after the prefill ends)."""
+        total = kv_bytes / (self.bytes_per_s * self.links)
+        exposed = exposed_transfer_s(layers, total / layers, prefill_s / layers, self.layerwise)
+        return total, exposed + self.latency_s
