@@ -1,0 +1,220 @@
+"""The interference experiment of seed 000 §0.1: do long prompts freeze everyone's stream?
+
+The same `mixed` workload (steady chat streams plus periodic long prompts,
+`pdserve bench`'s dataset) runs against three deployments of the embedded
+model on this host, each started on free 127.0.0.1 ports and always stopped:
+
+    collocated          (a) one engine, 2 threads, no chunked prefill
+    collocated_chunked  (b) the same with chunked prefill
+    disaggregated       (c) router + 1 prefill + 1 decode worker, 1 thread each, pinned to different cores
+
+and prints one table: the chats' P50/P99 TPOT and ITL, mean/P99 TTFT,
+goodput at the same SLOs for all. Plots (CDFs, token timeline) per config.
+
+    python benchmarks/interference.py --out-dir /tmp/interference --img-dir docs/img
+
+Each configuration runs under `flock` on --lock (the lock every measurement on
+this shared machine takes), with the load average and the CPU that other
+processes took during the run written next to its numbers.
+
+Contract with benchmarks/sim_vs_engine.py: `--out-dir DIR` holds
+`workload.json` (the workload parameters, the resolved CONFIGS, and every
+request in the order of the result arrays) and `DIR/<config>.json`, the
+`pdserve bench` result (vLLM field names, per-request `ttfts` / `itls` /
+`start_times`). `CONFIGS` and `resolve_config` are importable.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.interference_lib import (ServerProcess, TreeCpu, format_table, load_str,  # noqa: E402
+                                         warm_up)
+from pdserve.bench import TokenSource, datasets, report, run_benchmark, save_plots  # noqa: E402
+
+# What each deployment is, as data the simulator can mirror. `max_num_batched_tokens=None`:
+# large enough for a whole burst in one step (no chunking means the whole prompt in one step).
+CONFIGS: dict[str, dict] = {
+    "collocated": dict(
+        label="(a) collocated, 2 threads, no chunked prefill", mode="collocated", threads=2,
+        enable_chunked_prefill=False, chunk_size_tokens=0, max_num_batched_tokens=None,
+        pools={"both": 1}, pinned=False),
+    "collocated_chunked": dict(
+        label="(b) collocated, 2 threads, chunked prefill", mode="collocated", threads=2,
+        enable_chunked_prefill=True, chunk_size_tokens=256, max_num_batched_tokens=512,
+        pools={"both": 1}, pinned=False),
+    "disaggregated": dict(
+        label="(c) disaggregated, 1 prefill + 1 decode, 1 thread each", mode="disaggregated", threads=1,
+        enable_chunked_prefill=True, chunk_size_tokens=512, max_num_batched_tokens=2048,
+        pools={"prefill": 1, "decode": 1}, pinned=True, kv_transfer="shm, layer-wise push"),
+}
+# chunk_size_tokens is the engine's --long-prefill-token-threshold: the largest slice of one
+# prompt per step; the rest of the step's budget goes to other sequences (decodes, short prompts).
+
+
+def resolve_config(name: str, workload: datasets.MixedConfig, chunk_size_tokens: int | None = None) -> dict:
+    """CONFIGS[name] with every number filled in for this workload."""
+    cfg = dict(CONFIGS[name], name=name)
+    if chunk_size_tokens is not None and cfg["enable_chunked_prefill"]:
+        cfg["chunk_size_tokens"] = chunk_size_tokens
+        cfg["max_num_batched_tokens"] = max(cfg["max_num_batched_tokens"], 2 * chunk_size_tokens)
+    if cfg["max_num_batched_tokens"] is None:
+        burst = workload.burst_size * workload.long_input_len
+        chats = (workload.chat_streams or 8) * workload.chat_input_len
+        cfg["max_num_batched_tokens"] = max(2048, burst + chats)
+    return cfg
+
+
+def server_flags(cfg: dict, model: str | None) -> list[str]:
+    """`pdserve serve` flags for a resolved config (the launcher pins disaggregated workers itself)."""
+    flags = ["--mode", cfg["mode"], "--threads", str(cfg["threads"]),
+             "--max-num-batched-tokens", str(cfg["max_num_batched_tokens"]),
+             "--long-prefill-token-threshold", str(cfg["chunk_size_tokens"]),
+             "--enable-chunked-prefill" if cfg["enable_chunked_prefill"] else "--no-enable-chunked-prefill"]
+    if cfg["mode"] == "disaggregated":
+        flags += ["--prefill", str(cfg["pools"]["prefill"]), "--decode", str(cfg["pools"]["decode"])]
+        if not cfg["pinned"]:
+            flags.append("--no-pin")
+    return flags + (["--model", model] if model else [])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = datasets.MixedConfig()
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
+    p.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded SmolLM2-135M)")
+    p.add_argument("--chat-streams", type=int, default=6, help="chat users in a closed loop")
+    p.add_argument("--num-chats", type=int, default=36)
+    p.add_argument("--chat-input-len", type=int, default=64)
+    p.add_argument("--chat-output-len", type=int, default=48)
+    p.add_argument("--long-input-len", type=int, default=2048)
+    p.add_argument("--long-output-len", type=int, default=8)
+    p.add_argument("--burst-size", type=int, default=d.burst_size)
+    p.add_argument("--num-bursts", type=int, default=2)
+    p.add_argument("--burst-interval", type=float, default=45.0, help="s between long-prompt bursts")
+    p.add_argument("--first-burst", type=float, default=10.0, help="s from the start to the first burst")
+    p.add_argument("--chunk-size", type=int, default=None, help="override the chunked configs' chunk size (tokens)")
+    p.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:400"], help="SLOs in ms, the same for all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="/tmp/interference")
+    p.add_argument("--img-dir", default=None, help="also write the plots here as interference_<config>_*.png")
+    p.add_argument("--lock", default="/tmp/pdserve-measure.lock", help="flock'ed around each config ('' off)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--table-only", action="store_true", help="print the table of the JSONs in --out-dir")
+    return p.parse_args(argv)
+
+
+def workload_from(args) -> datasets.MixedConfig:
+    return datasets.MixedConfig(
+        num_chats=args.num_chats, chat_input_len=args.chat_input_len, chat_output_len=args.chat_output_len,
+        chat_streams=args.chat_streams, long_input_len=args.long_input_len, long_output_len=args.long_output_len,
+        burst_size=args.burst_size, num_bursts=args.num_bursts, burst_interval_s=args.burst_interval,
+        first_burst_s=args.first_burst)
+
+
+def write_workload(path: str, workload: datasets.MixedConfig, requests, configs: dict, args) -> None:
+    """The contract with the simulator: parameters, configs, and each request in result-array order."""
+    doc = {
+        "params": {**dataclasses.asdict(workload), "seed": args.seed, "goodput_slos_ms": _slos(args.goodput),
+                   "endpoint": "/v1/completions", "ignore_eos": True, "temperature": 0.0},
+        "chat_arrivals": "closed loop: chat_streams users, each sends its next chat when its last one ends; "
+                         "chats have arrival_s null, their measured send times are start_times in <config>.json",
+        "configs": configs,
+        "requests": [{"index": i, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_len,
+                      "output_tokens": r.output_len, "kind": r.tag} for i, r in enumerate(requests)],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def _slos(items: list[str]) -> dict[str, float]:
+    from pdserve.bench.metrics import parse_goodput
+
+    return parse_goodput(items)
+
+
+@contextlib.contextmanager
+def measurement_lock(path: str):
+    """The same lock `flock /tmp/pdserve-measure.lock CMD` takes (flock(2) on the file)."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        t0 = time.monotonic()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        waited = time.monotonic() - t0
+        if waited > 1:
+            print(f"  (waited {waited:.0f} s for {path})", flush=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_config(cfg: dict, requests, workload, args, tokens) -> dict:
+    flags = server_flags(cfg, args.model)
+    print(f"\n== {cfg['name']}: {cfg['label']}\n   pdserve serve {' '.join(flags)}", flush=True)
+    log_path = os.path.join(args.out_dir, f"{cfg['name']}.log")
+    with measurement_lock(args.lock):
+        load_before = load_str()
+        with ServerProcess(flags, log_path, args.startup_timeout) as server:
+            warm_up(server.url, tokens)
+            cpu = TreeCpu(server.pid)
+            result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),
+                                   goodput=_slos(args.goodput), percentiles=[50, 90, 99], ignore_eos=True,
+                                   seed=args.seed, progress=True)
+            result["cpu"] = cpu.stop()
+        result["load_before"], result["load_after"] = load_before, load_str()
+    result.update(config=cfg, server_flags=flags, dataset_name="mixed",
+                  **{f"mixed_{k}": v for k, v in dataclasses.asdict(workload).items()})
+    path = report.save_json(result, os.path.join(args.out_dir, f"{cfg['name']}.json"))
+    print(f"   result: {path}  load {result['load_before']} -> {result['load_after']}  cpu {result['cpu']}")
+    for d in filter(None, [args.out_dir, args.img_dir]):
+        for png in save_plots(result, d, prefix=f"interference_{cfg['name']}", title=cfg["label"]):
+            print(f"   plot: {png}")
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"interference: unknown config(s) {unknown}; known: {list(CONFIGS)}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.table_only:
+        results = {n: json.load(open(os.path.join(args.out_dir, f"{n}.json"))) for n in names
+                   if os.path.exists(os.path.join(args.out_dir, f"{n}.json"))}
+        print(format_table(results, _slos(args.goodput)))
+        return 0
+    workload = workload_from(args)
+    # the embedded SmolLM2's 49,152 ids hold the default range; the prompts are token ids
+    tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
+    requests = datasets.mixed(workload, tokens, seed=args.seed)
+    configs = {n: resolve_config(n, workload, args.chunk_size) for n in names}
+    write_workload(os.path.join(args.out_dir, "workload.json"), workload, requests, configs, args)
+    print("command: python benchmarks/interference.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"workload: {json.dumps(dataclasses.asdict(workload))}, seed {args.seed}, "
+          f"goodput SLOs {' '.join(args.goodput)} ms")
+    results = {}
+    for name in names:
+        try:
+            results[name] = run_config(configs[name], requests, workload, args, tokens)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"   {name} failed: {e}", file=sys.stderr)
+    print("\n" + format_table(results, _slos(args.goodput)))
+    return 0 if len(results) == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

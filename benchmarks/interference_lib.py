@@ -1,0 +1,201 @@
+"""Pieces the interference scripts share: a server process that is always stopped,
+the CPU others took during a run, a warm-up, and the one table."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_str() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class ServerProcess:
+    """A server command in its own session on a free loopback port; the whole session is
+    stopped on exit (SIGTERM, then SIGKILL), whatever happened inside the `with`."""
+
+    def __init__(self, serve_flags: list[str], log_path: str, startup_timeout_s: float = 300.0,
+                 cmd: list[str] | None = None, env: dict | None = None, ready_path: str = "/v1/models"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = cmd or [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1",
+                           "--port", str(self.port), *serve_flags]
+        self.cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        self.log_path, self.timeout_s, self.env, self.ready_path = log_path, startup_timeout_s, env, ready_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def __enter__(self):
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env=self.env)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                health = httpx.get(self.url + "/health", timeout=2, trust_env=False)
+                models = httpx.get(self.url + self.ready_path, timeout=2, trust_env=False)
+                if health.status_code == 200 and models.status_code == 200:
+                    print(f"   ready in {time.monotonic() - t0:.1f} s on {self.url}", flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {self.timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the launcher forwards it to its workers
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # anything left in the session (a worker that ignored SIGTERM): kill it
+        for pid in _session_pids(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(5)
+        self._log.close()
+
+
+def _session_pids(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None and int(st[3]) == sid:  # field 6 (session) after pid and comm
+                out.append(int(entry))
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        st = _stat(pid)
+        if st is not None:
+            total += (int(st[11]) + int(st[12])) / _TICK  # utime, stime
+    return total
+
+
+def _busy_s() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / _TICK  # all but idle and iowait
+
+
+class TreeCpu:
+    """CPU seconds the server's processes, this client and everyone else took during a run.
+
+    A run in which others took a large share measured the machine's load as much as
+    the deployment; the share is written next to the numbers."""
+
+    def __init__(self, server_sid: int):
+        self.sid = server_sid
+        self.pids = _session_pids(server_sid)
+        self.t0 = time.perf_counter()
+        self.busy0, self.server0, self.me0 = _busy_s(), _cpu_s(self.pids), time.process_time()
+
+    def stop(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        server = _cpu_s(self.pids) - self.server0
+        me = time.process_time() - self.me0
+        others = max(0.0, _busy_s() - self.busy0 - server - me)
+        ncpu = len(os.sched_getaffinity(0))
+        return {"wall_s": round(wall, 1), "server_cpu_s": round(server, 1), "client_cpu_s": round(me, 1),
+                "others_cpu_s": round(others, 1), "others_share_of_machine": round(others / (wall * ncpu), 3)}
+
+
+def warm_up(url: str, tokens, n_tokens: int = 300) -> None:
+    """One short and one medium request, so first-use costs (kernel loads, the KV bridge's
+    first mapping) are not in the first measured request."""
+    import numpy as np
+
+    rng = np.random.default_rng(12345)
+    with httpx.Client(base_url=url, timeout=600, trust_env=False) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        for n in (16, n_tokens):
+            r = c.post("/v1/completions", json={"model": model, "prompt": tokens.random_ids(rng, n),
+                                                "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+            r.raise_for_status()
+
+
+_COLUMNS = [  # header, source ("chat": the chats' summary; "all": every request), key, format
+    ("TPOT p50", "chat", "median_tpot_ms", "{:.0f}"), ("TPOT p99", "chat", "p99_tpot_ms", "{:.0f}"),
+    ("ITL p50", "chat", "median_itl_ms", "{:.0f}"), ("ITL p99", "chat", "p99_itl_ms", "{:.0f}"),
+    ("p99/p50", "chat", None, "{:.1f}x"),
+    ("TTFT mean", "all", "mean_ttft_ms", "{:.0f}"), ("TTFT p99", "all", "p99_ttft_ms", "{:.0f}"),
+    ("chat TTFT p99", "chat", "p99_ttft_ms", "{:.0f}"), ("long TTFT mean", "long", "mean_ttft_ms", "{:.0f}"),
+    ("goodput req/s", "all", "request_goodput", "{:.3f}"), ("SLO %", "all", "slo_attainment_pct", "{:.0f}"),
+    ("done/failed", "all", None, None), ("others' CPU", "all", None, None),
+]
+
+
+def _cell(res: dict, src: str, key: str | None, fmt: str | None, header: str) -> str:
+    part = res if src == "all" else res.get("by_tag", {}).get(src, {})
+    if header == "p99/p50":
+        a, b = part.get("p99_itl_ms"), part.get("median_itl_ms")
+        return fmt.format(a / b) if a and b else "-"
+    if header == "done/failed":
+        return f"{res['completed']}/{res['failed']}"
+    if header == "others' CPU":
+        share = (res.get("cpu") or {}).get("others_share_of_machine")
+        return "-" if share is None else f"{100 * share:.0f}%"
+    v = part.get(key)
+    return "-" if v is None else fmt.format(v)
+
+
+def format_table(results: dict[str, dict], slos_ms: dict[str, float]) -> str:
+    """One markdown table: a row per config, chats' TPOT/ITL (ms), TTFT (ms), goodput."""
+    head = ["config"] + [c[0] for c in _COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, res in results.items():
+        cells = [name] + [_cell(res, *c[1:], c[0]) for c in _COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    slo = " ".join(f"{k}:{v:g}" for k, v in slos_ms.items())
+    lines.append(f"\nTPOT and ITL: chat requests only (ms); TTFT: all requests unless marked; "
+                 f"goodput and SLO attainment at {slo} ms; others' CPU: share of the machine that "
+                 f"processes outside this experiment took during the run.")
+    return "\n".join(lines)
