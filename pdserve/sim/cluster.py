@@ -14,7 +14,6 @@ pdserve/bench/metrics.py over the same `RequestOutput` records.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from collections import deque
@@ -89,9 +88,7 @@ class Cluster:
         self.registry = Registry()
         self.index = PrefixIndex()
         self.hashes = HashCache(cfg.block_size)
-        self._current: tuple[list[int], list[int]] | None = None  # (prompt, its hashes) being placed
-        kw = {"block_hasher": self._hasher} if "block_hasher" in inspect.signature(Placer).parameters else {}
-        self.placer = Placer(cfg.policy, self.index, clock=lambda: self.loop.now, **kw)
+        self.placer = Placer(cfg.policy, self.index, clock=lambda: self.loop.now)
         self.admitter = Admitter(cfg.admission) if cfg.admission and cfg.admission.enabled else None
         self.instances: dict[str, SimInstance] = {}
         self._event_seq: dict[str, int] = {}
@@ -189,13 +186,6 @@ class Cluster:
                 self._through_tag(gate.queue.popleft())
 
     # ---- the router
-    def _hasher(self, prompt, bs):
-        cur = self._current
-        if cur is not None and prompt is cur[0] and bs == self.cfg.block_size:
-            return cur[1]
-        from pdserve.kv.hashing import block_hashes
-        return block_hashes(prompt, bs)
-
     def _refresh_stats(self) -> None:
         for wid, inst in self.instances.items():
             w = self.registry.get(wid)
@@ -206,22 +196,20 @@ class Cluster:
 
     def _route(self, r: SimRequest, timing: Timing) -> None:
         prompt = r.prompt_ids()
-        hashes = self.hashes.prompt_hashes(r, prompt) if self.cfg.enable_prefix_caching else []
+        # the router gets the prompt as int32: it hashes it (cache_aware) and int32 slices hash fast
+        arr = r.prompt_array(prompt)
+        hashes = self.hashes.prompt_hashes(r, arr) if self.cfg.enable_prefix_caching else []
         need = -(-(r.prompt_len + r.output_len) // self.cfg.block_size)
         smallest = min(p.num_blocks for p in self.cfg.pools.values())
         if need > smallest:
             return self._fail(str(r.rid), timing, f"prompt + max_tokens needs {need} KV blocks; the pool holds "
                                                   f"{smallest}")
         self._refresh_stats()
-        self._current = (prompt, hashes)
-        try:
-            if self.admitter is not None:
-                d = self.admitter.check(self.registry, self.placer, prompt, r.output_len)
-                if not d.admitted:
-                    return self._fail(str(r.rid), timing, f"429 refused to protect the SLOs ({d.reason})")
-            p, dw = self.placer.pick(self.registry, prompt)
-        finally:
-            self._current = None
+        if self.admitter is not None:
+            d = self.admitter.check(self.registry, self.placer, arr, r.output_len)
+            if not d.admitted:
+                return self._fail(str(r.rid), timing, f"429 refused to protect the SLOs ({d.reason})")
+        p, dw = self.placer.pick(self.registry, arr)
         rid = str(r.rid)
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
         if self.cfg.mode != "disagg":

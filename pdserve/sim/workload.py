@@ -23,6 +23,8 @@ import json
 import random as _random
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.bench.datasets import MOONCAKE_BLOCK_TOKENS, _jsonl
 from pdserve.kv.hashing import ROOT_HASH, block_hashes, hash_block
 
@@ -51,6 +53,13 @@ class SimRequest:
             ids += [-1 - self.rid] * (self.prompt_len - len(ids))
         return ids
 
+    def prompt_array(self, ids: list[int]) -> np.ndarray:
+        """The prompt as int32: what the router hashes. hash_block hashes int32 bytes, so the
+        hashes are those of the list, without converting every block slice again."""
+        if self.token_ids is None and self.hash_ids and len(self.hash_ids) * self.block_tokens >= self.prompt_len:
+            return np.repeat(np.asarray(self.hash_ids, dtype=np.int32), self.block_tokens)[:self.prompt_len]
+        return np.asarray(ids, dtype=np.int32)
+
 
 @dataclass
 class HashCache:
@@ -59,7 +68,8 @@ class HashCache:
     block_size: int
     _chain: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
-    def prompt_hashes(self, req: SimRequest, ids: list[int]) -> list[int]:
+    def prompt_hashes(self, req: SimRequest, ids) -> list[int]:
+        """`ids`: the prompt, best as the int32 array of `prompt_array`."""
         bs = self.block_size
         if req.hash_ids is None or req.block_tokens % bs:
             return block_hashes(ids, bs)
@@ -72,9 +82,9 @@ class HashCache:
             if take == req.block_tokens:
                 hs = self._chain.get((parent, h))
                 if hs is None:
-                    hs = self._chain[(parent, h)] = _chain(parent, [h] * bs, req.block_tokens // bs)
+                    hs = self._chain[(parent, h)] = _chain(parent, h, bs, req.block_tokens // bs)
             else:
-                hs = _chain(parent, [h] * bs, take // bs)
+                hs = _chain(parent, h, bs, take // bs)
             out += hs
             parent, pos = hs[-1], pos + take
             if take < req.block_tokens:
@@ -83,7 +93,10 @@ class HashCache:
         return block_hashes(ids, bs, start=out) if pos < req.prompt_len else out
 
 
-def _chain(parent: int, block: list[int], n: int) -> list[int]:
+def _chain(parent: int, token: int, block_size: int, n: int) -> list[int]:
+    """Hashes of n blocks of `token` repeated: hash_block of an int32 array is hash_block of the
+    same ids as a list (it hashes their int32 bytes), without a list -> array conversion per block."""
+    block = np.full(block_size, token, dtype=np.int32)
     out = []
     for _ in range(n):
         parent = hash_block(parent, block)
