@@ -54,8 +54,9 @@ CONFIGS: dict[str, dict] = {
         pools={"both": 1}, pinned=False),
     "disaggregated": dict(
         label="(c) disaggregated, 1 prefill + 1 decode, 1 thread each", mode="disaggregated", threads=1,
-        enable_chunked_prefill=True, chunk_size_tokens=512, max_num_batched_tokens=2048,
-        pools={"prefill": 1, "decode": 1}, pinned=True, kv_transfer="shm, layer-wise push"),
+        enable_chunked_prefill=True, chunk_size_tokens=256, max_num_batched_tokens=2048,
+        pools={"prefill": 1, "decode": 1}, pinned=True, cores={"prefill": [0], "decode": [1]},
+        kv_transfer="shm, layer-wise push", worker_timeout_s=120.0, kv_timeout_s=900.0),
 }
 # chunk_size_tokens is the engine's --long-prefill-token-threshold: the largest slice of one
 # prompt per step; the rest of the step's budget goes to other sequences (decodes, short prompts).
@@ -74,17 +75,37 @@ def resolve_config(name: str, workload: datasets.MixedConfig, chunk_size_tokens:
     return cfg
 
 
-def server_flags(cfg: dict, model: str | None) -> list[str]:
-    """`pdserve serve` flags for a resolved config (the launcher pins disaggregated workers itself)."""
-    flags = ["--mode", cfg["mode"], "--threads", str(cfg["threads"]),
-             "--max-num-batched-tokens", str(cfg["max_num_batched_tokens"]),
+def _engine_flags(cfg: dict, model: str | None) -> list[str]:
+    return (["--threads", str(cfg["threads"]), "--max-num-batched-tokens", str(cfg["max_num_batched_tokens"]),
              "--long-prefill-token-threshold", str(cfg["chunk_size_tokens"]),
              "--enable-chunked-prefill" if cfg["enable_chunked_prefill"] else "--no-enable-chunked-prefill"]
-    if cfg["mode"] == "disaggregated":
-        flags += ["--prefill", str(cfg["pools"]["prefill"]), "--decode", str(cfg["pools"]["decode"])]
-        if not cfg["pinned"]:
-            flags.append("--no-pin")
-    return flags + (["--model", model] if model else [])
+            + (["--model", model] if model else []))
+
+
+def server_commands(cfg: dict, model: str | None) -> tuple[list[str], list[list[str]]]:
+    """The front process (`pdserve serve`, or the router) and the workers that join it.
+
+    Disaggregated workers are started by hand, as `pdserve serve --mode
+    disaggregated` would start them (same flags, pinned one core each), because
+    the launcher does not pass on the router's --worker-timeout-s / --kv-timeout-s
+    and their defaults (3 s, 30 s) are shorter than one prefill step / one long
+    prefill on one core of this machine (see docs/interference.md)."""
+    py = [sys.executable, "-m", "pdserve.cli"]
+    if cfg["mode"] == "collocated":
+        return py + ["serve", "--mode", "collocated", "--host", "127.0.0.1", "--port", "{port}",
+                     *_engine_flags(cfg, model)], []
+    router = py + ["router", "--host", "127.0.0.1", "--port", "{port}", "--policy", "cache_aware",
+                   "--kv-mode", "push", "--worker-timeout-s", str(cfg["worker_timeout_s"]),
+                   "--kv-timeout-s", str(cfg["kv_timeout_s"])] + (["--model", model] if model else [])
+    workers = []
+    for role in ("prefill", "decode"):
+        for i in range(cfg["pools"][role]):
+            cmd = py + ["worker", "--role", role, "--router", "{url}", "--host", "127.0.0.1",
+                        "--worker-id", f"{role}-{i}", *_engine_flags(cfg, model)]
+            if cfg["pinned"]:
+                cmd += ["--cpu-cores", ",".join(map(str, cfg["cores"][role]))]
+            workers.append(cmd + ["--kv-transport", "auto"])
+    return router, workers
 
 
 def parse_args(argv=None):
@@ -160,21 +181,26 @@ def measurement_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_config(cfg: dict, requests, workload, args, tokens) -> dict:
-    flags = server_flags(cfg, args.model)
-    print(f"\n== {cfg['name']}: {cfg['label']}\n   pdserve serve {' '.join(flags)}", flush=True)
+def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProcess | None = None) -> dict:
+    """Start the config's server (or the one given), warm it up, run the workload, stop it, save."""
     log_path = os.path.join(args.out_dir, f"{cfg['name']}.log")
+    if server is None:
+        front, workers = server_commands(cfg, args.model)
+        server = ServerProcess([], log_path, args.startup_timeout, cmd=front, extra_cmds=workers)
+    print(f"\n== {cfg['name']}: {cfg['label']}", flush=True)
+    for c in server.cmds:
+        print("   $ " + " ".join(c), flush=True)
     with measurement_lock(args.lock):
         load_before = load_str()
-        with ServerProcess(flags, log_path, args.startup_timeout) as server:
+        with server:
             warm_up(server.url, tokens)
-            cpu = TreeCpu(server.pid)
+            cpu = TreeCpu(server.pids)
             result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),
                                    goodput=_slos(args.goodput), percentiles=[50, 90, 99], ignore_eos=True,
                                    seed=args.seed, progress=True)
             result["cpu"] = cpu.stop()
         result["load_before"], result["load_after"] = load_before, load_str()
-    result.update(config=cfg, server_flags=flags, dataset_name="mixed",
+    result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed",
                   **{f"mixed_{k}": v for k, v in dataclasses.asdict(workload).items()})
     path = report.save_json(result, os.path.join(args.out_dir, f"{cfg['name']}.json"))
     print(f"   result: {path}  load {result['load_before']} -> {result['load_after']}  cpu {result['cpu']}")
@@ -182,6 +208,17 @@ def run_config(cfg: dict, requests, workload, args, tokens) -> dict:
         for png in save_plots(result, d, prefix=f"interference_{cfg['name']}", title=cfg["label"]):
             print(f"   plot: {png}")
     return result
+
+
+def load_results(out_dir: str, names: list[str]) -> dict[str, dict]:
+    """The saved results among `names`, in that order."""
+    out = {}
+    for n in names:
+        path = os.path.join(out_dir, f"{n}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[n] = json.load(f)
+    return out
 
 
 def main(argv=None) -> int:
@@ -193,9 +230,7 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(args.out_dir, exist_ok=True)
     if args.table_only:
-        results = {n: json.load(open(os.path.join(args.out_dir, f"{n}.json"))) for n in names
-                   if os.path.exists(os.path.join(args.out_dir, f"{n}.json"))}
-        print(format_table(results, _slos(args.goodput)))
+        print(format_table(load_results(args.out_dir, names + ["vllm"]), _slos(args.goodput)))
         return 0
     workload = workload_from(args)
     # the embedded SmolLM2's 49,152 ids hold the default range; the prompts are token ids

