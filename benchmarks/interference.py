@@ -31,14 +31,16 @@ import dataclasses
 import fcntl
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.interference_lib import (ServerProcess, TreeCpu, format_table, load_str,  # noqa: E402
-                                         warm_up)
+from benchmarks.interference_lib import (ServerProcess, TreeCpu, build_kernels, format_table,  # noqa: E402
+                                         load_str, snapshot, warm_up)
 from pdserve.bench import TokenSource, datasets, report, run_benchmark, save_plots  # noqa: E402
 
 # What each deployment is, as data the simulator can mirror. `max_num_batched_tokens=None`:
@@ -130,6 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--img-dir", default=None, help="also write the plots here as interference_<config>_*.png")
     p.add_argument("--lock", default="/tmp/pdserve-measure.lock", help="flock'ed around each config ('' off)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--src", default="HEAD",
+                   help="git ref whose committed tree the servers run (a clean copy), or 'worktree' for this tree")
     p.add_argument("--table-only", action="store_true", help="print the table of the JSONs in --out-dir")
     return p.parse_args(argv)
 
@@ -186,11 +190,14 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
     log_path = os.path.join(args.out_dir, f"{cfg['name']}.log")
     if server is None:
         front, workers = server_commands(cfg, args.model)
-        server = ServerProcess([], log_path, args.startup_timeout, cmd=front, extra_cmds=workers)
+        src, env = (REPO, None) if args.src == "worktree" else snapshot(args.src)
+        server = ServerProcess([], log_path, args.startup_timeout, cmd=front, extra_cmds=workers, cwd=src, env=env)
     print(f"\n== {cfg['name']}: {cfg['label']}", flush=True)
     for c in server.cmds:
         print("   $ " + " ".join(c), flush=True)
     with measurement_lock(args.lock):
+        if server.cwd != REPO:
+            build_kernels(server.cwd, server.env)
         load_before = load_str()
         with server:
             warm_up(server.url, tokens)
@@ -200,7 +207,7 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
                                    seed=args.seed, progress=True)
             result["cpu"] = cpu.stop()
         result["load_before"], result["load_after"] = load_before, load_str()
-    result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed",
+    result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed", source=source_state(args.src),
                   **{f"mixed_{k}": v for k, v in dataclasses.asdict(workload).items()})
     path = report.save_json(result, os.path.join(args.out_dir, f"{cfg['name']}.json"))
     print(f"   result: {path}  load {result['load_before']} -> {result['load_after']}  cpu {result['cpu']}")
@@ -221,7 +228,22 @@ def load_results(out_dir: str, names: list[str]) -> dict[str, dict]:
     return out
 
 
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt  # so every started server is stopped on the way out
+
+
+def source_state(src: str) -> dict:
+    """Which code was measured: a clean copy of a commit, or this shared tree with its changes named."""
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    if src != "worktree":
+        return {"commit": git("rev-parse", src), "dirty": []}
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--short", "--", "pdserve").splitlines()}
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _sigterm)
     args = parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
