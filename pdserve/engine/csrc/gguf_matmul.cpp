@@ -62,67 +62,88 @@ inline void decode_block(const uint8_t* b, __m256 q[4]) {
     q[0] = i8_to_ps(lo); q[1] = i8_to_ps(_mm_srli_si128(lo, 8));
     q[2] = i8_to_ps(hi); q[3] = i8_to_ps(_mm_srli_si128(hi, 8));
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (QTYPE == 3 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    q[0] = u8_to_ps(lo); q[1] = u8_to_ps(_mm_srli_si128(lo, 8));
-    q[2] = u8_to_ps(hi); q[3] = u8_to_ps(_mm_srli_si128(hi, 8));
+    // Zero-extend 8 bytes to 8 ints straight from memory; in 32-bit lanes the low
+    // nibble is a mask and the high nibble a shift (2 shuffles per block, not 6).
+    // Weight i < 16 is byte i's low nibble, weight 16 + i its high nibble.
+    const uint8_t* qs = b + (QTYPE == 3 ? 4 : 2);
+    const __m256i e0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i e1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(e0, mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(e1, mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(e0, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(e1, 4));
   }
 }
 #endif
 
 // qtype: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0 (ggml's type ids)
+// One weight row against MT activation rows, the MT accumulators held in
+// registers: the previous version kept them in std::vectors, so every block
+// waited on a store-to-load round trip (~4 GB/s of weights per core).
+template <int QTYPE, int MT>
+inline void row_tile(const uint8_t* row, const float* x, const float* xsum, float* out, int64_t N,
+                     int64_t K, int64_t nb) {
+  constexpr int bytes = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : 34;
+  float acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = 0.f;
+#ifdef PDS_AVX2
+  __m256 vacc[MT];
+  for (int m = 0; m < MT; ++m) vacc[m] = _mm256_setzero_ps();
+#endif
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* b = row + j * bytes;
+    const float d = half_at(b);
+    // per-block constant added to every weight: m for Q4_1, -8d for Q4_0
+    const float bias = QTYPE == 3 ? half_at(b + 2) : QTYPE == 2 ? -8.f * d : 0.f;
+#ifdef PDS_AVX2
+    __m256 q[4];
+    decode_block<QTYPE>(b, q);
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int m = 0; m < MT; ++m) {
+      const float* xb = x + m * K + j * QK;
+      __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+      s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);
+      s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);
+      s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);
+      vacc[m] = _mm256_fmadd_ps(dv, s, vacc[m]);
+      if (QTYPE != 8) acc[m] += bias * xsum[m * nb + j];
+    }
+#else
+    float q[QK];
+    if (QTYPE == 8) {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+      for (int i = 0; i < QK; ++i) q[i] = qs[i];
+    } else {
+      const uint8_t* qs = b + (QTYPE == 3 ? 4 : 2);
+      for (int i = 0; i < 16; ++i) { q[i] = qs[i] & 15; q[i + 16] = qs[i] >> 4; }
+    }
+    for (int m = 0; m < MT; ++m) acc[m] += d * dot32(q, x + m * K + j * QK) + bias * xsum[m * nb + j];
+#endif
+  }
+  for (int m = 0; m < MT; ++m) {
+#ifdef PDS_AVX2
+    acc[m] += hsum(vacc[m]);
+#endif
+    out[m * N] = acc[m];
+  }
+}
+
+// Output columns [n0, n1) for all M rows: each weight row comes from memory once
+// and is re-read from L1 for every tile of 4 activation rows.
 template <int QTYPE>
 void rows(const uint8_t* w, const float* x, const float* xsum, float* out, int64_t M, int64_t N, int64_t K,
           int64_t row_bytes, int64_t n0, int64_t n1) {
-  constexpr int bytes = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : 34;
   const int64_t nb = K / QK;
-  std::vector<float> acc(M);
-#ifdef PDS_AVX2
-  std::vector<__m256> vacc(M);
-#endif
   for (int64_t n = n0; n < n1; ++n) {
-    std::fill(acc.begin(), acc.end(), 0.f);
     const uint8_t* row = w + n * row_bytes;
-#ifdef PDS_AVX2
-    std::fill(vacc.begin(), vacc.end(), _mm256_setzero_ps());
-#endif
-    for (int64_t j = 0; j < nb; ++j) {
-      const uint8_t* b = row + j * bytes;
-      const float d = half_at(b);
-      // per-block constant added to every weight: m for Q4_1, -8d for Q4_0
-      const float bias = QTYPE == 3 ? half_at(b + 2) : QTYPE == 2 ? -8.f * d : 0.f;
-#ifdef PDS_AVX2
-      __m256 q[4];
-      decode_block<QTYPE>(b, q);
-      const __m256 dv = _mm256_set1_ps(d);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xb = x + m * K + j * QK;
-        __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-        s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), s);
-        s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), s);
-        s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), s);
-        vacc[m] = _mm256_fmadd_ps(dv, s, vacc[m]);
-        if (QTYPE != 8) acc[m] += bias * xsum[m * nb + j];
-      }
-#else
-      float q[QK];
-      if (QTYPE == 8) {
-        const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-        for (int i = 0; i < QK; ++i) q[i] = qs[i];
-      } else {
-        const uint8_t* qs = b + (QTYPE == 3 ? 4 : 2);
-        for (int i = 0; i < 16; ++i) { q[i] = qs[i] & 15; q[i + 16] = qs[i] >> 4; }
-      }
-      for (int64_t m = 0; m < M; ++m)
-        acc[m] += d * dot32(q, x + m * K + j * QK) + bias * xsum[m * nb + j];
-#endif
-    }
-    for (int64_t m = 0; m < M; ++m) {
-#ifdef PDS_AVX2
-      acc[m] += hsum(vacc[m]);
-#endif
-      out[m * N + n] = acc[m];
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) row_tile<QTYPE, 4>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb);
+    switch (M - m) {
+      case 3: row_tile<QTYPE, 3>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb); break;
+      case 2: row_tile<QTYPE, 2>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb); break;
+      case 1: row_tile<QTYPE, 1>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb); break;
+      default: break;
     }
   }
 }
