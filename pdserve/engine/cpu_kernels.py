@@ -43,7 +43,7 @@ def load():
                 from torch.utils.cpp_extension import load as build
 
                 csrc = os.path.join(os.path.dirname(__file__), "csrc")
-                srcs = [os.path.join(csrc, f) for f in ("paged_attention.cpp", "gguf_matmul.cpp")]
+                srcs = [os.path.join(csrc, f) for f in ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp")]
                 cache = os.environ.get("PDSERVE_KERNEL_CACHE") or _default_cache_dir()
                 os.makedirs(cache, exist_ok=True)
                 _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,

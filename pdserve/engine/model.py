@@ -103,6 +103,20 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused = None  # C++ DecodeLayer over the same weights, when every linear is quantized
+
+    def make_fused(self, kernel, config: ModelConfig) -> bool:
+        """Build the one-call C++ decode layer if all four products run on GGUF blocks."""
+        lins = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        if any(lin.qweight is None for lin in lins) or not hasattr(kernel, "DecodeLayer"):
+            return False
+        bias = self.qkv_proj.bias.detach() if self.qkv_proj.bias is not None else None
+        self.fused = kernel.DecodeLayer(
+            self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
+            self.qkv_proj.qweight, self.qkv_proj.qtype, bias, self.o_proj.qweight, self.o_proj.qtype,
+            self.gate_up_proj.qweight, self.gate_up_proj.qtype, self.down_proj.qweight, self.down_proj.qtype,
+            self.n_heads, self.n_kv, self.head_dim, config.intermediate_size, config.rms_norm_eps)
+        return True
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
@@ -129,6 +143,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.init_rope_tables(None)
+        self.fused_ready = False
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head; call again after moving the model."""
@@ -146,12 +161,30 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns logits for `logits_indices` (all tokens if None)."""
         x = self.embed_tokens(input_ids)
+        if self.use_fused(x, meta):
+            cos, sin = self.cos_table[positions], self.sin_table[positions]
+            for layer in self.layers:
+                k_cache, v_cache = kv_caches[layer.layer_idx]
+                x = layer.fused.forward(x, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                        meta.decode_block_tables, meta.decode_seq_lens)
+                if meta.on_layer_done is not None:
+                    meta.on_layer_done(layer.layer_idx)
+            return self._logits(x, logits_indices)
         cos = self.cos_table[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(x.dtype).unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_caches, meta)
             if meta.on_layer_done is not None:
                 meta.on_layer_done(layer.layer_idx)
+        return self._logits(x, logits_indices)
+
+    def use_fused(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """A batch of only decode tokens, few enough for the GGUF path, on CPU fp32 kernels:
+        the same arithmetic as the layer-by-layer path, in one C++ call per layer."""
+        return (self.fused_ready and meta.decode_kernel is not None and not meta.prefills
+                and meta.num_decodes == x.shape[0] <= Linear.max_rows and x.dtype == torch.float32)
+
+    def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(self.norm(x)).float()
@@ -197,6 +230,10 @@ class LlamaModel(nn.Module):
                 used += bool(blocks and lin.set_quantized(blocks, kernel))
         head = parts("model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
         used += bool(head and self.lm_head.set_quantized(head, kernel))
+        import os
+
+        if not os.environ.get("PDSERVE_NO_FUSED_DECODE"):
+            self.fused_ready = all([layer.make_fused(kernel, self.config) for layer in self.layers])
         return used
 
 

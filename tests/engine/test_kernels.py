@@ -65,3 +65,70 @@ def test_embedded_model_uses_its_gguf_blocks(real_model_path):
     llm = LLM(dtype="float32")
     # 4 fused linears per layer x 30 layers + the tied Q8_0 output head
     assert llm.engine.runner.num_quantized_linears == 121
+
+
+def _quantized_layer(qtype: str, bias: bool):
+    from pdserve.config import ModelConfig
+    from pdserve.engine.model import DecoderLayer
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
+    layer = DecoderLayer(cfg, 0)
+    rng = np.random.default_rng(1)
+    t = gguf.GGMLQuantizationType[qtype]
+    for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        w = rng.standard_normal(tuple(lin.weight.shape)).astype(np.float32) * 0.1
+        raw = gguf.quants.quantize(w, t)
+        with torch.no_grad():
+            lin.weight.copy_(dequantize(raw.reshape(-1), qtype, w.size).view(lin.weight.shape))
+            if lin.bias is not None:
+                lin.bias.normal_()
+        assert lin.set_quantized([(int(t), torch.from_numpy(raw))], kernels)
+    with torch.no_grad():
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+        layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    assert layer.make_fused(kernels, cfg)
+    return cfg, layer
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype,bias", [("Q4_1", False), ("Q4_0", True), ("Q8_0", False)])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fused_decode_layer_matches_the_python_layer(qtype, bias, batch):
+    """One C++ call per layer computes what the layer's Python forward computes, KV writes included."""
+    from pdserve.engine.attention import AttentionMetadata
+    from pdserve.engine.model import rope_inv_freq
+
+    cfg, layer = _quantized_layer(qtype, bias)
+    g = torch.Generator().manual_seed(batch)
+    bs, nb = 4, 6
+    kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g))]
+    ref_caches = [(caches[0][0].clone(), caches[0][1].clone())]
+    tables = torch.randperm(kv_shape[0], generator=g)[:batch * nb].view(batch, nb)
+    lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
+    pos = lens - 1
+    slots = tables[torch.arange(batch), pos // bs] * bs + pos % bs
+    meta = AttentionMetadata(slot_mapping=slots, num_decodes=batch, decode_block_tables=tables,
+                             decode_seq_lens=lens, decode_kernel=kernels)
+    inv = rope_inv_freq(cfg)
+    emb = torch.cat((torch.outer(pos.float(), inv),) * 2, dim=-1)
+    x = torch.randn(batch, cfg.hidden_size, generator=g)
+    with torch.inference_mode():
+        ref = layer(x, emb.cos().unsqueeze(1), emb.sin().unsqueeze(1), ref_caches, meta)
+        got = layer.fused.forward(x, emb.cos(), emb.sin(), caches[0][0], caches[0][1], slots, tables, lens)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0][0], ref_caches[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0][1], ref_caches[0][1], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_fused_decode_gives_the_same_tokens_as_layer_by_layer(real_model_path):
+    llm = LLM(dtype="float32")
+    model = llm.engine.runner.model
+    assert model.fused_ready
+    prompts = ["What is the capital of France? Answer in one sentence.", "1, 2, 3, 4,", "Write a haiku."]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    model.fused_ready = False
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
