@@ -35,6 +35,7 @@ from pdserve.sim.latency import LatencyModel, StepShape, TransferModel
 from pdserve.sim.workload import HashCache, SimRequest
 
 MODES = ("collocated", "chunked", "disagg")
+RESERVE_HEADROOM = 0.05  # share of a decode pool kept free of reservations
 
 
 @dataclass
@@ -92,7 +93,8 @@ class Cluster:
         self.admitter = Admitter(cfg.admission) if cfg.admission and cfg.admission.enabled else None
         self.instances: dict[str, SimInstance] = {}
         self._event_seq: dict[str, int] = {}
-        self._pending_d: deque = deque()  # disagg: placed requests waiting for decode blocks
+        # disagg: placed requests waiting for room on their decode instance
+        self._pending_d: dict[str, deque] = {}
         for role, pool in cfg.pools.items():
             static = _cost_stats(pool.latency, cfg)
             for i in range(pool.count):
@@ -120,6 +122,10 @@ class Cluster:
         for r, t in sorted(zip(requests, times), key=lambda rt: rt[1]):
             self.loop.at(t, self._arrive, r)
         self.loop.run()
+        for rid in list(self._live):  # nothing left to happen, yet not finished: say so
+            _, t = self._live[rid]
+            t.error = "never finished: the simulated cluster stalled (decode KV held by reservations)"
+            self._done(rid)
         end = max((o.start_s + o.latency_s for o in self.outputs if o.success), default=0.0)
         start = min(times) if times else 0.0
         res = metrics.result(self.outputs, end - start, percentiles=percentiles,
@@ -204,6 +210,12 @@ class Cluster:
         if need > smallest:
             return self._fail(str(r.rid), timing, f"prompt + max_tokens needs {need} KV blocks; the pool holds "
                                                   f"{smallest}")
+        for pool in self.cfg.pools.values():
+            sc = pool.scheduler
+            if not sc.enable_chunked_prefill and r.prompt_len > sc.max_num_batched_tokens and \
+                    (self.cfg.mode == "collocated" or pool is self.cfg.pools.get("prefill")):
+                return self._fail(str(r.rid), timing, f"the prompt has {r.prompt_len} tokens, more than "
+                                                      f"max_num_batched_tokens with chunked prefill off")
         self._refresh_stats()
         if self.admitter is not None:
             d = self.admitter.check(self.registry, self.placer, arr, r.output_len)
@@ -222,15 +234,40 @@ class Cluster:
 
     def _reserve_then_prefill(self, rid, prompt, hashes, params, timing, p_id, d_id) -> None:
         d = self.instances[d_id]
-        seq = d.reserve(rid, prompt, hashes, params, self.loop.now)
-        if seq is None:  # no room on that decode instance now: wait for a finish there
-            self._pending_d.append((rid, prompt, hashes, params, timing, p_id, d_id))
+        pending = self._pending_d.setdefault(d_id, deque())
+        seq = None if pending or not self._room(d, len(prompt)) else d.reserve(rid, prompt, hashes, params,
+                                                                             self.loop.now)
+        if seq is None:  # no room on that decode instance now: wait, in order, for room there
+            pending.append((rid, prompt, hashes, params, timing, p_id, d_id))
             return
+        self._start_prefill(seq, rid, prompt, hashes, params, timing, p_id, d_id)
+
+    def _start_prefill(self, seq, rid, prompt, hashes, params, timing, p_id, d_id) -> None:
         p = self.instances[p_id]
         pseq = Sequence(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
                         arrival_time=self.loop.now)
         pseq.d_seq, pseq.d_id = seq, d_id
         p.add(pseq, Timing(timing.start_s), hashes)
+
+    def _room(self, d: SimInstance, prompt_tokens: int) -> bool:
+        """A decode instance takes a reservation only when nothing waits there for blocks and
+        RESERVE_HEADROOM of its pool stays free for the running sequences to grow into: the engine's
+        reservations bypass its scheduler, so without this a preempted sequence could starve."""
+        bm = d.bm
+        need = bm.blocks_needed(prompt_tokens)
+        if not d.sched.has_unfinished():
+            return True
+        return not d.sched.waiting and bm.num_free_blocks - need >= RESERVE_HEADROOM * bm.num_blocks
+
+    def _retry_pending(self, d: SimInstance) -> None:
+        pending = self._pending_d.get(d.worker_id)
+        while pending and self._room(d, len(pending[0][1])):
+            item = pending.popleft()
+            seq = d.reserve(item[0], item[1], item[2], item[3], self.loop.now)
+            if seq is None:
+                pending.appendleft(item)
+                return
+            self._start_prefill(seq, *item)
 
     def _prefilled(self, p: SimInstance, pseq: Sequence, now: float, step_s: float) -> None:
         """The prefill instance sampled the first token (it streams at once) and sends the KV."""
@@ -255,17 +292,16 @@ class Cluster:
         if hasattr(self.placer, "release_decode"):
             self.placer.release_decode(seq.seq_id)
         self._done(seq.seq_id)
-        if inst.role == "decode" and self._pending_d:
-            waiting, self._pending_d = self._pending_d, deque()
-            for item in waiting:
-                self._reserve_then_prefill(*item)
 
     def _fail(self, rid: str, timing: Timing, error: str) -> None:
         timing.error = error
         self._done(rid)
 
     def _stepped(self, inst: SimInstance) -> None:
-        """After a step: publish the block manager's KV events to the router's prefix index."""
+        """After a step: reservations that waited for room; the block manager's KV events to the
+        router's prefix index."""
+        if inst.role == "decode" and self._pending_d.get(inst.worker_id):
+            self._retry_pending(inst)
         if not inst.bm.record_events:
             return
         evs = inst.bm.drain_events()

@@ -139,6 +139,8 @@ class ProfileLatency(LatencyModel):
     threads: int = 0
     source: str = ""
     samples: list[dict] = field(default_factory=list)  # what was measured, kept with the fit
+    num_blocks: int = 0  # the measured engine's KV pool, a default for simulated instances
+    block_size: int = 16
 
     def __post_init__(self):
         if len(self.coef) != len(FEATURES):
@@ -183,7 +185,8 @@ class ProfileLatency(LatencyModel):
     def save(self, path: str) -> None:
         d = {"kind": "pdserve-sim-profile", "features": list(FEATURES), "coef": self._c,
              "model_layers": self.model_layers, "kv_bytes_per_token": self.kv_bytes_per_token_,
-             "threads": self.threads, "source": self.source, "samples": self.samples}
+             "threads": self.threads, "source": self.source, "num_blocks": self.num_blocks,
+             "block_size": self.block_size, "samples": self.samples}
         with open(path, "w") as f:
             json.dump(d, f, indent=1)
 
@@ -194,7 +197,8 @@ class ProfileLatency(LatencyModel):
         if d.get("kind") != "pdserve-sim-profile":
             raise ValueError(f"{path}: not a profile written by `pdserve sim --calibrate`")
         return cls(coef=d["coef"], model_layers=d["model_layers"], kv_bytes_per_token_=d["kv_bytes_per_token"],
-                   threads=d.get("threads", 0), source=d.get("source", path), samples=d.get("samples", []))
+                   threads=d.get("threads", 0), source=d.get("source", path), samples=d.get("samples", []),
+                   num_blocks=d.get("num_blocks", 0), block_size=d.get("block_size", 16))
 
 
 def roofline_for(model: ModelShape, gpu, tp: int = 1, kv_dtype: str = "bf16", dtype: str = "bf16",

@@ -1,0 +1,110 @@
+"""`pdserve sim --calibrate`: time our engine's steps on this machine and fit a profile.
+
+The engine (pdserve/engine/llm_engine.py, the embedded SmolLM2 unless told
+otherwise) runs a grid of batches: prompts alone (16 to 2,048 tokens),
+decode batches (1 to 16 sequences at 64 and 512 tokens of context) and
+prompts joining a running decode batch. Every step is timed with a wall
+clock around `LLMEngine.step`, so sampling and bookkeeping are in it, and its
+`StepShape` is read from the sequences' computed-token counts before and
+after. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
+c*decode_seqs + d*decode_context + e*prefill_attention. About a minute.
+"""
+from __future__ import annotations
+
+import time
+
+from pdserve.sim.latency import ProfileLatency, StepShape, chunk_attention
+
+PREFILL_LENGTHS = (16, 64, 256, 512, 1024, 2048)
+DECODE_GRID = ((1, 64), (4, 64), (8, 64), (16, 64), (1, 512), (4, 512), (8, 512), (16, 512))
+MIXED_GRID = ((4, 256), (8, 1024), (8, 2048), (16, 512))  # (decode batch, joining prompt tokens)
+DECODE_STEPS = 6
+
+
+def _shape(before: dict, seqs) -> StepShape:
+    shape = StepShape()
+    for seq in seqs:
+        done = before[seq.seq_id]
+        n = seq.num_computed_tokens - done
+        if n <= 0:
+            continue
+        if n == 1 and done >= seq.num_prompt_tokens:
+            shape.decode_seqs += 1
+            shape.decode_context += done
+        else:
+            shape.prefill_tokens += n
+            shape.prefill_seqs += 1
+            shape.prefill_context += done
+            shape.prefill_attention += chunk_attention(done, n)
+    return shape
+
+
+class _Driver:
+    def __init__(self, engine):
+        self.engine = engine
+        self.samples: list[tuple[StepShape, float]] = []
+        self.seqs = []
+        self._n = 0
+        self._vocab = engine.model_config.vocab_size
+
+    def add(self, prompt_tokens: int, max_tokens: int):
+        from pdserve.engine.sampling_params import SamplingParams
+
+        self._n += 1
+        # distinct ids per request: no prefix-cache hits in a calibration
+        ids = [(self._n * 7919 + i * 31) % (self._vocab - 200) + 100 for i in range(prompt_tokens)]
+        seq = self.engine.add_request(f"cal-{self._n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                             temperature=0.0))
+        self.seqs.append(seq)
+        return seq
+
+    def step(self, record: bool = True) -> None:
+        before = {s.seq_id: s.num_computed_tokens for s in self.seqs}
+        t0 = time.perf_counter()
+        self.engine.step()
+        dt = time.perf_counter() - t0
+        if record:
+            shape = _shape(before, self.seqs)
+            if shape.tokens:
+                self.samples.append((shape, dt))
+        self.seqs = [s for s in self.seqs if not s.is_finished]
+
+    def drain(self, record: bool = True) -> None:
+        while self.engine.has_unfinished_requests():
+            self.step(record)
+
+
+def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileLatency:
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model, threads=threads, max_num_batched_tokens=8192,
+                                                max_num_seqs=64, enable_chunked_prefill=True))
+    d = _Driver(engine)
+    d.add(64, 4)  # warm-up: first calls pay for lazy initialisation
+    d.drain(record=False)
+    for n in PREFILL_LENGTHS:
+        d.add(n, 1)
+        d.drain()
+    for batch, ctx in DECODE_GRID:
+        for _ in range(batch):
+            d.add(ctx, DECODE_STEPS + 1)
+        d.drain()
+    for batch, prompt in MIXED_GRID:
+        for _ in range(batch):
+            d.add(64, 4)
+        d.step(record=False)  # their prefill
+        d.add(prompt, 1)
+        d.drain()
+    mc = engine.model_config
+    dtype_bytes = 2 if engine.config.device.dtype in ("bfloat16", "float16") else 4
+    prof = ProfileLatency.fit(d.samples, model_layers=mc.num_hidden_layers,
+                              kv_bytes_per_token_=float(mc.kv_bytes_per_token(dtype_bytes)), threads=threads,
+                              source=f"pdserve engine, {mc.name}, {engine.config.device.dtype}, "
+                                     f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}")
+    prof.num_blocks = engine.block_manager.num_blocks
+    prof.block_size = engine.block_manager.block_size
+    log(f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e"), prof.coef)))
+    return prof

@@ -1,0 +1,195 @@
+"""`pdserve sim`: simulate a serving cluster under a workload; `--calibrate`, `--search`.
+
+Exit status: 0 when at least one request completed (search: a configuration
+met the target), 1 otherwise, 2 for bad flags or a bad workload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from pdserve.bench import cli as bench_cli
+from pdserve.bench import metrics, report
+from pdserve.config import ConfigError, SchedulerConfig
+from pdserve.router.admission import AdmissionConfig
+from pdserve.router.policy import POLICIES
+from pdserve.sim import workload
+from pdserve.sim.cluster import MODES, Cluster
+from pdserve.sim.deploy import Hardware, Layout, build
+from pdserve.sim.latency import ProfileLatency
+
+SCENARIOS = ("seed-000-6.1",)
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--mode", default="disagg", choices=MODES)
+    g.add_argument("--num-instances", type=int, default=1, help="collocated/chunked: instances")
+    g.add_argument("--tp", type=int, default=1, help="collocated/chunked: GPUs per instance")
+    g.add_argument("--num-prefill", type=int, default=1)
+    g.add_argument("--num-decode", type=int, default=1)
+    g.add_argument("--prefill-tp", type=int, default=1)
+    g.add_argument("--decode-tp", type=int, default=1)
+    g.add_argument("--kv-transfer", default="layerwise", choices=["layerwise", "eager"])
+    g.add_argument("--network-gbps", type=float, default=400, help="KV network per GPU (100/200/400: the seeds' figures)")
+    g.add_argument("--kv-bytes-per-s", type=float, default=None, help="KV link bandwidth, overrides --network-gbps")
+    g.add_argument("--kv-transfer-latency-ms", type=float, default=0.0, help="fixed cost of each KV transfer")
+    g.add_argument("--policy", default="cache_aware", choices=POLICIES, help="prefill placement (the router's)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="early rejection: refuse predicted TTFT misses")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="early rejection: refuse predicted TPOT misses")
+    g.add_argument("--kv-watermark", type=float, default=None, help="refuse long requests above this decode KV use")
+
+    g = p.add_argument_group("engine (each instance; vLLM's names)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per instance (default: from memory)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+    g = p.add_argument_group("latency model")
+    g.add_argument("--model", default="llama-3-70b", help="catalog name or config.json (pdserve plan --list)")
+    g.add_argument("--gpu", default="h100")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
+    g.add_argument("--kv-dtype", default="bf16")
+    g.add_argument("--compute-efficiency", type=float, default=None, help="share of peak FLOP/s reached")
+    g.add_argument("--bandwidth-efficiency", type=float, default=None, help="share of peak memory bandwidth reached")
+    g.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per iteration (roofline)")
+    g.add_argument("--profile", default=None, metavar="FILE", help="fitted step times from `--calibrate` instead")
+    g.add_argument("--calibrate", action="store_true", help="measure our engine here, write --profile FILE, exit")
+    g.add_argument("--threads", type=int, default=1, help="--calibrate: engine threads")
+
+    # the workload and result flags of `pdserve bench`, the very same definitions
+    tmp = argparse.ArgumentParser(add_help=False)
+    bench_cli.add_arguments(tmp)
+    keep = {"workload": None, "arrivals": None, "results": {"replot", "disable_tqdm"}}
+    for group in tmp._action_groups:
+        if group.title in keep:
+            ng = p.add_argument_group(group.title)
+            for action in group._group_actions:
+                if action.dest not in (keep[group.title] or ()):
+                    ng._add_action(action)
+    g = p.add_argument_group("simulator workload and output")
+    g.add_argument("--workload-json", default=None, help="replay the requests of a measured run (see docs/sim.md)")
+    g.add_argument("--scenario", default=None, choices=SCENARIOS, help="a worked example's traffic")
+    g.add_argument("--json", action="store_true", help="print the result JSON instead of the report")
+
+    g = p.add_argument_group("search (DistServe-style: cheapest layout meeting a goodput target)")
+    g.add_argument("--search", action="store_true")
+    g.add_argument("--search-modes", default="disagg,collocated", help="modes to try")
+    g.add_argument("--search-tp", default="1,2,4,8", help="TP sizes to try per pool")
+    g.add_argument("--search-max-gpus", type=int, default=32)
+    g.add_argument("--search-target-pct", type=float, default=90.0, help="SLO attainment to reach (needs --goodput)")
+
+
+def _requests(args) -> tuple[list[workload.SimRequest], dict[str, int]]:
+    if args.scenario == "seed-000-6.1":
+        return workload.seed_000_6_1(), {}
+    if args.workload_json:
+        reqs, doc = workload.from_workload_json(args.workload_json)
+        return reqs, dict(doc.get("tag_concurrency") or {})
+    if args.dataset_name == "mooncake":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name mooncake needs --dataset-path")
+        return workload.mooncake_trace(args.dataset_path, args.num_prompts, block_tokens=args.mooncake_block_tokens,
+                                       output_scale=args.mooncake_output_scale,
+                                       time_scale=args.mooncake_time_scale, skip_bad=args.skip_bad_lines), {}
+    from pdserve.bench.tokens import TokenSource
+
+    args.endpoint = "/v1/completions"
+    built, _, tag_limits = bench_cli.build_requests(args, TokenSource(None, args.vocab_size))
+    return workload.from_bench(built), tag_limits
+
+
+def _hardware(args) -> Hardware:
+    eff = None
+    if args.compute_efficiency or args.bandwidth_efficiency:
+        eff = (args.compute_efficiency or 0.55, args.bandwidth_efficiency or 0.8)
+    prof = ProfileLatency.load(args.profile) if args.profile else None
+    return Hardware(args.model, args.gpu, args.dtype, args.kv_dtype, eff, args.step_overhead_ms / 1000, prof,
+                    args.num_gpu_blocks)
+
+
+def _layout(args) -> Layout:
+    return Layout(args.mode, args.num_instances, args.tp, args.num_prefill, args.num_decode, args.prefill_tp,
+                  args.decode_tp)
+
+
+def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
+    sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True, args.long_prefill_token_threshold)
+    adm = AdmissionConfig(_s(args.slo_ttft_ms), _s(args.slo_tpot_ms), args.kv_watermark)
+    return build(layout, _hardware(args), sched, block_size=args.block_size,
+                 enable_prefix_caching=args.enable_prefix_caching, network_gbps=args.network_gbps,
+                 kv_bytes_per_s=args.kv_bytes_per_s, layerwise=args.kv_transfer == "layerwise",
+                 transfer_latency_s=args.kv_transfer_latency_ms / 1000, policy=args.policy, admission=adm,
+                 max_concurrency=args.max_concurrency, tag_concurrency=tag_limits)
+
+
+def _s(ms):
+    return None if ms is None else ms / 1000
+
+
+def simulate(args, layout: Layout, requests, tag_limits, goodput, percentiles, names) -> dict:
+    cluster = Cluster(cluster_config(args, layout, tag_limits))
+    rate = math.inf if args.request_rate is None else args.request_rate
+    use_trace = args.request_rate is None or args.dataset_name != "mooncake"
+    return cluster.run(requests, rate, args.burstiness, seed=args.seed, use_trace_times=use_trace, goodput=goodput,
+                       percentiles=percentiles, percentile_metrics=names)
+
+
+def run(args) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    try:
+        goodput = metrics.parse_goodput(args.goodput)
+        percentiles = metrics.parse_percentiles(args.metric_percentiles)
+        names = metrics.parse_metric_names(args.percentile_metrics)
+        requests, tag_limits = _requests(args)
+        if not requests:
+            raise ValueError("the workload has no requests")
+        if args.search:
+            from pdserve.sim.search import search
+
+            return search(args, requests, tag_limits, goodput, percentiles, names)
+        result = simulate(args, _layout(args), requests, tag_limits, goodput, percentiles, names)
+    except (ValueError, OSError, ConfigError) as e:
+        print(f"pdserve sim: {e}", file=sys.stderr)
+        return 2
+    result = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "pdserve-sim", "model_id": args.model,
+              "dataset_name": args.scenario or ("workload-json" if args.workload_json else args.dataset_name),
+              "request_rate": "inf" if args.request_rate is None else args.request_rate,
+              "max_concurrency": args.max_concurrency, **result}
+    sim = result["sim"]
+    if args.json:
+        print(json.dumps(report._finite(result)))
+    else:
+        print(report.format_summary(result, names))
+        print(f"simulated {len(requests)} requests ({sim['simulated_s']:.1f} s of cluster time) in "
+              f"{sim['wall_s']:.2f} s: {sim['requests_per_wall_s']:.0f} requests simulated per second")
+    _save(args, result)
+    return 0 if result["completed"] else 1
+
+
+def _save(args, result: dict) -> None:
+    if not (args.save_result or args.result_dir or args.result_filename or args.plot):
+        return
+    name = args.result_filename or f"pdserve-sim-{result['dataset_name']}-{args.mode}-{result['date']}.json"
+    path = os.path.join(args.result_dir or ".", name)
+    print(f"result: {report.save_json(result, path)}", file=sys.stderr if args.json else sys.stdout)
+    if args.plot:
+        bench_cli._plot(result, os.path.dirname(os.path.abspath(path)), os.path.splitext(os.path.basename(path))[0])
+
+
+def _calibrate(args) -> int:
+    from pdserve.sim.calibrate import calibrate
+
+    path = args.profile or f"sim-profile-threads{args.threads}.json"
+    prof = calibrate(args.threads, None if args.model == "llama-3-70b" else args.model,
+                     log=lambda m: print(m, file=sys.stderr))
+    prof.save(path)
+    print(f"profile: {path}")
+    return 0
