@@ -103,6 +103,8 @@ class Cluster:
                                    self.loop, enable_prefix_caching=cfg.enable_prefix_caching,
                                    record_events=cfg.policy == "cache_aware" and role != "decode")
                 inst.on_prefilled, inst.on_finished, inst.on_step = self._prefilled, self._finished, self._stepped
+                if role == "prefill":
+                    inst.on_chunk = self._chunk_sent
                 inst.static_stats = static
                 self.instances[wid] = inst
                 self._event_seq[wid] = 0
@@ -246,7 +248,7 @@ class Cluster:
         p = self.instances[p_id]
         pseq = Sequence(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
                         arrival_time=self.loop.now)
-        pseq.d_seq, pseq.d_id = seq, d_id
+        pseq.d_seq, pseq.d_id, pseq.kv_done_s = seq, d_id, 0.0
         p.add(pseq, Timing(timing.start_s), hashes)
 
     def _room(self, d: SimInstance, prompt_tokens: int) -> bool:
@@ -269,21 +271,34 @@ class Cluster:
                 return
             self._start_prefill(seq, *item)
 
+    def _chunk_sent(self, p: SimInstance, pseq: Sequence, start: int, n: int, step_s: float) -> None:
+        """Layer-wise: a prompt chunk's KV leaves layer by layer while the step computes, on the
+        prefill instance's link (shared by all its transfers). Tokens the decode side caches stay."""
+        tr = self.cfg.transfer
+        tokens = start + n - max(start, pseq.d_seq.num_computed_tokens)
+        if not tr.layerwise or tokens <= 0:
+            return
+        now = self.loop.now
+        busy_s, exposed_s = tr.exposed_s(tokens * p.latency.kv_bytes_per_token(), p.latency.layers(), step_s)
+        done = max(now + exposed_s - tr.latency_s, p.link_free_s + busy_s)
+        p.link_free_s = pseq.kv_done_s = done
+
     def _prefilled(self, p: SimInstance, pseq: Sequence, now: float, step_s: float) -> None:
-        """The prefill instance sampled the first token (it streams at once) and sends the KV."""
+        """The prefill instance sampled the first token (it streams at once); the KV follows:
+        already on its way (layer-wise) or all of it now (eager)."""
         rid = pseq.seq_id
         _, timing = self._live[rid]
         timing.token(now)
-        d_seq, d_id = pseq.d_seq, pseq.d_id
-        tokens = d_seq.num_external_tokens
         tr = self.cfg.transfer
-        busy_s, exposed_s = tr.exposed_s(tokens * p.latency.kv_bytes_per_token(), p.latency.layers(), step_s)
-        if tr.layerwise:  # the link starts with the first layer, if it is free by then
-            done = max(now + exposed_s, p.link_free_s + busy_s)
+        if tr.layerwise:
+            done = max(now, pseq.kv_done_s) + tr.latency_s
         else:
-            done = max(now, p.link_free_s) + busy_s + tr.latency_s
-        p.link_free_s = done
-        self.loop.at(done, self._kv_arrived, d_id, d_seq, timing)
+            tokens = pseq.d_seq.num_external_tokens
+            busy_s = tr.exposed_s(tokens * p.latency.kv_bytes_per_token(), p.latency.layers(), step_s)[0]
+            done = max(now, p.link_free_s) + busy_s
+            p.link_free_s = done
+            done += tr.latency_s
+        self.loop.at(done, self._kv_arrived, pseq.d_id, pseq.d_seq, timing)
 
     def _kv_arrived(self, d_id: str, d_seq: Sequence, timing: Timing) -> None:
         self.instances[d_id].activate(d_seq, timing)

@@ -72,7 +72,8 @@ class _FastForward:
 class SimInstance:
     """role: "both" (collocated), "prefill" or "decode". Callbacks into the cluster:
     `on_prefilled(inst, seq, t, step_s)` (prefill role, first token sampled) and
-    `on_finished(inst, seq)`; `on_step(inst)` after every step (KV events, retries)."""
+    `on_finished(inst, seq)`; `on_step(inst)` after every step (KV events, retries);
+    `on_chunk(inst, seq, start, n, step_s)` for each prompt chunk computed."""
 
     def __init__(self, worker_id: str, role: str, latency: LatencyModel, sched: SchedulerConfig, num_blocks: int,
                  block_size: int, loop: EventLoop, *, enable_prefix_caching: bool = True, record_events: bool = False,
@@ -81,7 +82,7 @@ class SimInstance:
         self.bm = SimBlockManager(num_blocks, block_size, enable_prefix_caching, record_events)
         self.sched = Scheduler(sched, self.bm)
         self.timing: dict[str, Timing] = {}
-        self.on_prefilled = self.on_finished = self.on_step = None
+        self.on_prefilled = self.on_finished = self.on_step = self.on_chunk = None
         self.ff_max_steps = ff_max_steps
         self.busy = False
         self.busy_s = 0.0
@@ -170,6 +171,8 @@ class SimInstance:
             if before < seq.num_prompt_tokens:
                 self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids,
                                           min(seq.num_computed_tokens, seq.num_prompt_tokens))
+                if self.on_chunk is not None:  # prefill role: this chunk's KV leaves layer by layer
+                    self.on_chunk(self, seq, before, s.num_new_tokens, dur)
             if seq.num_computed_tokens == seq.num_tokens:
                 self._emit(seq, now, dur)
         if self.on_step:

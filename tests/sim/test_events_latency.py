@@ -1,0 +1,87 @@
+"""The event loop and the latency models (no engine, no cluster)."""
+import numpy as np
+import pytest
+
+from pdserve.planner.hardware import resolve_gpu
+from pdserve.planner.models import resolve_model
+from pdserve.planner.roofline import decode_step_time, prefill_time
+from pdserve.sim.events import EventLoop
+from pdserve.sim.latency import ProfileLatency, StepShape, TransferModel, chunk_attention, roofline_for
+
+
+def test_events_run_in_time_order_and_ties_in_schedule_order():
+    loop, seen = EventLoop(), []
+    loop.at(2.0, seen.append, "c")
+    loop.at(1.0, seen.append, "a")
+    loop.at(1.0, seen.append, "b")
+    loop.at(0.5, lambda: loop.after(1.0, seen.append, "a2"))  # at 1.5, scheduled from inside an event
+    assert loop.run() == 2.0
+    assert seen == ["a", "b", "a2", "c"]
+    assert loop.num_events == 5
+
+
+def test_events_refuse_the_past_and_stop_at_until():
+    loop = EventLoop()
+    loop.at(1.0, lambda: None)
+    loop.at(5.0, lambda: None)
+    assert loop.run(until_s=2.0) == 2.0 and len(loop) == 1
+    with pytest.raises(ValueError):
+        loop.at(1.5, lambda: None)
+
+
+def _dep_roofline(tp=8):
+    return roofline_for(resolve_model("llama-3-70b"), resolve_gpu("h100"), tp, efficiency=(1.0, 1.0))
+
+
+def test_roofline_pure_batches_match_the_planner():
+    lat = _dep_roofline()
+    for s in (512, 4096, 16000):
+        shape = StepShape(prefill_tokens=s, prefill_seqs=1, prefill_attention=chunk_attention(0, s))
+        assert lat.step_s(shape) == pytest.approx(prefill_time(lat.dep, s).total_s, rel=2e-3)
+    for b, c in ((1, 1024), (32, 4096), (128, 512)):
+        shape = StepShape(decode_seqs=b, decode_context=b * c)
+        assert lat.step_s(shape) == pytest.approx(decode_step_time(lat.dep, b, c).total_s, rel=2e-3)
+
+
+def test_roofline_efficiency_slows_steps_and_tp_speeds_prefill():
+    fast, slow = _dep_roofline(), roofline_for(resolve_model("llama-3-70b"), resolve_gpu("h100"), 8)
+    shape = StepShape(prefill_tokens=8192, prefill_seqs=1, prefill_attention=chunk_attention(0, 8192))
+    assert slow.step_s(shape) > fast.step_s(shape)
+    assert _dep_roofline(tp=2).step_s(shape) > 2 * fast.step_s(shape)
+
+
+@pytest.mark.parametrize("model", ["roofline", "profile"])
+def test_vectorised_decode_steps_equal_single_steps(model):
+    lat = _dep_roofline() if model == "roofline" else ProfileLatency([0.01, 1e-4, 2e-4, 3e-7, 1e-9])
+    got = lat.decode_steps_s(24, 24 * 700, 50)
+    want = [lat.step_s(StepShape(decode_seqs=24, decode_context=24 * 700 + i * 24)) for i in range(50)]
+    assert np.allclose(got, want, rtol=1e-12)
+
+
+def test_profile_fit_recovers_coefficients_and_drops_negative_terms(tmp_path):
+    truth = ProfileLatency([0.004, 2e-4, 1e-3, 5e-7, 3e-9])
+    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, prefill_attention=chunk_attention(0, p),
+                        decode_seqs=b, decode_context=b * c)
+              for p in (0, 64, 512, 2048) for b in (0, 1, 8, 16) for c in (64, 512) if p or b]
+    fit = ProfileLatency.fit([(s, truth.step_s(s)) for s in shapes])
+    assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-12)
+    # a term that only adds noise and comes out negative is dropped, never kept below zero
+    noisy = [(s, truth.step_s(s) - 1e-5 * s.decode_context / 1000) for s in shapes]
+    assert min(ProfileLatency.fit(noisy).coef) >= 0.0
+    path = tmp_path / "p.json"
+    fit.save(str(path))
+    again = ProfileLatency.load(str(path))
+    assert again.coef == pytest.approx(fit.coef) and len(again.samples) == len(shapes)
+
+
+def test_kv_transfer_seed000_3_3_layerwise_hides_all_but_the_last_layer():
+    """Seed 000 §3.1/§3.3: 64K tokens x 320 KiB = 20 GiB; at 45 GB/s eager costs ~477 ms, layer-wise
+    leaves one layer of 80 (~6 ms) exposed when a layer computes longer than it transfers."""
+    kv_bytes = 65536 * 327680
+    eager = TransferModel(45e9, layerwise=False).exposed_s(kv_bytes, 80, prefill_s=20.0)
+    lw = TransferModel(45e9, layerwise=True).exposed_s(kv_bytes, 80, prefill_s=20.0)
+    assert eager[1] == pytest.approx(kv_bytes / 45e9) == pytest.approx(0.477, abs=1e-3)
+    assert lw[1] == pytest.approx(kv_bytes / 45e9 / 80)
+    # a link slower than the compute falls behind by the difference every layer
+    slow = TransferModel(1e9, layerwise=True).exposed_s(kv_bytes, 80, prefill_s=1.0)[1]
+    assert slow == pytest.approx(kv_bytes / 1e9 - 1.0 + 1.0 / 80)
