@@ -101,7 +101,7 @@ def _requests(args) -> tuple[list[workload.SimRequest], dict[str, int]]:
     from pdserve.bench.tokens import TokenSource
 
     args.endpoint = "/v1/completions"
-    built, _, tag_limits = bench_cli.build_requests(args, TokenSource(None, args.vocab_size))
+    built, _, tag_limits = bench_cli.build_requests(args, TokenSource(None))
     return workload.from_bench(built), tag_limits
 
 

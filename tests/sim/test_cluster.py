@@ -18,7 +18,7 @@ def seed_latency(prefill_tokens_per_s: float) -> ProfileLatency:
     return ProfileLatency([0.025, 1 / prefill_tokens_per_s, 0, 0, 0], model_layers=80, kv_bytes_per_token_=KV_70B)
 
 
-def one_pool(mode="collocated", lat=None, blocks=100_000, sched=None, ff=None, **kw):
+def one_pool(mode="collocated", lat=None, blocks=20_000, sched=None, ff=None, **kw):
     sched = sched or SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64,
                                      enable_chunked_prefill=mode == "chunked")
     lat = lat or ProfileLatency([0.01, 1e-4, 1e-4, 1e-7, 1e-9], model_layers=30, kv_bytes_per_token_=1e4)
@@ -41,8 +41,8 @@ def test_seed000_6_1_collocated_p99_step_in_seconds_disaggregated_near_p50():
     sched = SchedulerConfig(max_num_batched_tokens=16384, enable_chunked_prefill=False)
     col = one_pool("collocated", seed_latency(4000), sched=sched).run(seed_000_6_1())
     dis = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, seed_latency(4500), 100_000, 8, sched),
-        "decode": PoolConfig(1, seed_latency(4000), 100_000, 8, sched)},
+        "prefill": PoolConfig(1, seed_latency(4500), 20_000, 8, sched),
+        "decode": PoolConfig(1, seed_latency(4000), 20_000, 8, sched)},
         transfer=TransferModel(45e9, layerwise=True))).run(seed_000_6_1())
     assert col["completed"] == dis["completed"] == 20
     assert col["median_itl_ms"] == pytest.approx(25.0)
