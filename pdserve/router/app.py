@@ -88,7 +88,10 @@ def conductor_status(metrics, registry: Registry) -> dict:
 def _admission_status(admitter) -> dict | None:
     if admitter is None:
         return None
-    return {"admitted": admitter.admitted, "rejected": dict(admitter.rejected), **vars(admitter.config)}
+    return {"admitted": admitter.admitted, "rejected": dict(admitter.rejected), **vars(admitter.config),
+            "kv_bandwidth_used_bytes_per_s": admitter.bandwidth_bytes_per_s,
+            "kv_bandwidth_measured_bytes_per_s": admitter.transfers.bandwidth_bytes_per_s,
+            "last_prediction": admitter.last}
 
 
 def _feed_index(index, worker_id: str, kv: dict) -> bool:
@@ -131,9 +134,13 @@ class _RouterCollector:
                                ("kv_transfer_retries", "Reconnects during KV transfers.", "kv_retries"),
                                ("request_recomputed", "Requests whose prompt the decode worker recomputed.",
                                 "recomputed"),
-                               ("request_replaced", "Requests moved to another worker mid-decode.", "replaced")):
+                               ("request_replaced", "Requests moved to another worker mid-decode.", "replaced"),
+                               ("kv_transfer_exposed_seconds", "Transfer seconds left after the prefill ended "
+                                "(what TTFT pays; layer-wise hides the rest).", "kv_exposed_seconds"),
+                               ("kv_transfer_exposed_bytes", "Bytes that travelled in the exposed seconds.",
+                                "kv_exposed_bytes")):
             m = CounterMetricFamily(f"pdserve:{name}", doc)
-            m.add_metric([], c[key])
+            m.add_metric([], c.get(key, 0))
             yield m
         alive = GaugeMetricFamily("pdserve:workers_alive", "Live workers by role.", labels=["role"])
         queue = GaugeMetricFamily("pdserve:worker_queue_requests", "Waiting requests per role.", labels=["role"])

@@ -27,6 +27,9 @@ def add_arguments(p) -> None:
                    help="refuse new long requests while decode KV usage is above this fraction, e.g. 0.92 (off)")
     p.add_argument("--long-request-tokens", type=int, default=1024,
                    help="prompt + max_tokens at or above this is a long request for --kv-watermark")
+    p.add_argument("--kv-bandwidth-gbps", type=float, default=None,
+                   help="KV transfer bandwidth in Gbit/s (10^9 bits) for the TTFT prediction; default: measured "
+                        "from the exposed part of past transfers (10 Gbit/s until the first one)")
     p.add_argument("--kv-mode", default="push", choices=["push", "pull"],
                    help="push: P writes into blocks D reserved; pull: D fetches from P when told")
     p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")
@@ -54,7 +57,9 @@ def build(args):
     registry = Registry(timeout_s=args.worker_timeout_s)
     ms = (lambda v: None if v is None else v / 1e3)
     admission = AdmissionConfig(slo_ttft_s=ms(args.slo_ttft_ms), slo_tpot_s=ms(args.slo_tpot_ms),
-                                kv_watermark=args.kv_watermark, long_request_tokens=args.long_request_tokens)
+                                kv_watermark=args.kv_watermark, long_request_tokens=args.long_request_tokens,
+                                kv_bandwidth_bytes_per_s=args.kv_bandwidth_gbps * 1e9 / 8
+                                if args.kv_bandwidth_gbps else None)
     engine = DisaggEngine(core, registry, ServerMetrics(names[0] if names else info.config.name),
                           Placer(args.policy), kv_timeout_s=args.kv_timeout_s,
                           max_in_flight=args.max_num_seqs_in_flight, kv_mode=args.kv_mode,

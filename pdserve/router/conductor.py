@@ -75,14 +75,51 @@ class DecodeCostModel:
         return self.base_s + self.per_seq_s * batch + self.per_kv_token_s * context_tokens
 
 
+    def scaled(self, factor: float) -> "DecodeCostModel":
+        """The same shape, every term times `factor` (a busier or quieter machine)."""
+        return DecodeCostModel(self.base_s * factor, self.per_seq_s * factor, self.per_kv_token_s * factor)
+
+    def tokens_per_s(self, batch: int, context_tokens_per_seq: float) -> float:
+        """Theta_D at one operating point: `batch` tokens per step."""
+        step = self.step_s(batch, batch * context_tokens_per_seq)
+        return batch / step if step > 0 else 0.0
+
+
 def fit_decode_cost(samples: Sequence[tuple[int, int, float]]) -> DecodeCostModel:
-    """Least squares over (batch size, context tokens in the batch, step seconds)."""
+    """Least squares over (batch size, context tokens in the batch, step seconds).
+
+    A negative term (noise, or batch and context rising together) is dropped
+    and the rest refitted, rather than clipped: clipping would leave the
+    others fitted around a term that is no longer there."""
     if len(samples) < 3:
         raise ValueError("need at least three (batch, context_tokens, step_s) samples")
     a = np.array([[1.0, b, c] for b, c, _ in samples])
     y = np.array([s for _, _, s in samples])
-    coef = np.clip(np.linalg.lstsq(a, y, rcond=None)[0], 0.0, None)
-    return DecodeCostModel(*map(float, coef))
+    keep = [0, 1, 2]
+    while True:
+        coef = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = [0.0, 0.0, 0.0]
+    for i, v in zip(keep, coef):
+        full[i] = max(0.0, float(v))
+    return DecodeCostModel(*full)
+
+
+def live_scale(model: DecodeCostModel, observed: Sequence[tuple[int, int, float]],
+               lo: float = 0.25, hi: float = 8.0) -> float:
+    """How much slower (> 1) or faster live decode steps run than `model` says: the
+    median of observed / predicted over (batch, context_tokens, step_s) samples.
+
+    Calibration runs on an idle worker; under traffic (other processes on the
+    cores, the event loop, transfers landing) steps are slower. The median
+    ignores the odd step that waited on a preempted core; [lo, hi] bounds it so
+    a burst of odd samples cannot make the model absurd. 1.0 with no samples."""
+    ratios = sorted(s / p for b, c, s in observed if (p := model.step_s(b, c)) > 0)
+    if not ratios:
+        return 1.0
+    return min(hi, max(lo, ratios[len(ratios) // 2]))
 
 
 # ---------------------------------------------------------------- §5.1 placement
@@ -147,6 +184,23 @@ def adaptive_alpha(utilisation: float, alpha_min: float = 0.5, alpha_max: float 
 def predict_ttft(queue_s: float, prefill_s: float, transfer_s: float) -> float:
     """TTFT = wait in the prefill queue + own prefill + the KV's exposed transfer."""
     return queue_s + prefill_s + transfer_s
+
+
+def predict_transfer_s(tokens: float, kv_bytes_per_token: float, num_layers: int,
+                       bandwidth_bytes_per_s: float, layerwise: bool, latency_s: float = 0.0) -> float:
+    """Exposed KV transfer time of `tokens` prompt tokens (seed 000 §3.2-3.3).
+
+    Eager: every layer leaves after the prefill, so all the bytes are exposed.
+    Layer-wise: layer k travels while layer k+1 computes; only the last layer's
+    bytes are exposed (the seed's worked example: 444 ms -> 5.5 ms over 80
+    layers). `latency_s` is the fixed cost of the last hop (the acknowledgement)."""
+    if tokens <= 0:
+        return 0.0
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError("bandwidth must be positive")
+    total_bytes = tokens * kv_bytes_per_token
+    exposed_bytes = total_bytes / max(1, num_layers) if layerwise else total_bytes
+    return latency_s + exposed_bytes / bandwidth_bytes_per_s
 
 
 def predict_tpot(model: DecodeCostModel, num_running: int, context_tokens: int,

@@ -29,14 +29,18 @@ class Placer:
     """Prefill by `prefill_policy`, decode by KV headroom (seed 000 §5.1)."""
 
     def __init__(self, prefill_policy: str = "cache_aware", index: PrefixIndex | None = None,
-                 alpha: float | None = None, clock=time.monotonic):
+                 alpha: float | None = None, clock=time.monotonic, block_hasher=block_hashes):
         if prefill_policy not in policy.POLICIES:
             raise ValueError(f"policy must be one of {policy.POLICIES}")
         self.name = prefill_policy
         self.index = index or PrefixIndex()
         self.alpha = alpha  # None: adaptive to the prefill pool's load
         self._clock = clock
+        # the simulator passes hashes it computed once per request (a 12K-token prompt is 750 blake2b calls)
+        self._block_hashes = block_hasher
         self._busy_until_s: dict[str, float] = {}
+        # decode worker -> {request id: (prompt tokens, max_tokens)} of what this router sent it
+        self._decode_booked: dict[str, dict[str, tuple[int, int]]] = {}
         self._rr = policy.RoundRobin()
         self._prefill = {"least_loaded": policy.least_loaded, "round_robin": self._rr}.get(prefill_policy)
 
@@ -76,7 +80,7 @@ class Placer:
         for w in ps:
             bs = int((w.stats or {}).get("kv_block_size", 0))
             if bs and bs not in hashes:
-                hashes[bs] = block_hashes(prompt, bs)
+                hashes[bs] = self._block_hashes(prompt, bs)
             hit = self.index.hit_ratio(w.worker_id, hashes[bs], bs, len(prompt)) if bs else 0.0
             prefill_s = prefill_cost(w)(len(prompt))
             # the router's own bookings, or what the last heartbeat saw waiting (work other
@@ -89,6 +93,31 @@ class Placer:
             horizon_s = max(c.prefill_time_s for c in cands) * 4  # "busy" = four prompts like this queued
             alpha = conductor.adaptive_alpha(conductor.pool_utilisation([c.queue_drain_s for c in cands], horizon_s))
         return conductor.choose_prefill(cands, alpha)[0]
+
+    # ---- decode bookings: heartbeats are a second stale, a burst is not
+    def book_decode(self, worker_id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        self._decode_booked.setdefault(worker_id, {})[request_id] = (prompt_tokens, max_tokens)
+
+    def release_decode(self, request_id: str) -> None:
+        for booked in self._decode_booked.values():
+            booked.pop(request_id, None)
+
+    def decode_load(self, w: WorkerInfo) -> tuple[int, float]:
+        """(sequences, context tokens) a decode worker is running: the longer of what its
+        last heartbeat saw and what this router has sent it (each booked request at
+        its midpoint, prompt + half its output, as conductor.predict_tpot counts)."""
+        s = w.stats or {}
+        booked = self._decode_booked.get(w.worker_id, {}).values()
+        seen_seqs = int(s.get("num_running", 0)) + int(s.get("num_waiting", 0))
+        seen_ctx = float(s.get("running_context_tokens", 0))
+        return (max(seen_seqs, len(booked)),
+                max(seen_ctx, sum(p + m / 2 for p, m in booked)))
+
+    def pick_decode(self, registry: Registry) -> WorkerInfo | None:
+        """The decode worker `pick` would choose now, booking nothing (for admission)."""
+        ds = registry.alive("decode")
+        ds = [w for w in ds if w.role == "decode"] or ds
+        return self._choose(ds, policy.most_kv_headroom) if ds else None
 
     def pick_any(self, registry: Registry, exclude: set[str]) -> WorkerInfo | None:
         """A worker to run a whole request: a decode worker if one is left, else a prefill worker."""

@@ -1,55 +1,169 @@
-"""Start-up calibration of a prefill worker's D_prefill(L) (seed 000 §5.1).
+"""Start-up and live calibration of a worker's cost models (seed 000 §5.1-5.3).
 
-The router's placement score and its TTFT prediction both need how long this
-worker takes to prefill L tokens. Measured here, on the worker's own engine,
-before it takes traffic; reported in heartbeat stats as `prefill_cost_s`
-[a, b, c] of a + b*L + c*L^2, and `prefill_tokens_per_s` (Theta_P of §5.3).
+Prefill roles: D_prefill(L), the time to prefill L tokens, for the router's
+placement score and TTFT prediction; reported in heartbeat stats as
+`prefill_cost_s` [a, b, c] of a + b*L + c*L^2 and `prefill_tokens_per_s`
+(Theta_P of §5.3).
+
+Decode roles: one decode step's time vs batch size and context, for the
+router's TPOT prediction; reported as `decode_cost_s` [base, per_seq,
+per_kv_token] and `decode_tokens_per_s` (Theta_D). The start-up fit gives the
+shape; live steps (timed by `DecodeStepRecorder`) rescale it to what the
+machine delivers under traffic.
+
+Everything runs on the engine thread while no request is in flight.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 
 from pdserve.router import conductor
 
 LENGTHS_TOKENS = (16, 64, 256)  # short enough to cost well under a second on a CPU box
 REPEATS = 2  # keep the fastest: the first run of a shape pays one-off warm-up
+# (batch, context tokens per sequence) of the decode calibration: the corners of a
+# small box, so base, per-sequence and per-context-token costs separate
+DECODE_POINTS = ((1, 16), (8, 16), (1, 256), (8, 256), (4, 128))
+DECODE_STEPS = 4  # timed steps per point; the median is kept
+REFERENCE_TOKENS = 512  # Theta_P and Theta_D are quoted at this prompt / context length
+REFERENCE_BATCH = 32  # ... and Theta_D at this batch (a loaded decode worker)
+LIVE_SAMPLES = 128  # recent live decode steps kept for rescaling
+
+
+class _Quiet:
+    """Run calibration requests without leaving a trace: empty prefix cache (the
+    router's index assumes a fresh worker holds nothing), no KV events, hit
+    counters as they were (calibration is not traffic)."""
+
+    def __init__(self, engine):
+        self.bm = engine.block_manager
+
+    def __enter__(self):
+        self.saved = dataclasses.replace(self.bm.stats)
+        return self
+
+    def __exit__(self, *exc):
+        self.bm.reset_prefix_cache()
+        self.bm.drain_events()
+        self.bm.stats = self.saved
+
+
+def _prompt(vocab: int, length: int, salt: int) -> list[int]:
+    # distinct tokens per salt, or a later run would be a prefix-cache hit
+    return [(7919 * (i + 1) + 104729 * salt) % vocab for i in range(length)]
 
 
 def measure_prefill(engine, lengths_tokens=LENGTHS_TOKENS, repeats: int = REPEATS) -> list[tuple[int, float]]:
-    """(tokens, seconds) of prefill + one sampled token; run on the engine thread while idle.
-
-    Leaves the prefix cache empty, as a fresh worker's is (the router's prefix
-    index assumes each worker epoch starts from nothing), and its hit counters
-    as they were: calibration is not traffic."""
+    """(tokens, seconds) of prefill + one sampled token; run on the engine thread while idle."""
     from pdserve.engine.sampling_params import SamplingParams
 
     vocab = engine.model_config.vocab_size
     limit = engine.max_model_len - 2
-    bm = engine.block_manager
-    saved_stats = dataclasses.replace(bm.stats)
     samples = []
-    for n, length in enumerate(lengths_tokens):
-        length = min(length, limit)
-        best_s = float("inf")
-        for r in range(repeats):
-            # distinct tokens per run, or the second run would be a prefix-cache hit
-            prompt = [(7919 * (i + 1) + 104729 * (n * repeats + r)) % vocab for i in range(length)]
-            t0 = time.perf_counter()
-            engine.add_request(f"pdserve-calibrate-{n}-{r}", prompt, SamplingParams(max_tokens=1, temperature=0))
-            while engine.has_unfinished_requests():
-                engine.step()
-            best_s = min(best_s, time.perf_counter() - t0)
-        samples.append((length, best_s))
-    bm.reset_prefix_cache()
-    bm.drain_events()
-    bm.stats = saved_stats
+    with _Quiet(engine):
+        for n, length in enumerate(lengths_tokens):
+            length = min(length, limit)
+            best_s = float("inf")
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                engine.add_request(f"pdserve-calibrate-{n}-{r}", _prompt(vocab, length, n * repeats + r),
+                                   SamplingParams(max_tokens=1, temperature=0))
+                while engine.has_unfinished_requests():
+                    engine.step()
+                best_s = min(best_s, time.perf_counter() - t0)
+            samples.append((length, best_s))
     return samples
 
 
-def calibration_stats(samples: list[tuple[int, float]], reference_tokens: int = 512) -> dict:
+def calibration_stats(samples: list[tuple[int, float]], reference_tokens: int = REFERENCE_TOKENS) -> dict:
     """Heartbeat stats from the samples: the fitted model and Theta_P at `reference_tokens`."""
     cost = conductor.fit_prefill_cost(samples)
     seconds = cost(reference_tokens)
     return {"prefill_cost_s": [cost.a_s, cost.b_s_per_token, cost.c_s_per_token2],
             "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None}
+
+
+class DecodeStepRecorder:
+    """Times the engine's pure decode steps (every scheduled sequence gets one token):
+    (batch, context tokens in the batch, seconds) into a ring of recent samples.
+
+    Installed by wrapping the engine's `step` and its scheduler's `schedule`
+    (instance attributes, this engine only): the engine stays unaware of it."""
+
+    def __init__(self, engine, maxlen: int = LIVE_SAMPLES):
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=maxlen)
+        self._sched = None
+        step, schedule = engine.step, engine.scheduler.schedule
+
+        def timed_schedule():
+            self._sched = schedule()
+            return self._sched
+
+        def timed_step():
+            self._sched = None
+            t0 = time.perf_counter()
+            outputs = step()
+            dt = time.perf_counter() - t0
+            s = self._sched
+            if s is not None and s.scheduled and all(x.num_new_tokens == 1 for x in s.scheduled):
+                self.samples.append((len(s.scheduled), sum(x.seq.num_computed_tokens for x in s.scheduled), dt))
+            return outputs
+
+        engine.scheduler.schedule = timed_schedule
+        engine.step = timed_step
+
+    def recent(self) -> list[tuple[int, int, float]]:
+        return list(self.samples)
+
+
+def measure_decode(engine, recorder: DecodeStepRecorder, points=DECODE_POINTS,
+                   steps: int = DECODE_STEPS) -> list[tuple[int, int, float]]:
+    """(batch, context tokens, step seconds) at each point, median of `steps` steps.
+
+    A batch shares one prompt, so it is prefilled once and the rest hit the
+    prefix cache; attention still reads every sequence's own context."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    bm = engine.block_manager
+    max_seqs = engine.config.scheduler.max_num_seqs
+    out = []
+    with _Quiet(engine):
+        for n, (batch, ctx) in enumerate(points):
+            batch = min(batch, max_seqs)
+            # a small pool (or context) shrinks the point rather than skipping it
+            fit_tokens = (bm.num_blocks // batch - 1) * bm.block_size - steps - 2
+            ctx = min(ctx, engine.max_model_len - steps - 2, fit_tokens)
+            if ctx < 1:
+                continue
+            prompt = _prompt(vocab, ctx, 1000 + n)
+            params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+            engine.add_request(f"pdserve-calibrate-d{n}-0", prompt, params)
+            engine.step()  # prefill the shared prompt once
+            for i in range(1, batch):
+                engine.add_request(f"pdserve-calibrate-d{n}-{i}", prompt, params)
+            recorder.samples.clear()
+            while engine.has_unfinished_requests():
+                engine.step()
+            full = sorted(s for b, _, s in recorder.samples if b == batch)
+            ctxs = [c for b, c, _ in recorder.samples if b == batch]
+            if full:
+                out.append((batch, sum(ctxs) // len(ctxs), full[len(full) // 2]))
+            bm.reset_prefix_cache()  # the next point must not hit this one's prompt
+        recorder.samples.clear()
+    return out
+
+
+def decode_stats(model: conductor.DecodeCostModel, live: list[tuple[int, int, float]],
+                 max_num_seqs: int, reference_tokens: int = REFERENCE_TOKENS) -> dict:
+    """Heartbeat stats: the start-up model rescaled by live steps, and Theta_D at
+    a loaded operating point (REFERENCE_BATCH sequences, or the worker's max,
+    each `reference_tokens` deep)."""
+    scale = conductor.live_scale(model, live)
+    m = model.scaled(scale)
+    batch = min(REFERENCE_BATCH, max_num_seqs)
+    return {"decode_cost_s": [m.base_s, m.per_seq_s, m.per_kv_token_s],
+            "decode_tokens_per_s": m.tokens_per_s(batch, reference_tokens) or None,
+            "decode_live_scale": scale, "decode_live_samples": len(live)}

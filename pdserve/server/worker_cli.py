@@ -25,8 +25,10 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=0, help="control API port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address others use to reach this worker")
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--kv-transport", choices=["auto", "tcp"], default="auto",
-                   help="prefill side: shared memory when the decode worker is on this host, else TCP")
+    p.add_argument("--kv-transport", choices=["auto", "tcp", "nixl"], default="auto",
+                   help="auto: shared memory when the decode worker is on this host, else TCP; "
+                        "nixl: the decode worker's cache is a NIXL WRITE target (needs nixl-cu12), "
+                        "prefill workers write into it one-sided")
     p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
                    help="send each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
     p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none", help="KV compression on the wire")
@@ -35,7 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--cpu-cores", default=None, help="pin this process to these cores, e.g. 0 or 0,1")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill roles: measure D_prefill(L) at start-up for the router's placement and admission")
+                   help="measure the cost models at start-up for the router's placement and admission: "
+                        "D_prefill(L) on prefill roles, decode step time vs batch and context on decode roles")
     p.add_argument("--log-level", default="info")
 
 
@@ -59,6 +62,7 @@ def build(args, port: int):
     from pdserve.engine.cli import engine_kwargs
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.server.async_engine import AsyncEngine
+    from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.worker import WorkerApi, build_worker_app
     from pdserve.transfer.bridge import PrefillBridge
@@ -69,7 +73,13 @@ def build(args, port: int):
     host = args.advertise_host or args.host
     worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:6]}"
     kw = engine_kwargs(args)
-    if role in ("decode", "both") and args.kv_shm_dir and os.path.isdir(args.kv_shm_dir):
+    if args.kv_transport == "nixl" and role != "prefill":
+        from pdserve.transfer.nixl import nixl_available
+
+        if not nixl_available():
+            raise SystemExit("--kv-transport nixl: NIXL is not importable (pip install --no-deps nixl-cu12==1.5.1)")
+    if (role in ("decode", "both") and args.kv_transport != "nixl" and args.kv_shm_dir
+            and os.path.isdir(args.kv_shm_dir)):
         kw["kv_cache_shm_dir"] = args.kv_shm_dir
     sender = None
     if role != "decode":
@@ -86,9 +96,18 @@ def build(args, port: int):
         if sender is not None:
             engine.bridge = PrefillBridge(sender, engine.model_config.num_hidden_layers, args.kv_layerwise)
         if role != "prefill":
-            holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host,
-                                                  scheme="shm" if engine.runner.kv_shm_paths else "tcp")
+            if args.kv_transport == "nixl":
+                from pdserve.transfer.nixl import NixlKVReceiver
+
+                holder["receiver"] = NixlKVReceiver(engine.runner.kv_caches, host=args.host)
+            else:
+                holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host,
+                                                      scheme="shm" if engine.runner.kv_shm_paths else "tcp")
             api.receiver = holder["receiver"]
+            holder["steps"] = DecodeStepRecorder(engine)  # live decode step times for the TPOT model
+        holder["static"] = {"kv_bytes_per_token": engine.runner.kv_cache_bytes // max(
+            1, engine.runner.num_blocks * engine.runner.block_size), "num_layers": engine.model_config.num_hidden_layers,
+            "kv_layerwise": bool(args.kv_layerwise), "max_num_seqs": engine.config.scheduler.max_num_seqs}
         return engine
 
     engine = AsyncEngine(make_engine, ServerMetrics)
@@ -98,11 +117,17 @@ def build(args, port: int):
         if not args.router:
             return
         await engine.ready.wait()
-        if args.calibrate and role != "decode":
-            from pdserve.server.calibrate import calibration_stats, measure_prefill
+        from pdserve.router import conductor
+        from pdserve.server import calibrate
 
-            holder["calibration"] = calibration_stats(await api.engine.call(measure_prefill))
+        if args.calibrate and role != "decode":
+            holder["calibration"] = calibrate.calibration_stats(await api.engine.call(calibrate.measure_prefill))
             log.info("prefill calibration: %s", holder["calibration"])
+        if args.calibrate and role != "prefill":
+            samples = await api.engine.call(lambda e: calibrate.measure_decode(e, holder["steps"]))
+            if len(samples) >= 3:
+                holder["decode_model"] = conductor.fit_decode_cost(samples)
+                log.info("decode calibration: %s from %s", holder["decode_model"], samples)
         await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder)
 
     async def close():
@@ -133,10 +158,10 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                         "kv_export_address": exporter.address if exporter else "", "host": socket.gethostname()})
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
-                events, block_size, cached = await api.engine.call(kv_pub.drain_fn())
+                (events, block_size, cached), live = await api.engine.call(_heartbeat_fn(kv_pub, holder))
                 r = await client.post("/internal/heartbeat", json={
                     "worker_id": worker_id, "stats": {**(api.engine.stats or {}), "kv_block_size": block_size,
-                                                      **holder.get("calibration", {})},
+                                                      **holder.get("calibration", {}), **live},
                     "kv_events": kv_pub.payload(events, cached)})
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
                 kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
@@ -144,6 +169,23 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                 registered = False
                 log.debug("router unreachable: %s", e)
             await asyncio.sleep(args.heartbeat_s)
+
+
+def _heartbeat_fn(kv_pub, holder):
+    """What one heartbeat reads on the engine thread: KV events, and the decode
+    side's live state (context in the batch, the step model rescaled by live steps)."""
+    drain = kv_pub.drain_fn()
+
+    def fn(engine):
+        from pdserve.server.calibrate import decode_stats
+
+        live = dict(holder.get("static", {}))
+        live["running_context_tokens"] = sum(s.num_tokens for s in engine.scheduler.running)
+        if holder.get("decode_model") is not None:
+            live.update(decode_stats(holder["decode_model"], holder["steps"].recent(),
+                                     engine.config.scheduler.max_num_seqs))
+        return drain(engine), live
+    return fn
 
 
 async def _post(client, path, body) -> None:

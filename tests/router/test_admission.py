@@ -36,6 +36,45 @@ def test_tpot_checked_only_with_a_decode_model():
     assert (d.admitted, d.reason) == (False, "tpot_slo")
 
 
+def test_tpot_counts_the_routers_own_decode_bookings():
+    """Heartbeats are a second stale: a burst must see the requests already sent to D."""
+    idle = {"num_running": 0, "kv_block_size": 16, "decode_cost_s": [0.010, 0.002, 0.0]}
+    reg, placer = _registry(idle), Placer()
+    adm = Admitter(AdmissionConfig(slo_tpot_s=0.030))
+    for i in range(9):  # 10 + 2 * (i + 1) ms <= 30 ms
+        assert adm.check(reg, placer, [1] * 10, 10).admitted, i
+        placer.book_decode("d0", f"r{i}", 10, 10)
+    d = adm.check(reg, placer, [1] * 10, 10)  # the tenth: 10 + 2 * 10 = 30 ms; the eleventh breaks it
+    assert d.admitted
+    placer.book_decode("d0", "r9", 10, 10)
+    d = adm.check(reg, placer, [1] * 10, 10)
+    assert (d.admitted, d.reason) == (False, "tpot_slo")
+    assert adm.last["tpot_s"] == pytest.approx(0.032)
+    placer.release_decode("r0")
+    assert adm.check(reg, placer, [1] * 10, 10).admitted
+
+
+def test_ttft_includes_the_exposed_kv_transfer():
+    reg = _registry({"kv_block_size": 16})
+    reg.heartbeat("p0", {"kv_block_size": 16, "prefill_cost_s": [0.0, 1e-3, 0.0],  # 1 ms per token
+                         "kv_bytes_per_token": 1000, "num_layers": 10, "kv_layerwise": False})
+    bw = 1e6  # 1 MB/s: 300 tokens x 1000 bytes = 0.3 s eager
+    adm = Admitter(AdmissionConfig(slo_ttft_s=0.5, kv_bandwidth_bytes_per_s=bw))
+    d = adm.check(reg, Placer(), list(range(300)), 10)  # 0.3 prefill + 0.3 transfer > 0.5
+    assert (d.admitted, d.reason) == (False, "ttft_slo")
+    assert adm.last["transfer_s"] == pytest.approx(0.3)
+    reg.heartbeat("p0", {**reg.get("p0").stats, "kv_layerwise": True})  # one layer of ten exposed
+    assert adm.check(reg, Placer(), list(range(300)), 10).admitted
+    assert adm.last["transfer_s"] == pytest.approx(0.03)
+    # measured: the exposed bytes / seconds P reports, when no bandwidth is configured
+    adm = Admitter(AdmissionConfig(slo_ttft_s=0.5))
+    adm.transfers.observe(3000, 0.01)
+    adm.transfers.observe(1000, 0.01)
+    assert adm.bandwidth_bytes_per_s == pytest.approx(2e5)
+    adm.check(reg, Placer(), list(range(300)), 10)
+    assert adm.last["transfer_s"] == pytest.approx(30000 / 2e5)
+
+
 def test_kv_watermark_refuses_long_requests_only():
     full = {"kv_usage": 0.95, "num_blocks": 100}
     adm = Admitter(AdmissionConfig(kv_watermark=0.92, long_request_tokens=1024))
@@ -114,3 +153,41 @@ def test_serve_passes_admission_flags_to_the_router():
     router_cli.add_arguments(rp)
     r = rp.parse_args(flags)
     assert (r.slo_ttft_ms, r.slo_tpot_ms, r.kv_watermark, r.policy) == (500.0, None, 0.92, "cache_aware")
+
+
+def test_router_refuses_on_predicted_tpot(tiny_model_dir):
+    """The decode worker calibrated its step model at start-up: a TPOT SLO below one
+    step is refused before any prefill, as tpot_slo."""
+    with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
+                 router_args=["--slo-tpot-ms", "0.001"]) as c:
+        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
+        r = httpx.post(c.url + "/v1/completions", timeout=30,
+                       json={"model": model, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "tpot_slo"
+        status = c.status()
+        assert status["admission"]["rejected"] == {"tpot_slo": 1}
+        assert status["admission"]["last_prediction"]["tpot_s"] > 0.001 / 1e3
+        assert c.worker_state("prefill0")["stats"]["prefix_cache_queries_tokens"] == 0
+
+
+def test_conductor_status_non_null_after_traffic(tiny_model_dir):
+    """Lin / Lout observed, Theta_P and Theta_D from the workers' calibrations: the
+    seed 000 §5.3 ratio is a number on /internal/conductor and /metrics."""
+    with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"]) as c:
+        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
+        for i in range(3):
+            r = httpx.post(c.url + "/v1/completions", timeout=30, json={
+                "model": model, "prompt": f"request {i} " * 8, "max_tokens": 6, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        st = httpx.get(c.url + "/internal/conductor").json()
+        assert st["mean_lout_tokens"] == 6 and st["mean_lin_tokens"] > 0
+        assert st["theta_p_tokens_per_s"] > 0 and st["theta_d_tokens_per_s"] > 0
+        assert st["recommended_nd_per_np"] == pytest.approx(
+            st["mean_lout_tokens"] / st["mean_lin_tokens"] * st["theta_p_tokens_per_s"] / st["theta_d_tokens_per_s"])
+        assert "pdserve:recommended_pd_ratio " in httpx.get(c.url + "/metrics").text
+        d = c.worker_state("decode0")
+        s = next(w["stats"] for w in c.status()["workers"] if w["worker_id"] == "decode0")
+        assert len(s["decode_cost_s"]) == 3 and s["decode_live_samples"] > 0  # live steps seen
+        assert d["stats"]["num_running"] == 0
+        assert c.status()["counters"]["kv_exposed_seconds"] > 0

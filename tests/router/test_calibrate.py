@@ -12,3 +12,36 @@ def test_measure_prefill_on_tiny_engine_leaves_cache_empty(tiny_llm):
     assert engine.block_manager.stats.queries_tokens == 0  # calibration is not traffic
     st = calibration_stats(samples)
     assert len(st["prefill_cost_s"]) == 3 and st["prefill_tokens_per_s"] > 0
+
+
+def test_decode_recorder_times_only_pure_decode_steps(tiny_llm):
+    from pdserve import SamplingParams
+    from pdserve.server.calibrate import DecodeStepRecorder
+
+    engine = tiny_llm.engine
+    rec = DecodeStepRecorder(engine)
+    engine.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.add_request("b", list(range(40, 50)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    # one prefill step (both prompts), then three steps of two one-token decodes
+    assert [(b, ctx) for b, ctx, _ in rec.recent()] == [(2, 29 + 1 + 10 + 1), (2, 43), (2, 45)]
+    assert all(s > 0 for *_, s in rec.recent())
+
+
+def test_measure_decode_on_tiny_engine_fits_and_leaves_cache_empty(tiny_llm):
+    from pdserve.router import conductor
+    from pdserve.server.calibrate import DecodeStepRecorder, decode_stats, measure_decode
+
+    engine = tiny_llm.engine
+    engine.block_manager.record_events = True
+    rec = DecodeStepRecorder(engine)
+    samples = measure_decode(engine, rec, steps=3)
+    # five points, shrunk to the 64 x 4-token pool where they do not fit
+    assert [b for b, _, _ in samples] == [1, 8, 1, 8, 4] and all(s > 0 for *_, s in samples)
+    assert all(ctx <= 64 * 4 for _, ctx, _ in samples)  # the whole batch fits the pool
+    assert not engine.block_manager.cached and not engine.block_manager.drain_events()
+    assert not engine.has_unfinished_requests() and not rec.recent()
+    assert engine.block_manager.stats.queries_tokens == 0
+    st = decode_stats(conductor.fit_decode_cost(samples), [], max_num_seqs=8)
+    assert len(st["decode_cost_s"]) == 3 and st["decode_tokens_per_s"] > 0 and st["decode_live_scale"] == 1.0

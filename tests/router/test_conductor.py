@@ -145,3 +145,47 @@ def test_seed000_s5_3_reasoning_short_in_long_out_ratio_32():
 def test_recommended_pd_ratio_none_without_observations():
     assert c.recommended_pd_ratio(0, 0, 4000, 500) is None
     assert c.recommended_pd_ratio(1000, 100, 4000, 0) is None
+
+
+# ---------------------------------------------------------------- decode step model, transfer
+
+
+def test_fit_decode_cost_drops_a_negative_term_and_refits():
+    # steps that do not grow with context: a noisy negative per-token term is dropped,
+    # and base / per-sequence refitted without it (not clipped around it)
+    samples = [(1, 100, 0.011), (8, 100, 0.018), (1, 2000, 0.0109), (8, 2000, 0.0179), (4, 800, 0.014)]
+    fit = c.fit_decode_cost(samples)
+    assert fit.per_kv_token_s == 0.0
+    assert fit.base_s == pytest.approx(0.010, abs=3e-4) and fit.per_seq_s == pytest.approx(0.001, abs=1e-4)
+    with pytest.raises(ValueError):
+        c.fit_decode_cost(samples[:2])
+
+
+def test_live_scale_is_the_median_ratio_bounded():
+    m = c.DecodeCostModel(0.010, 0.001, 0.0)
+    assert c.live_scale(m, []) == 1.0
+    live = [(1, 10, 0.022), (1, 10, 0.033), (1, 10, 0.5)]  # 2x, 3x and one stalled step
+    assert c.live_scale(m, live) == pytest.approx(3.0)
+    assert c.live_scale(m, [(1, 10, 10.0)]) == 8.0 and c.live_scale(m, [(1, 10, 1e-6)]) == 0.25
+    assert m.scaled(2.0).step_s(3, 0) == pytest.approx(0.026)
+
+
+def test_decode_tokens_per_s_is_batch_over_step():
+    m = c.DecodeCostModel(0.020, 0.001, 1e-6)
+    # 32 sequences of 512 tokens: 20 + 32 + 16.384 ms per step
+    assert m.tokens_per_s(32, 512) == pytest.approx(32 / 0.068384)
+
+
+def test_seed000_s3_3_layerwise_exposes_only_the_last_layer():
+    """Seed 000 §3.3 worked example: 64K tokens x 320 KB = 20.0 GB over 45 GB/s = 444 ms
+    eager; layer-wise over 80 layers exposes 444 / 80 = 5.55 ms (the seed's GB here is 2^30)."""
+    gib = 2 ** 30
+    eager = c.predict_transfer_s(65536, 320 * 1024, 80, 45 * gib, layerwise=False)
+    layerwise = c.predict_transfer_s(65536, 320 * 1024, 80, 45 * gib, layerwise=True)
+    assert eager == pytest.approx(0.444, abs=1e-3)
+    assert layerwise == pytest.approx(0.00555, abs=1e-5)
+    assert 1 - layerwise / eager > 0.98  # "降低了 98% 以上"
+    assert c.predict_transfer_s(0, 320 * 1024, 80, 45 * gib, True, latency_s=0.1) == 0.0  # all cached on D
+    assert c.predict_ttft(0.1, 0.2, layerwise) == pytest.approx(0.30555, abs=1e-5)
+    with pytest.raises(ValueError):
+        c.predict_transfer_s(1, 1, 1, 0.0, True)
