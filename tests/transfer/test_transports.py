@@ -109,3 +109,40 @@ def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
         f.write_bytes(b"x")
     assert sweep_stale_kv_files(str(tmp_path)) == [stale.name]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+def test_nixl_write_lands_every_layout(layout):
+    """NIXL (UCX over TCP on host memory) WRITEs into the reserved slots; the notice
+    frame only follows a completed WRITE."""
+    pytest.importorskip("nixl_cu12")
+    from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
+
+    kv = _caches()
+    rx = NixlKVReceiver(kv)
+    sender = NixlKVSender()
+    try:
+        tokens, start = 37, 5
+        dest = KVDestination("n1", rx.address, LAYOUTS[layout], BLOCK, start, tokens)
+        assert rx.address.startswith("nixl://")
+        slots = destination_slots(dest, start, tokens - start)
+        rx.expect(dest, slots, LAYERS, deadline_s=30)
+        sent = {}
+        sender.begin(dest, LAYERS)
+        for layer in range(LAYERS):
+            k, v = torch.randn(tokens - start, HEADS, DIM), torch.randn(tokens - start, HEADS, DIM)
+            sent[layer] = (k, v)
+            sender.save_layer("n1", layer, start, k, v)
+        sender.finish("n1")
+        rx.wait_for_all("n1", 30)
+        sender.wait_for_save("n1", 30)
+        assert sender.nixl_bytes == 2 * LAYERS * (tokens - start) * HEADS * DIM * 4
+        assert sender.nixl_fallbacks == 0
+        for layer, (k, v) in sent.items():
+            assert torch.equal(kv[layer][0].view(-1, HEADS, DIM)[slots], k)
+            assert torch.equal(kv[layer][1].view(-1, HEADS, DIM)[slots], v)
+    finally:
+        sender.close()
+        rx.close()

@@ -1,0 +1,221 @@
+"""NIXL backend: the prefill worker WRITEs K/V straight into the decode worker's
+reserved slots through NVIDIA's NIXL (UCX underneath), one-sided, as vLLM's and
+Dynamo's NIXL connectors do between GPUs.
+
+Optional: `pip install --no-deps nixl-cu12==1.5.1` (it runs on host memory here
+with UCX over TCP; on a GPU host the same calls move VRAM). Without it the
+decode worker's receiver still answers plain TCP frames, so a prefill worker
+that lacks NIXL falls back to TCP push.
+
+Flow (control messages are the TCP frames of `wire`, JSON headers, never pickle):
+1. The decode worker registers its whole KV cache with its NIXL agent once;
+   `nixl://host:port` is its receiver's TCP address.
+2. On the first transfer to that address the prefill worker asks for
+   `{"op": "nixl_md"}` and gets the agent's metadata (NIXL's own serialisation)
+   plus the base address of every layer's K and V cache.
+3. `save_layer` registers the K/V tensors it was handed (tens of microseconds),
+   posts one WRITE whose descriptors are the destination's runs of consecutive
+   slots, and returns; the sender thread waits for the WRITE to complete, then
+   sends the layer's notice frame (`inplace`), so the receiver never counts a
+   layer before its bytes are there. A WRITE that fails is resent as an
+   ordinary TCP frame with the bytes in it.
+
+One-sided writes cannot be refused: like the shared-memory push, they rely on
+the decode worker keeping the reserved blocks until its lease expires.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+import torch
+
+from pdserve.transfer import wire
+from pdserve.transfer.connector import KVTransferError
+from pdserve.transfer.receiver import KVReceiverServer
+from pdserve.transfer.sender import TcpKVSender, _host_port, destination_slots
+
+log = logging.getLogger("pdserve.transfer")
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl_cu12  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or a broken native library
+        return False
+    return True
+
+
+def make_agent(prefix: str):
+    """A NIXL agent with UCX on host memory. UCX over TCP works on any host; a
+    progress thread keeps small transfers from stalling (FINDINGS.md)."""
+    os.environ.setdefault("UCX_TLS", "tcp")
+    if not os.path.isdir("/sys/class/infiniband"):
+        os.environ.setdefault("UCX_MODULES", "^ib")  # libibverbs without RDMA hardware crashes at exit
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+
+
+class NixlKVReceiver(KVReceiverServer):
+    """A KV receiver whose cache is also a NIXL WRITE target (and still takes TCP frames)."""
+
+    def __init__(self, kv_caches, host: str = "127.0.0.1", port: int = 0):
+        tensors = [t for pair in kv_caches for t in pair]
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError("NIXL needs contiguous KV cache tensors")
+        self.agent = make_agent("pdserve-kv-rx")
+        self._registered = self.agent.register_memory(tensors)
+        self._metadata = self.agent.get_agent_metadata()
+        super().__init__(kv_caches, host, port, scheme="nixl")
+
+    def _on_frame(self, h: dict, payload):
+        if h.get("op") == "nixl_md":
+            k0 = self.kv_caches[0][0]
+            header = {"op": "nixl_md", "agent": self.agent.name,
+                      "dtype": str(k0.dtype).removeprefix("torch."),
+                      "row_shape": list(k0.shape[-2:]),
+                      "layers": [[k.data_ptr(), v.data_ptr(), k.numel() * k.element_size()]
+                                 for k, v in self.kv_caches]}
+            return header, [torch.frombuffer(bytearray(self._metadata), dtype=torch.uint8)]
+        return super()._on_frame(h, payload)
+
+    def close(self):
+        super().close()
+        try:
+            self.agent.deregister_memory(self._registered)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+
+
+class _Remote:
+    """What a prefill worker knows of one decode worker's NIXL agent and cache."""
+
+    def __init__(self, header: dict, agent_name: str):
+        self.agent = agent_name
+        self.dtype = wire.DTYPES[header["dtype"]]
+        self.layers = [tuple(x) for x in header["layers"]]  # (K address, V address, bytes each)
+
+
+class NixlKVSender(TcpKVSender):
+    """Push through NIXL WRITE; notices, `done` and acknowledgements travel as TCP frames."""
+
+    def __init__(self, retry_window_s: float = 5.0, xfer_timeout_s: float = 30.0):
+        super().__init__("none", retry_window_s)
+        self.agent = make_agent("pdserve-kv-tx")
+        self.xfer_timeout_s = xfer_timeout_s
+        self._remotes: dict[str, _Remote] = {}
+        self._pending: dict[int, tuple] = {}  # id(notice header) -> (handle, registration, k, v, state)
+        self._lock = threading.Lock()
+        self._slots: dict = {}
+        self.nixl_bytes = 0
+        self.nixl_fallbacks = 0
+
+    def begin(self, dest, num_layers):
+        if dest.address not in self._remotes:
+            self._remotes[dest.address] = self._fetch_remote(dest.address)
+        super().begin(dest, num_layers)
+
+    def _fetch_remote(self, address: str) -> _Remote:
+        try:
+            with socket.create_connection(_host_port(address), timeout=10) as s:
+                wire.send_frame(s, {"op": "nixl_md"})
+                h = wire.recv_header(s)
+                if not h or h.get("op") != "nixl_md":
+                    raise KVTransferError(f"{address} did not answer with NIXL metadata: {h}")
+                md = bytearray(h["nbytes"])
+                wire.recv_exact(s, memoryview(md))
+        except (OSError, wire.FrameError) as e:
+            raise KVTransferError(f"NIXL metadata from {address}: {e}") from e
+        name = self.agent.add_remote_agent(bytes(md))
+        return _Remote(h, name.decode() if isinstance(name, bytes) else name)
+
+    def save_layer(self, transfer_id, layer, token_start, k, v):
+        t = self._transfers[transfer_id]
+        r = self._remotes[t.dest.address]
+        n = k.shape[0]
+        key = (transfer_id, token_start, n)  # every layer of a chunk goes to the same slots
+        if self._slots.get("key") != key:
+            self._slots = {"key": key, "runs": wire.slot_runs(destination_slots(t.dest, token_start, n))}
+        k = k.to(r.dtype).contiguous()
+        v = v.to(r.dtype).contiguous()
+        row = k[0].numel() * k.element_size() if n else 0
+        k_base, v_base, size = r.layers[layer]
+        local, remote = [], []
+        for src, base in ((k, k_base), (v, v_base)):
+            for off, first, m in self._slots["runs"]:
+                if (first + m) * row > size:
+                    raise KVTransferError(f"{transfer_id}: slot {first + m} is outside the destination cache")
+                local.append((src.data_ptr() + off * row, m * row, 0))
+                remote.append((base + first * row, m * row, 0))
+        header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": n, "inplace": True}
+        reg = self.agent.register_memory([k, v])
+        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
+                                            self.agent.get_xfer_descs(remote, "DRAM"), r.agent)
+        state = self.agent.transfer(handle)
+        with self._lock:
+            self._pending[id(header)] = (handle, reg, k, v, state)
+        t.stats.bytes += 2 * k.numel() * k.element_size()
+        self._enqueue(t, header, [])
+
+    def _ready(self, header, payload):
+        """Runs on the sender thread before a notice goes out: the WRITE must have landed."""
+        with self._lock:
+            pending = self._pending.pop(id(header), None)
+        if pending is None:  # not a NIXL notice, or already settled (a resend)
+            return header, payload
+        handle, reg, k, v, state = pending
+        deadline = time.monotonic() + self.xfer_timeout_s
+        delay = 1e-5
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+            state = self.agent.check_xfer_state(handle)
+        self._release(handle, reg)
+        if state == "DONE":
+            self.nixl_bytes += 2 * k.numel() * k.element_size()
+            return header, payload
+        # the WRITE failed or hung: from now on this frame carries its bytes over TCP
+        log.warning("NIXL write of %s layer %s ended %s; sending it over TCP", header["tid"], header["layer"], state)
+        self.nixl_fallbacks += 1
+        header.pop("inplace", None)
+        header["dtype"] = str(k.dtype).removeprefix("torch.")
+        payload.extend([k, v])
+        return header, payload
+
+    def _release(self, handle, reg) -> None:
+        try:
+            handle.release()
+        except Exception:  # noqa: BLE001 - a handle still in flight cannot be released
+            pass
+        try:
+            self.agent.deregister_memory(reg)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _forget(self, t) -> None:
+        """Release the WRITEs of frames that will never be sent (aborted, failed transfers)."""
+        if t is None:
+            return
+        for header, _ in t.frames:
+            with self._lock:
+                pending = self._pending.pop(id(header), None)
+            if pending is not None:
+                self._release(pending[0], pending[1])
+
+    def abort(self, transfer_id, reason):
+        self._forget(self._transfers.get(transfer_id))
+        super().abort(transfer_id, reason)
+
+    def wait_for_save(self, transfer_id, timeout_s):
+        t = self._transfers.get(transfer_id)
+        try:
+            return super().wait_for_save(transfer_id, timeout_s)
+        finally:
+            self._forget(t)
