@@ -146,7 +146,7 @@ class DisaggEngine:
         self.stats: dict | None = None
         self.num_waiting = 0
         self.counters = {"kv_bytes": 0, "kv_seconds": 0.0, "kv_failed": 0, "kv_retries": 0,
-                         "recomputed": 0, "replaced": 0}
+                         "recomputed": 0, "replaced": 0, "kv_exposed_bytes": 0.0, "kv_exposed_seconds": 0.0}
         self._groups: set[RouterGroup] = set()
         self._http: httpx.AsyncClient | None = None
 
@@ -242,6 +242,8 @@ class DisaggEngine:
         except Exception as e:  # a bug here must not hang the client
             log.exception("request %s failed in the router", c.rid)
             c.group.fail(APIError(500, f"the router failed this request: {type(e).__name__}"))
+        finally:
+            self.placer.release_decode(c.rid)
 
     async def _run(self, c: _Choice) -> None:
         p, d = self.placer.pick(self.registry, c.prompt)
@@ -261,15 +263,21 @@ class DisaggEngine:
             except WorkerGone:
                 dest["pull"] = False
         c.group.acknowledge()
+        max_tokens = c.params.max_tokens or self.engine.max_model_len - len(c.prompt)
+        self.placer.book_decode(d.worker_id, c.rid, len(c.prompt), max_tokens)
         c.workers = {p.worker_id, d.worker_id}
         c.remote_ids = {p.worker_id: c.rid, d.worker_id: c.rid}
-        first, prefill_task = await self._prefill(c, p, body, dest)
+        first, prefill_task = await self._prefill(c, p, d, body, dest)
         await self._decode(c, d, first, kv_expected=first is not None)
         if prefill_task is not None:
             await prefill_task
 
-    async def _prefill(self, c: _Choice, p, body: dict, dest: dict):
-        """Stream the prefill; returns (first token or None if P failed, task reading the save report)."""
+    async def _prefill(self, c: _Choice, p, d, body: dict, dest: dict):
+        """Stream the prefill; returns (first token or None if P failed, task reading the save report).
+
+        A save report that fails, or a stream that breaks before it, means the KV
+        will not all reach D: D is told at once, so it recomputes now instead of
+        waiting out --kv-timeout-s."""
         try:
             resp = await self._stream(p, "/internal/prefill", {**body, "kv_destination": dest})
             lines = resp.aiter_lines()
@@ -285,20 +293,40 @@ class DisaggEngine:
         c.emit({**ev, "finished": False})
 
         async def read_saved():
+            saved, why = False, "the prefill worker's stream ended before its save report"
             try:
                 async for line in lines:
                     s = json.loads(line)
                     if s.get("event") == "saved":
-                        self.counters["kv_bytes"] += s.get("bytes", 0)
-                        self.counters["kv_seconds"] += s.get("seconds", 0.0)
-                        self.counters["kv_retries"] += s.get("retries", 0)
-                        self.counters["kv_failed"] += not s.get("ok")
-            except (httpx.HTTPError, ValueError):
-                pass
+                        saved = bool(s.get("ok"))
+                        why = s.get("error") or why
+                        self._count_saved(s)
+            except (httpx.HTTPError, ValueError) as e:
+                why = f"the prefill worker's stream broke: {type(e).__name__}"
             finally:
                 await resp.aclose()
+            if not saved:
+                await self._tell_kv_failed(d, c.rid, why)
 
         return first, asyncio.create_task(read_saved())
+
+    def _count_saved(self, s: dict) -> None:
+        self.counters["kv_bytes"] += s.get("bytes", 0)
+        self.counters["kv_seconds"] += s.get("seconds", 0.0)
+        self.counters["kv_retries"] += s.get("retries", 0)
+        self.counters["kv_failed"] += not s.get("ok")
+        if s.get("ok") and s.get("exposed_s") is not None:
+            self.counters["kv_exposed_bytes"] += s.get("exposed_bytes", 0)
+            self.counters["kv_exposed_seconds"] += s["exposed_s"]
+            if self.admitter is not None:
+                self.admitter.transfers.observe(s.get("exposed_bytes", 0), s["exposed_s"])
+
+    async def _tell_kv_failed(self, d, rid: str, reason: str) -> None:
+        log.warning("request %s: KV transfer to %s broke (%s); telling it to recompute", rid, d.worker_id, reason)
+        try:
+            await self._post(d, "/internal/kv_failed", {"request_id": rid, "reason": reason})
+        except (WorkerGone, APIError, httpx.HTTPError):
+            pass  # D gone too, or already past the wait: its own deadline still holds
 
     async def _decode(self, c: _Choice, d, first: int | None, kv_expected: bool) -> None:
         body = {"request_id": c.rid, "first_token": first, "kv_expected": kv_expected,

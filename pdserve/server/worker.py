@@ -7,6 +7,7 @@ cache never travels here, only over the KV bridge (pdserve/transfer).
     POST /internal/reserve   reserve blocks for a prompt whose KV will arrive
     POST /internal/pull      fetch that KV from a prefill worker (pull mode)
     POST /internal/decode    wait for that KV (or recompute), stream the rest
+    POST /internal/kv_failed that KV will not come (its sender broke): recompute now
     POST /internal/generate  the whole request here (role both, or a fallback)
     POST /internal/abort     drop a request and its blocks
     GET  /internal/state     engine stats, free blocks (tests, debugging)
@@ -85,20 +86,29 @@ class WorkerApi:
         async def stream():
             try:
                 batch = await group.next_batch()
+                computed_s = time.monotonic()  # every layer is computed: what is left of the transfer is exposed
                 yield _line({"event": "first_token", **output_event(batch[-1][1])})
                 if dest is not None:
-                    yield _line(await self._saved(dest.transfer_id))
+                    yield _line(await self._saved(dest.transfer_id, computed_s))
             except asyncio.CancelledError:
                 group.abort()
                 raise
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
-    async def _saved(self, transfer_id: str) -> dict:
+    async def _saved(self, transfer_id: str, computed_s: float) -> dict:
+        """The save report. `exposed_s`: from the end of the prefill to the decode side's
+        acknowledgement, the part of the transfer TTFT pays for; `exposed_bytes`: what
+        travelled in it (one layer's share in layer-wise mode, all of it in eager)."""
         try:
             st = await asyncio.to_thread(self.sender.wait_for_save, transfer_id, self.save_timeout_s)
+            bridge = self.engine.engine.bridge if self.engine.engine is not None else None
+            layers = bridge.num_layers if bridge is not None and bridge.layerwise else 1
+            exposed_bytes = st.bytes / layers
             return {"event": "saved", "ok": True, "bytes": st.bytes, "retries": st.retries,
-                    "seconds": st.finished_s - st.started_s}
+                    "seconds": st.finished_s - st.started_s,
+                    "exposed_s": max(0.0, st.finished_s - computed_s) if st.finished_s else None,
+                    "exposed_bytes": exposed_bytes}
         except KVTransferError as e:
             return {"event": "saved", "ok": False, "error": str(e)}
 
@@ -128,6 +138,15 @@ class WorkerApi:
             raise APIError(400, "this worker does not decode")
         self.receiver.pull(str(b["address"]), b["request_id"] + "-0")
         return JSONResponse({"pulling": b["request_id"]})
+
+    async def kv_failed(self, request: Request):
+        """The router saw the prefill worker's transfer break: stop waiting for that KV now
+        (the decode recomputes the prompt) rather than at the deadline."""
+        b = await self._body(request)
+        if self.receiver is None:
+            raise APIError(400, "this worker does not decode")
+        self.receiver.fail(b["request_id"] + "-0", str(b.get("reason", "the prefill worker's transfer broke")))
+        return JSONResponse({"failed": b["request_id"]})
 
     async def decode(self, request: Request):
         b = await self._body(request)
@@ -221,7 +240,7 @@ def build_worker_app(api: WorkerApi, on_startup=None, on_shutdown=None) -> FastA
     install_handlers(app)
     for path, fn, method in (("/internal/prefill", api.prefill, "POST"), ("/internal/reserve", api.reserve, "POST"),
                              ("/internal/decode", api.decode, "POST"), ("/internal/generate", api.generate, "POST"),
-                             ("/internal/pull", api.pull, "POST"),
+                             ("/internal/pull", api.pull, "POST"), ("/internal/kv_failed", api.kv_failed, "POST"),
                              ("/internal/abort", api.abort, "POST"), ("/internal/state", api.state, "GET")):
         app.add_api_route(path, fn, methods=[method])
     return app

@@ -73,8 +73,12 @@ def test_transfer_stalled_past_deadline_is_recomputed(sharp_model_dir, reference
 
 
 def test_prefill_dies_mid_transfer(sharp_model_dir, reference):
-    with with_fault(sharp_model_dir, "exit_at_layer=1") as c:
+    """The router sees P's stream break and tells D at once: D recomputes without
+    waiting out --kv-timeout-s (30 s here)."""
+    with with_fault(sharp_model_dir, "exit_at_layer=1", router_args=["--kv-timeout-s", "30"]) as c:
+        t0 = time.monotonic()
         assert run_request(c) == reference  # the decode worker recomputed the prompt
+        assert time.monotonic() - t0 < 15, "the decode worker waited for KV that could not come"
         assert c.worker("prefill0").proc.wait(10) == 17
         assert c.status()["counters"]["recomputed"] == 1
         for name, s in c.wait_idle().items():
