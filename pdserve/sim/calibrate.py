@@ -18,6 +18,7 @@ from pdserve.sim.latency import ProfileLatency, StepShape, chunk_attention
 PREFILL_LENGTHS = (16, 64, 256, 512, 1024, 2048)
 DECODE_GRID = ((1, 64), (4, 64), (8, 64), (16, 64), (1, 512), (4, 512), (8, 512), (16, 512))
 MIXED_GRID = ((4, 256), (8, 1024), (8, 2048), (16, 512))  # (decode batch, joining prompt tokens)
+CHUNKED_GRID = ((6, 256), (6, 512))  # (decode batch, token budget): a 2,048-token prompt in chunks
 DECODE_STEPS = 6
 
 
@@ -97,6 +98,17 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
         d.step(record=False)  # their prefill
         d.add(prompt, 1)
         d.drain()
+    # chunked prefill: later chunks attend to the earlier ones (the budget is read at every step)
+    sc = engine.scheduler.config
+    budget = sc.max_num_batched_tokens
+    for batch, chunk in CHUNKED_GRID:
+        for _ in range(batch):
+            d.add(64, 64)
+        d.step(record=False)
+        sc.max_num_batched_tokens = chunk + batch
+        d.add(2048, 1)
+        d.drain()
+        sc.max_num_batched_tokens = budget
     mc = engine.model_config
     dtype_bytes = 2 if engine.config.device.dtype in ("bfloat16", "float16") else 4
     prof = ProfileLatency.fit(d.samples, model_layers=mc.num_hidden_layers,
