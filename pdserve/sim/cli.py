@@ -91,7 +91,8 @@ def _requests(args) -> tuple[list[workload.SimRequest], dict[str, int]]:
         return workload.seed_000_6_1(), {}
     if args.workload_json:
         reqs, doc = workload.from_workload_json(args.workload_json)
-        return reqs, dict(doc.get("tag_concurrency") or {})
+        streams = (doc.get("params") or {}).get("chat_streams")  # interference.py: a closed loop of chats
+        return reqs, dict(doc.get("tag_concurrency") or ({"chat": streams} if streams else {}))
     if args.dataset_name == "mooncake":
         if not args.dataset_path:
             raise ValueError("--dataset-name mooncake needs --dataset-path")

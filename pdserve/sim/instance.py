@@ -160,8 +160,9 @@ class SimInstance:
         self.loop.after(dur, self._step_done, out, dur)
 
     def _step_done(self, out, dur: float) -> None:
+        # still busy while the step's tokens go out: a request finishing here may bring the next
+        # one (a closed loop), which must wait for this bookkeeping, not start a step inside it
         now = self.loop.now
-        self.busy = False
         for s in out.scheduled:
             seq = s.seq
             if seq.status is Status.FINISHED:
@@ -175,6 +176,7 @@ class SimInstance:
                     self.on_chunk(self, seq, before, s.num_new_tokens, dur)
             if seq.num_computed_tokens == seq.num_tokens:
                 self._emit(seq, now, dur)
+        self.busy = False
         if self.on_step:
             self.on_step(self)
         self.kick()
@@ -247,7 +249,6 @@ class SimInstance:
         if version != self._version:
             return
         ff, self._ff = self._ff, None
-        self.busy = False
         k, ends = ff.k, ff.ends_s
         self.busy_s += ends[k - 1] - ff.start_s
         self.num_steps += k
@@ -262,6 +263,7 @@ class SimInstance:
             t.tokens += k
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 self._finish(seq)
+        self.busy = False
         if self.on_step:
             self.on_step(self)
         self.kick()

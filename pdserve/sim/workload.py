@@ -131,7 +131,8 @@ def mooncake_trace(path: str, num_prompts: int | None = None, *, block_tokens: i
 
 
 def from_workload_json(path: str) -> tuple[list[SimRequest], dict]:
-    """Replay a measured run: {"requests": [{"arrival_s", "prompt_tokens", "output_tokens", "tag"?}, ...], ...}.
+    """Replay a measured run: {"requests": [{"arrival_s", "prompt_tokens", "output_tokens", "tag"?}, ...], ...}
+    (benchmarks/interference.py writes this; arrival_s null: sent by the arrival process or a closed loop).
 
     Prompts get unique token ids (no prefix sharing) unless a request lists
     "prompt_token_ids"; the rest of the file (settings) is returned as is."""
@@ -146,7 +147,8 @@ def from_workload_json(path: str) -> tuple[list[SimRequest], dict]:
             raise ValueError(f"{path}: request {i}: prompt_tokens and output_tokens must be >= 1")
         ids = r.get("prompt_token_ids") or [-1 - i] * n_in
         arrival = r.get("arrival_s", r.get("start_s"))
-        out.append(SimRequest(i, n_in, n_out, None if arrival is None else float(arrival), r.get("tag", "default"),
+        tag = r.get("tag", r.get("kind", "default"))  # interference.py calls it "kind"
+        out.append(SimRequest(i, n_in, n_out, None if arrival is None else float(arrival), tag,
                               token_ids=[int(t) for t in ids]))
     return out, (doc if isinstance(doc, dict) else {})
 

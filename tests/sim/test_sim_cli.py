@@ -63,3 +63,19 @@ def test_profile_must_be_a_profile(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["sim", "--scenario", "seed-000-6.1", "--profile", str(bad)]) == 2
     assert "not a profile" in capsys.readouterr().err
+
+
+def test_workload_json_replays_a_closed_loop_of_chats(tmp_path, capsys):
+    """The format benchmarks/interference.py writes: chats without arrival times run as
+    `chat_streams` users in a closed loop; long prompts at their own times."""
+    reqs = [{"index": i, "arrival_s": None, "prompt_tokens": 64, "output_tokens": 16, "kind": "chat"}
+            for i in range(12)] + [{"index": 12, "arrival_s": 0.5, "prompt_tokens": 2048, "output_tokens": 4,
+                                    "kind": "long"}]
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps({"params": {"chat_streams": 3}, "requests": reqs}))
+    rc = main(["sim", "--workload-json", str(path), "--mode", "chunked", "--model", "llama-3-8b", "--tp", "1",
+               "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["completed"] == 13
+    assert res["by_tag"]["chat"]["max_concurrent_requests"] <= 3
+    assert sorted(res["start_times"])[3] > 0  # the 4th chat waited for a slot
