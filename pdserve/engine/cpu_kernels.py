@@ -17,16 +17,24 @@ _module = None
 _failed = False
 
 
-def _default_cache_dir() -> str:
-    """One build per interpreter prefix and torch version: two virtual environments
-    sharing one directory would rebuild over each other's module at every switch."""
+_SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def _default_cache_dir(srcs: list[str]) -> str:
+    """One build per interpreter prefix, torch version and source text: two checkouts
+    or virtual environments sharing one directory would otherwise rebuild over each
+    other's module (another checkout's older sources replaced this one's module)."""
     import hashlib
     import sys
 
     import torch
 
-    key = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
-    return os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels", key)
+    h = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{_CFLAGS}".encode())
+    for path in srcs:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels", h.hexdigest()[:12])
 
 
 def load():
@@ -43,11 +51,11 @@ def load():
                 from torch.utils.cpp_extension import load as build
 
                 csrc = os.path.join(os.path.dirname(__file__), "csrc")
-                srcs = [os.path.join(csrc, f) for f in ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp")]
-                cache = os.environ.get("PDSERVE_KERNEL_CACHE") or _default_cache_dir()
+                srcs = [os.path.join(csrc, f) for f in _SOURCES]
+                cache = os.environ.get("PDSERVE_KERNEL_CACHE") or _default_cache_dir(srcs)
                 os.makedirs(cache, exist_ok=True)
                 _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
-                                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                                extra_cflags=_CFLAGS,
                                 extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # no compiler, no headers, no ninja: run without
                 log.warning("CPU kernels unavailable, using the PyTorch fallback: %s", e)
