@@ -116,14 +116,16 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
     p.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded SmolLM2-135M)")
     p.add_argument("--chat-streams", type=int, default=6, help="chat users in a closed loop")
-    p.add_argument("--num-chats", type=int, default=36)
+    p.add_argument("--num-chats", type=int, default=1000, help="at most; --chat-duration usually ends them first")
+    p.add_argument("--chat-duration", type=float, default=130.0,
+                   help="s: chat users stop sending new chats after this (the run then drains)")
     p.add_argument("--chat-input-len", type=int, default=64)
     p.add_argument("--chat-output-len", type=int, default=48)
     p.add_argument("--long-input-len", type=int, default=2048)
     p.add_argument("--long-output-len", type=int, default=8)
     p.add_argument("--burst-size", type=int, default=d.burst_size)
-    p.add_argument("--num-bursts", type=int, default=2)
-    p.add_argument("--burst-interval", type=float, default=45.0, help="s between long-prompt bursts")
+    p.add_argument("--num-bursts", type=int, default=3)
+    p.add_argument("--burst-interval", type=float, default=40.0, help="s between long-prompt bursts")
     p.add_argument("--first-burst", type=float, default=10.0, help="s from the start to the first burst")
     p.add_argument("--chunk-size", type=int, default=None, help="override the chunked configs' chunk size (tokens)")
     p.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:400"], help="SLOs in ms, the same for all")
@@ -131,6 +133,9 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="/tmp/interference")
     p.add_argument("--img-dir", default=None, help="also write the plots here as interference_<config>_*.png")
     p.add_argument("--lock", default="/tmp/pdserve-measure.lock", help="flock'ed around each config ('' off)")
+    p.add_argument("--max-load", type=float, default=3.0,
+                   help="before each config, wait for the 1-min load average to drop below this ...")
+    p.add_argument("--max-wait", type=float, default=180.0, help="... for at most this many s (then run anyway)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--src", default="HEAD",
                    help="git ref whose committed tree the servers run (a clean copy), or 'worktree' for this tree")
@@ -149,10 +154,12 @@ def workload_from(args) -> datasets.MixedConfig:
 def write_workload(path: str, workload: datasets.MixedConfig, requests, configs: dict, args) -> None:
     """The contract with the simulator: parameters, configs, and each request in result-array order."""
     doc = {
-        "params": {**dataclasses.asdict(workload), "seed": args.seed, "goodput_slos_ms": _slos(args.goodput),
+        "params": {**dataclasses.asdict(workload), "chat_duration_s": args.chat_duration, "seed": args.seed, "goodput_slos_ms": _slos(args.goodput),
                    "endpoint": "/v1/completions", "ignore_eos": True, "temperature": 0.0},
-        "chat_arrivals": "closed loop: chat_streams users, each sends its next chat when its last one ends; "
-                         "chats have arrival_s null, their measured send times are start_times in <config>.json",
+        "chat_arrivals": "closed loop: chat_streams users, each sends its next chat when its last one ends, "
+                         "until chat_duration_s; chats have arrival_s null. In <config>.json the arrays "
+                         "(start_times, ttfts, itls, ...) describe the requests sent, in the order of "
+                         "request_indices (indices into this list; all of them when absent)",
         "configs": configs,
         "requests": [{"index": i, "arrival_s": r.arrival_s, "prompt_tokens": r.prompt_len,
                       "output_tokens": r.output_len, "kind": r.tag} for i, r in enumerate(requests)],
@@ -185,32 +192,43 @@ def measurement_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
+    """Other engineers' tests do not take the measurement lock: give them a moment to finish."""
+    t0 = time.monotonic()
+    while os.getloadavg()[0] > max_load and time.monotonic() - t0 < max_wait_s:
+        time.sleep(5)
+    if time.monotonic() - t0 > 5:
+        print(f"   waited {time.monotonic() - t0:.0f} s for load < {max_load} (now {load_str()})", flush=True)
+
+
 def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProcess | None = None) -> dict:
     """Start the config's server (or the one given), warm it up, run the workload, stop it, save."""
     log_path = os.path.join(args.out_dir, f"{cfg['name']}.log")
     if server is None:
         front, workers = server_commands(cfg, args.model)
-        src, env = (REPO, None) if args.src == "worktree" else snapshot(args.src)
-        server = ServerProcess([], log_path, args.startup_timeout, cmd=front, extra_cmds=workers, cwd=src, env=env)
+        server = ServerProcess([], log_path, args.startup_timeout, cmd=front, extra_cmds=workers,
+                               cwd=args.src_dir, env=args.src_env)
     print(f"\n== {cfg['name']}: {cfg['label']}", flush=True)
     for c in server.cmds:
         print("   $ " + " ".join(c), flush=True)
     with measurement_lock(args.lock):
         if server.cwd != REPO:
             build_kernels(server.cwd, server.env)
+        wait_for_quiet(args.max_load, args.max_wait)
         load_before = load_str()
         with server:
             warm_up(server.url, tokens)
             cpu = TreeCpu(server.pids)
             result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),
                                    goodput=_slos(args.goodput), percentiles=[50, 90, 99], ignore_eos=True,
-                                   seed=args.seed, progress=True)
+                                   seed=args.seed, progress=True, send_until_s=args.chat_duration)
             result["cpu"] = cpu.stop()
         result["load_before"], result["load_after"] = load_before, load_str()
-    result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed", source=source_state(args.src),
+    result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed", source=getattr(args, "source", None),
                   **{f"mixed_{k}": v for k, v in dataclasses.asdict(workload).items()})
     path = report.save_json(result, os.path.join(args.out_dir, f"{cfg['name']}.json"))
-    print(f"   result: {path}  load {result['load_before']} -> {result['load_after']}  cpu {result['cpu']}")
+    print(f"   result: {path}  load {result['load_before']} -> {result['load_after']}  others' CPU "
+          f"{100 * result['cpu']['others_share_of_machine']:.0f}% of the machine")
     for d in filter(None, [args.out_dir, args.img_dir]):
         for png in save_plots(result, d, prefix=f"interference_{cfg['name']}", title=cfg["label"]):
             print(f"   plot: {png}")
@@ -259,6 +277,9 @@ def main(argv=None) -> int:
     tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
     requests = datasets.mixed(workload, tokens, seed=args.seed)
     configs = {n: resolve_config(n, workload, args.chunk_size) for n in names}
+    # one commit for every config, resolved once (others commit while this runs)
+    args.source = source_state(args.src)
+    args.src_dir, args.src_env = (REPO, None) if args.src == "worktree" else snapshot(args.source["commit"])
     write_workload(os.path.join(args.out_dir, "workload.json"), workload, requests, configs, args)
     print("command: python benchmarks/interference.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"workload: {json.dumps(dataclasses.asdict(workload))}, seed {args.seed}, "

@@ -39,6 +39,7 @@ class RequestOutput:
     start_s: float = 0.0  # when it was sent, from the benchmark start
     tag: str = "default"
     usage_reported: bool = False
+    sent: bool = True  # False: its slot came after run_benchmark's send_until_s, so it was never sent
 
 
 class StreamParser:

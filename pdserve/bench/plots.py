@@ -105,6 +105,7 @@ def plot_timeline(result: dict, path: str, title: str = "", mark_tag: str = "lon
         if tag == mark_tag:
             for ax in (top, bottom):
                 ax.axvline(result["start_times"][i], color="gray", ls=":", lw=0.8)
+    _others_cpu(bottom, result)
     top.set_ylabel("request (by send time)")
     top.yaxis.get_major_locator().set_params(integer=True)
     top.legend(fontsize=8, loc="upper left", markerscale=4)
@@ -119,6 +120,19 @@ def plot_timeline(result: dict, path: str, title: str = "", mark_tag: str = "lon
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _others_cpu(ax, result: dict) -> None:
+    """When the result carries it (benchmarks/interference.py), the share of the machine that
+    processes outside the run took, on a second axis: a stall under a burst of it is load."""
+    trace = (result.get("cpu") or {}).get("others_share_trace") or []
+    if not trace:
+        return
+    t, share = np.asarray(trace, dtype=float).T
+    twin = ax.twinx()
+    twin.step(t, share * 100, where="post", color="gray", lw=0.8, alpha=0.7)
+    twin.set_ylim(0, 100)
+    twin.set_ylabel("others' CPU, % of machine", color="gray", fontsize=8)
 
 
 def save_plots(result: dict, out_dir: str, prefix: str = "bench", title: str = "") -> list[str]:

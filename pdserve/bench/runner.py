@@ -38,7 +38,7 @@ class RunState:
 
 async def _run(state: RunState, requests: list[Request], times: list[float], bodies: list[bytes], url: str, *,
                chat: bool, api_key: str | None, timeout_s: float, max_concurrency: int | None,
-               tag_concurrency: dict[str, int], progress) -> None:
+               tag_concurrency: dict[str, int], progress, send_until_s: float | None = None) -> None:
     limits = {tag: asyncio.Semaphore(n) for tag, n in tag_concurrency.items()}
     overall = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
@@ -49,6 +49,10 @@ async def _run(state: RunState, requests: list[Request], times: list[float], bod
             for sem in (limits.get(out.tag), overall):
                 if sem is not None:
                     await stack.enter_async_context(sem)
+            if (send_until_s is not None and requests[i].arrival_s is None
+                    and time.perf_counter() - state.start > send_until_s):
+                out.sent = False  # a closed loop past its duration: this user stops
+                return
             await send(client, url, bodies[i], out, state.start, chat)
         progress.update(out)
 
@@ -79,7 +83,8 @@ def run_benchmark(requests: list[Request], base_url: str, *, model: str | None =
                   goodput: dict[str, float] | None = None, percentiles=metrics.DEFAULT_PERCENTILES,
                   percentile_metrics=metrics.METRICS, ignore_eos: bool = False, temperature: float = 0.0,
                   extra_body: dict | None = None, api_key: str | None = None, timeout_s: float = 3600.0,
-                  seed: int = 0, progress: bool = False, state: RunState | None = None) -> dict:
+                  seed: int = 0, progress: bool = False, state: RunState | None = None,
+                  send_until_s: float | None = None) -> dict:
     """Send `requests` to `base_url` and return the result dict (vLLM's field names, see `metrics.result`).
 
     `model` defaults to the first id `GET /v1/models` lists; a `BenchError`
@@ -87,6 +92,11 @@ def run_benchmark(requests: list[Request], base_url: str, *, model: str | None =
     (HTTP errors, error events, dropped connections) are counted in `failed`
     and listed in `errors`, never raised. Pass a `RunState` to keep the
     partial outputs if the run is interrupted.
+
+    `send_until_s`: requests without their own arrival time whose turn comes
+    later than this (s from the start) are not sent, so a closed loop runs for
+    a duration rather than a count; they are left out of the result, whose
+    `request_indices` then name the requests the arrays describe.
     """
     if endpoint not in (COMPLETIONS, CHAT):
         raise BenchError(f"--endpoint must be {COMPLETIONS} or {CHAT}, got {endpoint!r}")
@@ -117,7 +127,7 @@ def run_benchmark(requests: list[Request], base_url: str, *, model: str | None =
     try:
         asyncio.run(_run(state, requests, times, bodies, base_url.rstrip("/") + endpoint, chat=endpoint == CHAT,
                          api_key=api_key, timeout_s=timeout_s, max_concurrency=max_concurrency,
-                         tag_concurrency=tag_concurrency or {}, progress=bar))
+                         tag_concurrency=tag_concurrency or {}, progress=bar, send_until_s=send_until_s))
     except KeyboardInterrupt:
         state.interrupted = True
     finally:
@@ -136,11 +146,14 @@ def finish(state: RunState, *, goodput=None, percentiles=metrics.DEFAULT_PERCENT
            percentile_metrics=metrics.METRICS) -> dict:
     """The result dict of a run, complete or interrupted."""
     for out in state.outputs:
-        if not out.success and not out.error:
+        if out.sent and not out.success and not out.error:
             out.error = "interrupted before it finished" if state.interrupted else "not finished"
-    res = metrics.result(state.outputs, state.duration_s, percentiles=percentiles,
+    sent = [i for i, out in enumerate(state.outputs) if out.sent]
+    res = metrics.result([state.outputs[i] for i in sent], state.duration_s, percentiles=percentiles,
                          percentile_metrics=percentile_metrics, goodput=goodput)
-    return {**state.config, "interrupted": state.interrupted, **res}
+    extra = {} if len(sent) == len(state.outputs) else {"request_indices": sent,
+                                                        "num_unsent": len(state.outputs) - len(sent)}
+    return {**state.config, "interrupted": state.interrupted, **res, **extra}
 
 
 class Progress:

@@ -74,6 +74,20 @@ def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, 
     assert [n for n, t in zip(r["input_lens"], r["tags"]) if t == "long"] == [300, 300]
 
 
+def test_closed_loop_runs_for_a_duration_not_a_count(bench_server, tokens):
+    """send_until_s: chat users stop sending after it; the unsent are left out and the arrays
+    say which requests they describe (the bursts, which have their own times, still go)."""
+    cfg = datasets.MixedConfig(num_chats=500, chat_input_len=12, chat_output_len=12, chat_streams=2,
+                               long_input_len=50, long_output_len=2, num_bursts=1, first_burst_s=0.3)
+    reqs = datasets.mixed(cfg, tokens)
+    r = run_benchmark(reqs, bench_server.url, tag_concurrency=cfg.tag_concurrency(), ignore_eos=True,
+                      send_until_s=0.6)
+    assert r["failed"] == 0 and 0 < r["num_unsent"] < 500
+    assert len(r["request_indices"]) == r["completed"] == len(r["ttfts"]) == 500 + 1 - r["num_unsent"]
+    assert [reqs[i].tag for i in r["request_indices"]] == r["tags"] and r["tags"].count("long") == 1
+    assert max(s for s, t in zip(r["start_times"], r["tags"]) if t == "chat") <= 0.6 + 0.05
+
+
 def test_mooncake_replay_shares_prefixes_and_counts_server_errors(bench_server, tokens, tmp_path):
     lines = open("/work/shared/traces/mooncake_conversation_trace.jsonl").readlines()[:8]
     huge = json.loads(lines[3])
