@@ -52,11 +52,11 @@ CONFIGS: dict[str, dict] = {
         pools={"both": 1}, pinned=False),
     "collocated_chunked": dict(
         label="(b) collocated, 2 threads, chunked prefill", mode="collocated", threads=2,
-        enable_chunked_prefill=True, chunk_size_tokens=256, max_num_batched_tokens=512,
+        enable_chunked_prefill=True, chunk_size_tokens=128, max_num_batched_tokens=512,
         pools={"both": 1}, pinned=False),
     "disaggregated": dict(
         label="(c) disaggregated, 1 prefill + 1 decode, 1 thread each", mode="disaggregated", threads=1,
-        enable_chunked_prefill=True, chunk_size_tokens=256, max_num_batched_tokens=2048,
+        enable_chunked_prefill=True, chunk_size_tokens=128, max_num_batched_tokens=2048,
         pools={"prefill": 1, "decode": 1}, pinned=True, cores={"prefill": [0], "decode": [1]},
         kv_transfer="shm, layer-wise push", worker_timeout_s=120.0, kv_timeout_s=900.0),
 }
@@ -128,7 +128,10 @@ def parse_args(argv=None):
     p.add_argument("--burst-interval", type=float, default=40.0, help="s between long-prompt bursts")
     p.add_argument("--first-burst", type=float, default=10.0, help="s from the start to the first burst")
     p.add_argument("--chunk-size", type=int, default=None, help="override the chunked configs' chunk size (tokens)")
-    p.add_argument("--goodput", nargs="+", default=["ttft:5000", "tpot:400"], help="SLOs in ms, the same for all")
+    p.add_argument("--goodput", nargs="+", default=["ttft:3000", "tpot:250"],
+                   help="SLOs in ms, the same for all (3 s to the first token, 4 tokens/s: a reader's pace)")
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="chat lengths uniform in [len*(1-r), len*(1+r)], so the closed loop's users drift apart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="/tmp/interference")
     p.add_argument("--img-dir", default=None, help="also write the plots here as interference_<config>_*.png")
@@ -154,7 +157,8 @@ def workload_from(args) -> datasets.MixedConfig:
 def write_workload(path: str, workload: datasets.MixedConfig, requests, configs: dict, args) -> None:
     """The contract with the simulator: parameters, configs, and each request in result-array order."""
     doc = {
-        "params": {**dataclasses.asdict(workload), "chat_duration_s": args.chat_duration, "seed": args.seed, "goodput_slos_ms": _slos(args.goodput),
+        "params": {**dataclasses.asdict(workload), "chat_duration_s": args.chat_duration,
+                   "range_ratio": args.range_ratio, "seed": args.seed, "goodput_slos_ms": _slos(args.goodput),
                    "endpoint": "/v1/completions", "ignore_eos": True, "temperature": 0.0},
         "chat_arrivals": "closed loop: chat_streams users, each sends its next chat when its last one ends, "
                          "until chat_duration_s; chats have arrival_s null. In <config>.json the arrays "
@@ -275,7 +279,7 @@ def main(argv=None) -> int:
     workload = workload_from(args)
     # the embedded SmolLM2's 49,152 ids hold the default range; the prompts are token ids
     tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
-    requests = datasets.mixed(workload, tokens, seed=args.seed)
+    requests = datasets.mixed(workload, tokens, seed=args.seed, range_ratio=args.range_ratio)
     configs = {n: resolve_config(n, workload, args.chunk_size) for n in names}
     # one commit for every config, resolved once (others commit while this runs)
     args.source = source_state(args.src)
