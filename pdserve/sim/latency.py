@@ -166,10 +166,12 @@ class ProfileLatency(LatencyModel):
 
     @classmethod
     def fit(cls, samples: list[tuple[StepShape, float]], **kw) -> "ProfileLatency":
-        """Least squares with every coefficient >= 0: a term fitted negative (noise over a short
-        range) is dropped and the rest refitted, so a longer batch is never predicted faster."""
-        x = np.array([s.features() for s, _ in samples])
-        y = np.array([t for _, t in samples])
+        """Least squares on relative error (rows weighted by 1/measured), every coefficient >= 0:
+        a term fitted negative (noise over a short range) is dropped and the rest refitted, so a
+        longer batch is never predicted faster."""
+        x0 = np.array([s.features() for s, _ in samples])
+        y0 = np.array([t for _, t in samples])
+        x, y = x0 / y0[:, None], np.ones_like(y0)
         active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
         while True:
             coef = np.zeros(x.shape[1])
