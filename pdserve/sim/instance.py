@@ -77,13 +77,14 @@ class SimInstance:
 
     def __init__(self, worker_id: str, role: str, latency: LatencyModel, sched: SchedulerConfig, num_blocks: int,
                  block_size: int, loop: EventLoop, *, enable_prefix_caching: bool = True, record_events: bool = False,
-                 ff_max_steps: int = 64):
+                 ff_max_steps: int | None = None):
         self.worker_id, self.role, self.latency, self.loop = worker_id, role, latency, loop
         self.bm = SimBlockManager(num_blocks, block_size, enable_prefix_caching, record_events)
         self.sched = Scheduler(sched, self.bm)
         self.timing: dict[str, Timing] = {}
         self.on_prefilled = self.on_finished = self.on_step = self.on_chunk = None
-        self.ff_max_steps = ff_max_steps
+        # a cut-short run has allocated up to k tokens ahead: k <= a block keeps that to one block
+        self.ff_max_steps = ff_max_steps or max(64, block_size)
         self.busy = False
         self.busy_s = 0.0
         self.num_steps = 0

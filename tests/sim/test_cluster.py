@@ -64,11 +64,11 @@ def _prompt_fix(reqs):
     return reqs
 
 
-@pytest.mark.parametrize("mode", ["collocated", "chunked", "disagg"])
-def test_fast_path_gives_the_same_token_times_as_stepping_one_by_one(mode):
+@pytest.mark.parametrize("mode,block_size", [("collocated", 16), ("chunked", 16), ("disagg", 16), ("disagg", 512)])
+def test_fast_path_gives_the_same_token_times_as_stepping_one_by_one(mode, block_size):
     """The steady-decode fast path commits k steps at once; it must not change a single token time."""
-    a = one_pool(mode, ff=64).run(_prompt_fix(_decode_heavy()))
-    b = one_pool(mode, ff=1).run(_prompt_fix(_decode_heavy()))
+    a = one_pool(mode, block_size=block_size).run(_prompt_fix(_decode_heavy()))
+    b = one_pool(mode, ff=1, block_size=block_size).run(_prompt_fix(_decode_heavy()))
     assert a["completed"] == b["completed"] == 24
     for x, y in zip(a["itls"], b["itls"]):
         assert np.allclose(x, y, rtol=0, atol=1e-9)
