@@ -57,10 +57,14 @@ def make_agent(prefix: str):
     if not os.path.isdir("/sys/class/infiniband"):
         os.environ.setdefault("UCX_MODULES", "^ib")  # libibverbs without RDMA hardware crashes at exit
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    # STRICT: the engine thread posts WRITEs while the sender thread polls and releases
+    # them; without it (the default when no listener thread runs) the agent is not
+    # thread-safe and crashes the process.
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
+                                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
 
 
 class NixlKVReceiver(KVReceiverServer):
@@ -113,6 +117,7 @@ class NixlKVSender(TcpKVSender):
         self._remotes: dict[str, _Remote] = {}
         self._pending: dict[int, tuple] = {}  # id(notice header) -> (handle, registration, k, v, state)
         self._lock = threading.Lock()
+        self._regs: dict[tuple[int, int], list] = {}  # (address, bytes) -> [registration, users]
         self._slots: dict = {}
         self.nixl_bytes = 0
         self.nixl_fallbacks = 0
@@ -155,7 +160,7 @@ class NixlKVSender(TcpKVSender):
                 local.append((src.data_ptr() + off * row, m * row, 0))
                 remote.append((base + first * row, m * row, 0))
         header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": n, "inplace": True}
-        reg = self.agent.register_memory([k, v])
+        reg = [self._register(k), self._register(v)]
         handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
                                             self.agent.get_xfer_descs(remote, "DRAM"), r.agent)
         state = self.agent.transfer(handle)
@@ -189,15 +194,33 @@ class NixlKVSender(TcpKVSender):
         payload.extend([k, v])
         return header, payload
 
-    def _release(self, handle, reg) -> None:
+    def _register(self, t: torch.Tensor) -> tuple[int, int]:
+        """Register a buffer once however many WRITEs use it at a time: NIXL crashes
+        when memory registered twice is deregistered."""
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        with self._lock:
+            entry = self._regs.get(key)
+            if entry is None:
+                entry = self._regs[key] = [self.agent.register_memory([t]), 0]
+            entry[1] += 1
+        return key
+
+    def _release(self, handle, keys) -> None:
         try:
             handle.release()
         except Exception:  # noqa: BLE001 - a handle still in flight cannot be released
             pass
-        try:
-            self.agent.deregister_memory(reg)
-        except Exception:  # noqa: BLE001
-            pass
+        for key in keys:
+            with self._lock:
+                entry = self._regs[key]
+                entry[1] -= 1
+                if entry[1]:
+                    continue
+                del self._regs[key]
+            try:
+                self.agent.deregister_memory(entry[0])
+            except Exception:  # noqa: BLE001
+                pass
 
     def _forget(self, t) -> None:
         """Release the WRITEs of frames that will never be sent (aborted, failed transfers)."""
