@@ -244,9 +244,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-exposed", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for the copies (1: as each worker of `pdserve serve` on 2 cores)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     res: dict = {}
     print(f"KV of {args.tokens} tokens x {LAYERS} layers (fp32): "
           f"{2 * LAYERS * args.tokens * HEADS * DIM * 4 / 1e6:.1f} MB")
