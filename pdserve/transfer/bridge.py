@@ -19,9 +19,11 @@ class PrefillBridge:
         self.num_layers = num_layers
         self.layerwise = layerwise
         self.dests: dict[str, KVDestination] = {}  # seq_id -> where its KV goes
+        self.sent_upto: dict[str, int] = {}  # seq_id -> first token not yet handed to the sender
 
     def begin(self, seq_id: str, dest: KVDestination) -> None:
         self.dests[seq_id] = dest
+        self.sent_upto[seq_id] = dest.start_token
         self.sender.begin(dest, self.num_layers)
 
     def _ranges(self, scheduled, block_manager, block_size, final_only: bool):
@@ -31,14 +33,13 @@ class PrefillBridge:
             dest = self.dests.get(s.seq.seq_id)
             if dest is None:
                 continue
-            start = s.seq.num_computed_tokens
-            end = min(start + s.num_new_tokens, dest.num_tokens)
-            done = end >= dest.num_tokens
-            if final_only:
-                if not done:
-                    continue
-                start = dest.start_token
-            start = max(start, dest.start_token)
+            end = min(s.seq.num_computed_tokens + s.num_new_tokens, dest.num_tokens)
+            if final_only and end < dest.num_tokens:
+                continue
+            # From what the receiver lacks, not from what this step computes: a prefix this
+            # worker had cached (and so does not compute) may be longer than the receiver's.
+            start = dest.start_token if final_only else self.sent_upto[s.seq.seq_id]
+            self.sent_upto[s.seq.seq_id] = max(start, end)
             if start >= end:
                 continue
             table = torch.tensor(block_manager.block_table(s.seq.seq_id), dtype=torch.long)
@@ -75,6 +76,7 @@ class PrefillBridge:
                 self.sender.finish(dest.transfer_id)
                 closed.append(s.seq.seq_id)
                 del self.dests[s.seq.seq_id]
+                self.sent_upto.pop(s.seq.seq_id, None)
         return closed
 
     def _save(self, runner, layer: int, ranges) -> None:

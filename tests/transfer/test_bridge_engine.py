@@ -61,7 +61,8 @@ def test_tcp_push_matches_collocated(tiny_model_dir, reference, layerwise, wire_
     receiver = KVReceiverServer(d.runner.kv_caches)
     p.bridge = PrefillBridge(TcpKVSender(wire_mode), p.model_config.num_hidden_layers, layerwise)
     try:
-        for i, prompt in enumerate(PROMPTS):
+        # the repeat: P caches a longer prefix (blocks of 4) than D (blocks of 8); D must still get the gap
+        for i, prompt in enumerate(PROMPTS + PROMPTS[2:]):
             assert disaggregated(p, d, receiver, tok.encode(prompt), layerwise, rid=f"r{i}") == ref[prompt]
     finally:
         receiver.close()
@@ -99,6 +100,25 @@ def test_shm_push_matches_collocated(tiny_model_dir, reference, layerwise):
     finally:
         receiver.close()
         p.bridge.sender.close()
+
+
+def test_nixl_push_matches_collocated(tiny_model_dir, reference):
+    """NIXL WRITE into a decode engine with another block size; incremental on the repeat."""
+    pytest.importorskip("nixl_cu12")
+    from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
+
+    ref, tok = reference
+    p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8)
+    receiver = NixlKVReceiver(d.runner.kv_caches)
+    p.bridge = PrefillBridge(NixlKVSender(), p.model_config.num_hidden_layers, layerwise=True)
+    try:
+        for i, prompt in enumerate(PROMPTS + PROMPTS[2:]):
+            assert disaggregated(p, d, receiver, tok.encode(prompt), rid=f"n{i}") == ref[prompt]
+        assert p.bridge.sender.nixl_bytes > 0 and p.bridge.sender.nixl_fallbacks == 0
+    finally:
+        receiver.close()
+        p.bridge.sender.close()
+    assert p.num_free_blocks == p.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("wire_mode", ["int8", "fp8"])
