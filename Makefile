@@ -28,7 +28,7 @@ serve: setup
 	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port $(PORT)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/engine.py
