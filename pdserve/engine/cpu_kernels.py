@@ -18,6 +18,7 @@ _failed = False
 
 
 _SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp")
+_HEADERS = ("pool.h",)  # part of the cache key, not compiled on their own
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
@@ -31,7 +32,7 @@ def _default_cache_dir(srcs: list[str]) -> str:
     import torch
 
     h = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{_CFLAGS}".encode())
-    for path in srcs:
+    for path in srcs + [os.path.join(os.path.dirname(srcs[0]), hd) for hd in _HEADERS]:
         with open(path, "rb") as f:
             h.update(f.read())
     return os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels", h.hexdigest()[:12])

@@ -7,6 +7,8 @@
 // are the very same numbers: w = d * q + m, with d, m the block's fp16 scales.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <c10/util/Half.h>
 
 #if defined(__AVX2__) || defined(__F16C__)
@@ -167,11 +169,11 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64
     }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 8, "unsupported GGUF type ", qtype);
+  pds::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (qtype == 2) rows<2>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
     else if (qtype == 3) rows<3>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
-    else if (qtype == 8) rows<8>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
-    else TORCH_CHECK(false, "unsupported GGUF type ", qtype);
+    else rows<8>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
   });
   return out;
 }

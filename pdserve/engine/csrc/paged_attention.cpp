@@ -9,6 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "pool.h"
+
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
@@ -106,7 +108,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  pds::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores;
     std::vector<const T*> krows;
     for (int64_t idx = begin; idx < end; ++idx) {
