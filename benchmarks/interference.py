@@ -138,7 +138,9 @@ def parse_args(argv=None):
     p.add_argument("--lock", default="/tmp/pdserve-measure.lock", help="flock'ed around each config ('' off)")
     p.add_argument("--max-load", type=float, default=3.0,
                    help="before each config, wait for the 1-min load average to drop below this ...")
-    p.add_argument("--max-wait", type=float, default=180.0, help="... for at most this many s (then run anyway)")
+    p.add_argument("--lock-each", action="store_true",
+                   help="take --lock for each config instead of once for the whole run (~10 min)")
+    p.add_argument("--max-wait", type=float, default=60.0, help="... for at most this many s (then run anyway)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--src", default="HEAD",
                    help="git ref whose committed tree the servers run (a clean copy), or 'worktree' for this tree")
@@ -215,7 +217,7 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
     print(f"\n== {cfg['name']}: {cfg['label']}", flush=True)
     for c in server.cmds:
         print("   $ " + " ".join(c), flush=True)
-    with measurement_lock(args.lock):
+    with measurement_lock(args.lock if args.lock_each else ""):
         if server.cwd != REPO:
             build_kernels(server.cwd, server.env)
         wait_for_quiet(args.max_load, args.max_wait)
@@ -289,11 +291,12 @@ def main(argv=None) -> int:
     print(f"workload: {json.dumps(dataclasses.asdict(workload))}, seed {args.seed}, "
           f"goodput SLOs {' '.join(args.goodput)} ms")
     results = {}
-    for name in names:
-        try:
-            results[name] = run_config(configs[name], requests, workload, args, tokens)
-        except (RuntimeError, TimeoutError) as e:
-            print(f"   {name} failed: {e}", file=sys.stderr)
+    with measurement_lock("" if args.lock_each else args.lock):  # the configs compared under one load
+        for name in names:
+            try:
+                results[name] = run_config(configs[name], requests, workload, args, tokens)
+            except (RuntimeError, TimeoutError) as e:
+                print(f"   {name} failed: {e}", file=sys.stderr)
     print("\n" + format_table(results, _slos(args.goodput)))
     return 0 if len(results) == len(names) else 1
 

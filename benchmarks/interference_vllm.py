@@ -90,7 +90,8 @@ def main(argv=None) -> int:
                    "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")})
     server = ServerProcess([], os.path.join(args.out_dir, "vllm.log"), max(args.startup_timeout, 600), cmd=cmd, env=env)
     try:
-        interference.run_config(cfg, requests, workload, args, tokens, server=server)
+        with interference.measurement_lock(args.lock):
+            interference.run_config(cfg, requests, workload, args, tokens, server=server)
     except (RuntimeError, TimeoutError) as e:
         print(f"vllm run failed: {e}", file=sys.stderr)
         return 1
