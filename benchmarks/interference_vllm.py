@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     requests = datasets.mixed(workload, tokens, seed=args.seed, range_ratio=args.range_ratio)  # the very requests interference.py sends
     cores = sorted(os.sched_getaffinity(0))[:own.vllm_threads]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=own.kvcache_space_gib,
-               VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)), OMP_NUM_THREADS=str(own.vllm_threads))
+               VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}", OMP_NUM_THREADS=str(own.vllm_threads))
     max_len = max(4096, workload.long_input_len + workload.long_output_len + 64)
     cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", SERVED_NAME,
            "--host", "127.0.0.1", "--port", "{port}", "--dtype", own.vllm_dtype, "--max-model-len", str(max_len),
