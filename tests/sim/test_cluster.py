@@ -152,3 +152,17 @@ def test_layerwise_transfer_of_chunked_prefill_overlaps_every_chunk():
     gap = c.run(reqs)["itls"][0][0] - 0.025  # second token: exposed transfer + one decode step
     whole_s = 16000 * KV_70B / 4e9
     assert gap < whole_s / 2
+
+
+def test_roofline_pool_holds_what_the_planner_says_fits():
+    """KV blocks of a 70B instance on 4 H100s: memory left after the weights at 90% utilisation,
+    over the KV bytes each GPU keeps per token (8 KV heads split 4 ways)."""
+    from pdserve.sim.deploy import Hardware
+
+    pool = Hardware("llama-3-70b", "h100").pool(8, 4, 16, SchedulerConfig())
+    weights_per_gpu = 70.55e9 * 2 / 4
+    free = 80 * 2**30 * 0.9 - weights_per_gpu
+    assert pool.num_blocks == pytest.approx(free / (KV_70B / 4) / 16, rel=0.02)
+    assert (pool.count, pool.gpus_per_instance) == (8, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        Hardware("llama-3-70b", "h100").pool(1, 1, 16, SchedulerConfig())
