@@ -60,13 +60,17 @@ CONFIGS: dict[str, dict] = {
         pools={"prefill": 1, "decode": 1}, pinned=True, cores={"prefill": [0], "decode": [1]},
         kv_transfer="shm, layer-wise push", worker_timeout_s=120.0, kv_timeout_s=900.0),
 }
+# Engine settings every config leaves at pdserve's defaults (here for the simulator to mirror).
+ENGINE_DEFAULTS = dict(block_size=16, max_num_seqs=64, enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30,
+                       dtype="auto (float32 on an AVX2-only CPU, bfloat16 with AVX512-BF16/AMX)",
+                       model="embedded SmolLM2-135M-Instruct Q4_1 GGUF")
 # chunk_size_tokens is the engine's --long-prefill-token-threshold: the largest slice of one
 # prompt per step; the rest of the step's budget goes to other sequences (decodes, short prompts).
 
 
 def resolve_config(name: str, workload: datasets.MixedConfig, chunk_size_tokens: int | None = None) -> dict:
     """CONFIGS[name] with every number filled in for this workload."""
-    cfg = dict(CONFIGS[name], name=name)
+    cfg = dict(ENGINE_DEFAULTS, **CONFIGS[name], name=name)
     if chunk_size_tokens is not None and cfg["enable_chunked_prefill"]:
         cfg["chunk_size_tokens"] = chunk_size_tokens
         cfg["max_num_batched_tokens"] = max(cfg["max_num_batched_tokens"], 2 * chunk_size_tokens)
