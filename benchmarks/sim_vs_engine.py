@@ -67,12 +67,15 @@ def calibrate(args, threads: int) -> None:
 
 
 def sim_requests(doc: dict, measured: dict) -> list[SimRequest]:
-    """The workload's requests, each sent when the measured run sent it."""
+    """The requests the measured run sent (`request_indices` into workload.json, all when absent),
+    each sent when it was sent there."""
     starts = measured["start_times"]
+    indices = measured.get("request_indices") or list(range(len(starts)))
     out = []
-    for i, r in enumerate(doc["requests"]):
+    for k, (i, t) in enumerate(zip(indices, starts)):
+        r = doc["requests"][i]
         n = int(r["prompt_tokens"])
-        out.append(SimRequest(i, n, int(r["output_tokens"]), float(starts[i]), r.get("kind", "default"),
+        out.append(SimRequest(k, n, int(r["output_tokens"]), float(t), r.get("kind", "default"),
                               token_ids=[-1 - i] * n))
     return out
 
@@ -134,10 +137,13 @@ def main(argv=None) -> int:
             measured = json.load(f)
         predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput)
         rows = compare(measured, predicted)
-        report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu")}
+        report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu"),
+                        "model": measured.get("model_id"), "requests": len(measured["start_times"])}
         print(format_rows(name, rows), flush=True)
     for name, r in report.items():
-        print(f"{name}: measured under load {r['load_before']}, cpu {json.dumps(r['cpu'])}")
+        cpu = {k: v for k, v in (r["cpu"] or {}).items() if not isinstance(v, list)}
+        print(f"{name}: {r['requests']} requests of {r['model']}; measured under load {r['load_before']}, "
+              f"cpu {json.dumps(cpu)}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
