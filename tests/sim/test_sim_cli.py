@@ -79,3 +79,15 @@ def test_workload_json_replays_a_closed_loop_of_chats(tmp_path, capsys):
     assert rc == 0 and res["completed"] == 13
     assert res["by_tag"]["chat"]["max_concurrent_requests"] <= 3
     assert sorted(res["start_times"])[3] > 0  # the 4th chat waited for a slot
+
+
+def test_sim_runs_without_torch():
+    """Only --calibrate needs the engine's model; the simulator itself must start without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, io, contextlib\nfrom pdserve.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = main(['sim', '--scenario', 'seed-000-6.1', '--model', 'llama-3-8b', '--mode', 'chunked'])\n"
+            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
