@@ -169,24 +169,48 @@ def _busy_s() -> float:
 
 
 class TreeCpu:
-    """CPU seconds the server's processes, this client and everyone else took during a run.
+    """CPU seconds the server's processes, this client and everyone else took during a run,
+    in total and per `every_s` interval (a stall that lines up with a burst of others' CPU
+    is the machine's load, not the deployment's interference).
 
     A run in which others took a large share measured the machine's load as much as
     the deployment; the share is written next to the numbers."""
 
-    def __init__(self, server_sids: list[int]):
+    def __init__(self, server_sids: list[int], every_s: float = 1.0):
+        import threading
+
         self.pids = [pid for sid in server_sids for pid in _session_pids(sid)]
+        self.every_s = every_s
+        self.trace: list[tuple[float, float]] = []  # (s since start, others' share of the machine)
+        self._stop = threading.Event()
         self.t0 = time.perf_counter()
-        self.busy0, self.server0, self.me0 = _busy_s(), _cpu_s(self.pids), time.process_time()
+        self.first = self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        return time.perf_counter(), _busy_s(), _cpu_s(self.pids), time.process_time()
+
+    def _loop(self) -> None:
+        last = self.first
+        ncpu = len(os.sched_getaffinity(0))
+        while not self._stop.wait(self.every_s):
+            now = self._sample()
+            wall = now[0] - last[0]
+            others = (now[1] - last[1]) - (now[2] - last[2]) - (now[3] - last[3])
+            self.trace.append((round(now[0] - self.t0, 2), round(max(0.0, others) / (wall * ncpu), 3)))
+            last = now
 
     def stop(self) -> dict:
-        wall = time.perf_counter() - self.t0
-        server = _cpu_s(self.pids) - self.server0
-        me = time.process_time() - self.me0
-        others = max(0.0, _busy_s() - self.busy0 - server - me)
+        self._stop.set()
+        self._thread.join()
+        end = self._sample()
+        wall, busy, server, me = (end[i] - self.first[i] for i in range(4))
+        others = max(0.0, busy - server - me)
         ncpu = len(os.sched_getaffinity(0))
         return {"wall_s": round(wall, 1), "server_cpu_s": round(server, 1), "client_cpu_s": round(me, 1),
-                "others_cpu_s": round(others, 1), "others_share_of_machine": round(others / (wall * ncpu), 3)}
+                "others_cpu_s": round(others, 1), "others_share_of_machine": round(others / (wall * ncpu), 3),
+                "others_share_trace": self.trace}
 
 
 def warm_up(url: str, tokens, n_tokens: int = 300) -> None:
@@ -235,6 +259,8 @@ def format_table(results: dict[str, dict], slos_ms: dict[str, float]) -> str:
     for name, res in results.items():
         cells = [name] + [_cell(res, *c[1:], c[0]) for c in _COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    # the SLOs the results were scored at (a saved result keeps its own)
+    slos_ms = next((r["goodput_slos_ms"] for r in results.values() if r.get("goodput_slos_ms")), slos_ms)
     slo = " ".join(f"{k}:{v:g}" for k, v in slos_ms.items())
     lines.append(f"\nTPOT and ITL: chat requests only (ms); TTFT: all requests unless marked; "
                  f"goodput and SLO attainment at {slo} ms; others' CPU: share of the machine that "
