@@ -57,7 +57,10 @@ CONFIGS: dict[str, dict] = {
     "disaggregated": dict(
         label="(c) disaggregated, 1 prefill + 1 decode, 1 thread each", mode="disaggregated", threads=1,
         enable_chunked_prefill=True, chunk_size_tokens=128, max_num_batched_tokens=2048,
-        pools={"prefill": 1, "decode": 1}, pinned=True, cores={"prefill": [0], "decode": [1]},
+        pools={"prefill": 1, "decode": 1}, pinned=True,
+        # the router relays every token and the client reads them: both share the prefill
+        # worker's core, so the decode worker's core runs the decode worker only
+        cores={"prefill": [0], "decode": [1], "router": [0], "client": [0]},
         kv_transfer="shm, layer-wise push", worker_timeout_s=120.0, kv_timeout_s=900.0),
 }
 # Engine settings every config leaves at pdserve's defaults (here for the simulator to mirror).
@@ -100,7 +103,9 @@ def server_commands(cfg: dict, model: str | None) -> tuple[list[str], list[list[
     if cfg["mode"] == "collocated":
         return py + ["serve", "--mode", "collocated", "--host", "127.0.0.1", "--port", "{port}",
                      *_engine_flags(cfg, model)], []
-    router = py + ["router", "--host", "127.0.0.1", "--port", "{port}", "--policy", "cache_aware",
+    pin = (lambda who: ["taskset", "-c", ",".join(map(str, cfg["cores"][who]))]
+           if cfg["pinned"] and who in cfg.get("cores", {}) else [])
+    router = pin("router") + py + ["router", "--host", "127.0.0.1", "--port", "{port}", "--policy", "cache_aware",
                    "--kv-mode", "push", "--worker-timeout-s", str(cfg["worker_timeout_s"]),
                    "--kv-timeout-s", str(cfg["kv_timeout_s"])] + (["--model", model] if model else [])
     workers = []
@@ -202,6 +207,19 @@ def measurement_lock(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def client_cores(cfg: dict):
+    """Pin this process (the benchmark client) where the config says, for the run."""
+    cores = cfg.get("cores", {}).get("client") if cfg.get("pinned") else None
+    before = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, set(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
     """Other engineers' tests do not take the measurement lock: give them a moment to finish."""
     t0 = time.monotonic()
@@ -226,7 +244,7 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
             build_kernels(server.cwd, server.env)
         wait_for_quiet(args.max_load, args.max_wait)
         load_before = load_str()
-        with server:
+        with server, client_cores(cfg):
             warm_up(server.url, tokens)
             cpu = TreeCpu(server.pids)
             result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),
