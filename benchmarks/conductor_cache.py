@@ -1,0 +1,123 @@
+"""cache_aware vs round_robin on 2 prefill workers + 1 decode, in one run (issue 5).
+
+Workload: a scaled replay of conversations from the Mooncake conversation
+trace. Each selected conversation's turns share their prefix (turn k+1's hash
+ids extend turn k's); the same hash id is the same `--block-tokens` tokens
+everywhere (pdserve/bench/datasets.py's mooncake loader), so a prefill worker
+that served turn k caches most of turn k+1. The first `--conversations`
+conversations of the trace with at least `--min-turns` turns are kept (their
+first `--max-turns` turns), in trace order, sent at `--request-rate` (Poisson):
+the trace's own gaps (minutes between turns) would make the run hours long.
+
+Reported per policy: the prefill workers' prefix-cache hit rate (hit tokens /
+looked-up tokens, from their own counters) and mean TTFT from the client.
+
+    flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/conductor_cache.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.conductor_common import Deployment, load_str  # noqa: E402
+from pdserve.bench import datasets  # noqa: E402
+from pdserve.bench.runner import run_benchmark  # noqa: E402
+from pdserve.bench.tokens import TokenSource  # noqa: E402
+
+TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "traces",
+                     "mooncake_conversation_trace.jsonl")
+
+
+def select_conversations(path: str, conversations: int, min_turns: int, max_turns: int,
+                         max_input_tokens: int) -> list[dict]:
+    """Trace records of the first conversations with >= min_turns turns, in trace order.
+
+    A conversation's turns share their first hash ids (hash 0 is the system prompt
+    every request shares; the next one is the conversation's first turn); a turn's
+    last block is partial, so the next turn re-hashes it and only a prefix matches."""
+    chains: dict[tuple, list[dict]] = {}
+    for line in open(path):
+        if line.strip():
+            r = json.loads(line)
+            chains.setdefault(tuple(r["hash_ids"][:3]), []).append(r)
+    keep = [c[:max_turns] for c in chains.values()
+            if len(c) >= min_turns and max(t["input_length"] for t in c[:max_turns]) <= max_input_tokens]
+    keep = keep[:conversations]
+    return sorted((t for c in keep for t in c), key=lambda t: t["timestamp"])
+
+
+def run_policy(policy: str, requests, args) -> dict:
+    engine = ["--block-size", str(args.block_size), "--max-model-len", "4096"]
+    with Deployment(2, 1, model=args.model, router_args=["--policy", policy], worker_args=engine) as dep:
+        before = dep.worker_stats("prefill")
+        res = run_benchmark(requests, dep.url, request_rate=args.request_rate, use_trace_times=False,
+                            ignore_eos=True, seed=args.seed, timeout_s=600)
+        time.sleep(1.5)  # one heartbeat carries the final counters
+        after = dep.worker_stats("prefill")
+        q = sum(s["prefix_cache_queries_tokens"] for s in after) - sum(s["prefix_cache_queries_tokens"] for s in before)
+        h = sum(s["prefix_cache_hits_tokens"] for s in after) - sum(s["prefix_cache_hits_tokens"] for s in before)
+        return {"policy": policy, "hit_rate": h / q if q else 0.0, "hit_tokens": h, "query_tokens": q,
+                "mean_ttft_ms": res["mean_ttft_ms"], "median_ttft_ms": res["median_ttft_ms"],
+                "p99_ttft_ms": res.get("p99_ttft_ms"), "completed": res["completed"], "failed": res["failed"],
+                "duration_s": res["duration"], "conductor": dep.conductor()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--trace", default=os.path.normpath(TRACE))
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--min-turns", type=int, default=3)
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--max-input-tokens", type=int, default=12000, help="trace tokens (before scaling)")
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id (the trace's is 512)")
+    p.add_argument("--output-scale", type=float, default=0.02)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"])
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args()
+
+    from pdserve.engine.loader import default_model_path, load_model_info
+
+    vocab = load_model_info(args.model or default_model_path()).config.vocab_size
+    recs = select_conversations(args.trace, args.conversations, args.min_turns, args.max_turns,
+                                args.max_input_tokens)
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    try:
+        requests = datasets.mooncake(f.name, len(recs), TokenSource(vocab_size=vocab), seed=args.seed,
+                                     scaling=datasets.MooncakeScaling(block_tokens=args.block_tokens,
+                                                                      output_scale=args.output_scale))
+    finally:
+        os.unlink(f.name)
+    mean_in = sum(r.prompt_len for r in requests) / len(requests)
+    mean_out = sum(r.output_len for r in requests) / len(requests)
+    print(f"{len(requests)} requests from {args.conversations} conversations, mean {mean_in:.0f} prompt / "
+          f"{mean_out:.1f} output tokens, {args.request_rate} req/s; load before: {load_str()}", flush=True)
+    results = []
+    for policy in args.policies:
+        r = run_policy(policy, requests, args)
+        results.append(r)
+        print(f"{policy:12s} hit rate {r['hit_rate']:.3f} ({r['hit_tokens']}/{r['query_tokens']} tokens)  "
+              f"mean TTFT {r['mean_ttft_ms']:.0f} ms  median {r['median_ttft_ms']:.0f} ms  "
+              f"completed {r['completed']} failed {r['failed']}  load {load_str()}", flush=True)
+    if len(results) == 2:
+        a, b = results
+        print(f"{b['policy']} / {a['policy']}: hit rate x{b['hit_rate'] / max(a['hit_rate'], 1e-9):.2f}, "
+              f"mean TTFT x{b['mean_ttft_ms'] / a['mean_ttft_ms']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

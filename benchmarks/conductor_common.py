@@ -1,0 +1,110 @@
+"""A router + prefill + decode workers deployment for the conductor benchmarks.
+
+Real processes on 127.0.0.1 free ports, one thread each (the machine's cores are
+shared); stopped (SIGTERM, then SIGKILL) on exit, whatever happened.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    def __init__(self, prefill: int, decode: int, *, model: str | None = None, router_args=(), worker_args=(),
+                 startup_timeout_s: float = 300.0):
+        self.model_args = ["--model", model] if model else []
+        self.router_args, self.worker_args = list(router_args), list(worker_args)
+        self.prefill, self.decode, self.startup_timeout_s = prefill, decode, startup_timeout_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.procs: list[tuple[str, subprocess.Popen, object]] = []
+
+    def _start(self, name: str, *args: str) -> None:
+        log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        self.procs.append((name, p, log))
+
+    def __enter__(self) -> "Deployment":
+        try:
+            self._start("router", "router", *self.model_args, "--host", "127.0.0.1", "--port", str(self.port),
+                        "--log-level", "warning", *self.router_args)
+            for role, n in (("prefill", self.prefill), ("decode", self.decode)):
+                for i in range(n):
+                    self._start(f"{role}{i}", "worker", "--role", role, *self.model_args, "--router", self.url,
+                                "--worker-id", f"{role}{i}", "--threads", "1", "--log-level", "warning",
+                                *self.worker_args)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            for name, p, _ in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
+            try:
+                ws = self.status()["workers"]
+                roles = [w["role"] for w in ws if w["alive"]]
+                if roles.count("prefill") >= self.prefill and roles.count("decode") >= self.decode:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("workers did not register:\n" + "\n".join(self.log(n) for n, _, _ in self.procs))
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/internal/workers", timeout=10).json()
+
+    def conductor(self) -> dict:
+        return httpx.get(self.url + "/internal/conductor", timeout=10).json()
+
+    def worker_stats(self, role: str) -> list[dict]:
+        return [w["stats"] or {} for w in self.status()["workers"] if w["role"] == role]
+
+    def log(self, name: str) -> str:
+        for n, _, f in self.procs:
+            if n == name:
+                f.flush()
+                f.seek(0)
+                return f"--- {name}\n" + f.read().decode(errors="replace")[-3000:]
+        return ""
+
+    def stop(self) -> None:
+        for _, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p, _ in reversed(self.procs):
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+
+
+def load_str() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
