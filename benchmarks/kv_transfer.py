@@ -58,24 +58,86 @@ def caches_flat(numel: int, shm_dir: str):
     return map_shared_cache([path], [numel], "float32")[0], [path]
 
 
-def one_transfer(sender, receiver, kv, tokens: int, block: int, tid: str, paths, pull=False) -> float:
-    dest = KVDestination(tid, receiver.address, list(range(tokens // block + 1)), block, 0, tokens,
+class ReceiverProcess:
+    """The decode side in a process of its own, as a decode worker is: with the
+    receiver in the sender's process, three Python threads would share one GIL and
+    the benchmark would charge the transport for that. Commands go as JSON lines."""
+
+    def __init__(self, kind: str, num_blocks: int, block: int, shm_paths: list[str]):
+        import subprocess
+
+        spec = json.dumps({"kind": kind, "num_blocks": num_blocks, "block": block, "paths": shm_paths})
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver-child", spec],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.address = self._read()
+
+    def _read(self) -> str:
+        line = self.proc.stdout.readline().strip()
+        if not line or line.startswith("error"):
+            raise RuntimeError(f"receiver process: {line or 'exited'}")
+        return line
+
+    def call(self, **cmd) -> str:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def receiver_child(spec: str) -> None:
+    torch.set_num_threads(1)
+    cfg = json.loads(spec)
+    shape = [cfg["num_blocks"], cfg["block"], HEADS, DIM]
+    if cfg["paths"]:
+        from pdserve.transfer.sender import map_shared_cache
+
+        maps = map_shared_cache(cfg["paths"], shape, "float32")
+        kv = [(maps[2 * i], maps[2 * i + 1]) for i in range(LAYERS)]
+    else:
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)]
+    if cfg["kind"] == "nixl":
+        from pdserve.transfer.nixl import NixlKVReceiver
+
+        rx = NixlKVReceiver(kv)
+    else:
+        rx = KVReceiverServer(kv, scheme=cfg["kind"])
+    print(rx.address, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "expect":
+                dest = KVDestination.from_json(cmd["dest"])
+                rx.expect(dest, torch.arange(dest.start_token, dest.num_tokens), LAYERS, deadline_s=60)
+                if dest.pull:
+                    rx.pull(cmd["pull_from"], dest.transfer_id)
+            elif cmd["op"] == "done":
+                rx.wait_for_all(cmd["tid"], 60)
+                rx.cancel(cmd["tid"])
+            print("ok", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            print(f"error {e}", flush=True)
+    rx.close()
+
+
+def one_transfer(sender, rx: ReceiverProcess, tokens: int, block: int, tid: str, paths, pull=False) -> float:
+    """Seconds from the first layer handed to the sender to the receiver acknowledging all."""
+    dest = KVDestination(tid, rx.address, list(range(tokens // block + 1)), block, 0, tokens,
                          pull=pull, shm_paths=paths, shm_shape=[tokens // block + 1, block, HEADS, DIM],
                          shm_dtype="float32" if paths else "")
-    slots = torch.arange(tokens)
-    receiver.expect(dest, slots, LAYERS, deadline_s=60)
+    rx.call(op="expect", dest=dest.to_json(), pull_from=getattr(sender, "address", ""))
     k = torch.randn(tokens, HEADS, DIM)
+    v = torch.randn(tokens, HEADS, DIM)
     t0 = time.perf_counter()
-    if pull:
-        receiver.pull(sender.address, tid)
     sender.begin(dest, LAYERS)
     for layer in range(LAYERS):
-        sender.save_layer(tid, layer, 0, k, k)
+        sender.save_layer(tid, layer, 0, k, v)
     sender.finish(tid)
-    receiver.wait_for_all(tid, 60)
+    sender.wait_for_save(tid, 60)  # the receiver acknowledges once it holds every layer
     dt = time.perf_counter() - t0
-    sender.wait_for_save(tid, 60)
-    receiver.cancel(tid)
+    rx.call(op="done", tid=tid)
     return dt
 
 
@@ -126,33 +188,32 @@ def bandwidth(tokens: int, reps: int) -> dict:
     del shm_dst, anon
     print(f"memcpy of {nbytes / 1e6:.0f} MB: into /dev/shm {nbytes / memcpy / 1e9:.2f} GB/s, "
           f"anonymous memory {nbytes / anon_memcpy / 1e9:.2f} GB/s")
-    kv, paths = caches(tokens // block + 1, block, "/dev/shm")
-    rx = KVReceiverServer(kv, scheme="shm")
+    nb = tokens // block + 1
+    _, paths = caches(nb, block, "/dev/shm")  # the decode cache files; the receiver process maps them
+    rx = ReceiverProcess("shm", nb, block, paths)
     # one sender maps the decode cache once, as a prefill worker does; the first pass
     # also pays the page faults of a fresh mapping, so it is a warm-up, not a sample
     sender = ShmKVSender()
-    shm = min(one_transfer(sender, rx, kv, tokens, block, f"s{i}", paths) for i in range(reps + 1))
+    shm = min(one_transfer(sender, rx, tokens, block, f"s{i}", paths) for i in range(reps + 1))
     sender.close()
     rx.close()
     _unlink(paths)
     out["shm"] = (nbytes / shm / 1e9, nbytes / memcpy / 1e9)
-    kv, _ = caches(tokens // block + 1, block)
-    rx = KVReceiverServer(kv)
+    rx = ReceiverProcess("tcp", nb, block, [])
     sock = min(raw_socket_s(nbytes, per_layer // 2) for _ in range(reps))
     tcp = TcpKVSender()
-    push = min(one_transfer(tcp, rx, kv, tokens, block, f"t{i}", []) for i in range(reps + 1))
+    push = min(one_transfer(tcp, rx, tokens, block, f"t{i}", []) for i in range(reps + 1))
     exp = PullKVExporter()
-    pull = min(one_transfer(exp, rx, kv, tokens, block, f"p{i}", [], pull=True) for i in range(reps + 1))
+    pull = min(one_transfer(exp, rx, tokens, block, f"p{i}", [], pull=True) for i in range(reps + 1))
     out["tcp push"] = (nbytes / push / 1e9, nbytes / sock / 1e9)
     out["tcp pull"] = (nbytes / pull / 1e9, nbytes / sock / 1e9)
     for x in (rx, tcp, exp):
         x.close()
-    from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender, nixl_available
+    from pdserve.transfer.nixl import NixlKVSender, nixl_available
 
     if nixl_available():  # UCX over TCP on this host: its raw limit is the plain socket
-        kv, _ = caches(tokens // block + 1, block)
-        rx, nx = NixlKVReceiver(kv), NixlKVSender()
-        write = min(one_transfer(nx, rx, kv, tokens, block, f"n{i}", []) for i in range(reps + 1))
+        rx, nx = ReceiverProcess("nixl", nb, block, []), NixlKVSender()
+        write = min(one_transfer(nx, rx, tokens, block, f"n{i}", []) for i in range(reps + 1))
         out["nixl write"] = (nbytes / write / 1e9, nbytes / sock / 1e9)
         nx.close()
         rx.close()
@@ -239,6 +300,8 @@ def _unlink(paths):
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--receiver-child":
+        return receiver_child(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=3)

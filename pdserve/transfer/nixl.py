@@ -40,6 +40,8 @@ from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import TcpKVSender, _host_port, destination_slots
 
 log = logging.getLogger("pdserve.transfer")
+# NIXL configures its logger at import, INFO lines to stdout: quiet it before anything imports it
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 def nixl_available() -> bool:
@@ -56,7 +58,6 @@ def make_agent(prefix: str):
     os.environ.setdefault("UCX_TLS", "tcp")
     if not os.path.isdir("/sys/class/infiniband"):
         os.environ.setdefault("UCX_MODULES", "^ib")  # libibverbs without RDMA hardware crashes at exit
-    logging.getLogger("nixl").setLevel(logging.WARNING)
     from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
