@@ -142,11 +142,13 @@ def build(args, port: int):
 async def _register_loop(args, worker_id, url, role, api, holder) -> None:
     import httpx
 
+    from pdserve.server.errors import APIError
     from pdserve.server.kv_publisher import KVEventPublisher
 
     kv_pub = KVEventPublisher()
     async with httpx.AsyncClient(base_url=args.router, timeout=5) as client:
         registered = False
+        pending, last_live = None, {}
         while True:
             try:
                 if not registered:
@@ -158,16 +160,29 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                         "kv_export_address": exporter.address if exporter else "", "host": socket.gethostname()})
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
-                (events, block_size, cached), live = await api.engine.call(_heartbeat_fn(kv_pub, holder))
-                r = await client.post("/internal/heartbeat", json={
-                    "worker_id": worker_id, "stats": {**(api.engine.stats or {}), "kv_block_size": block_size,
-                                                      **holder.get("calibration", {}), **live},
-                    "kv_events": kv_pub.payload(events, cached)})
+                # The engine thread answers between steps; one long prefill step (seconds on a
+                # busy CPU) must not make the router think this worker died. So the beat goes
+                # out on time with the last stats, and the KV events follow with a later beat:
+                # the call stays pending (its events are numbered only once they are sent).
+                if pending is None:
+                    pending = asyncio.ensure_future(api.engine.call(_heartbeat_fn(kv_pub, holder)))
+                await asyncio.wait({pending}, timeout=args.heartbeat_s / 2)
+                body = {"worker_id": worker_id}
+                if pending.done():
+                    done, pending = pending, None
+                    (events, block_size, cached), last_live = done.result()
+                    last_live["kv_block_size"] = block_size
+                    body["kv_events"] = kv_pub.payload(events, cached)
+                body["stats"] = {**(api.engine.stats or {}), **holder.get("calibration", {}), **last_live}
+                r = await client.post("/internal/heartbeat", json=body)
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
-                kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
+                if "kv_events" in body:
+                    kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
             except (httpx.HTTPError, OSError) as e:
                 registered = False
                 log.debug("router unreachable: %s", e)
+            except APIError as e:  # the engine is loading or failed: /health says so; keep beating
+                log.debug("heartbeat without engine stats: %s", e)
             await asyncio.sleep(args.heartbeat_s)
 
 
