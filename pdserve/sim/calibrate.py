@@ -19,10 +19,11 @@ from pdserve.sim.latency import ProfileLatency, StepShape, chunk_attention
 
 # Batches of the size a CPU engine serves (up to 8 sequences, prompts up to 2,048 tokens): the
 # engine's kernels change regime with the batch, so a fit is only good where it was measured.
-PREFILL_LENGTHS = (32, 128, 512, 1024, 2048)
-DECODE_GRID = ((1, 64), (2, 64), (4, 64), (6, 64), (8, 64), (1, 512), (2, 512), (4, 512))
+# (2,048-token prompts are measured joining a batch and in chunks; alone they only cost time)
+PREFILL_LENGTHS = (32, 128, 512, 1024)
+DECODE_GRID = ((1, 64), (2, 64), (4, 64), (6, 64), (8, 64), (1, 512), (4, 512))
 MIXED_GRID = ((2, 256), (4, 1024), (6, 2048), (6, 512))  # (decode batch, joining prompt tokens)
-CHUNKED_GRID = ((6, 256), (6, 512))  # (decode batch, token budget): a 2,048-token prompt in chunks
+CHUNKED_GRID = ((6, 256),)  # (decode batch, chunk tokens): a 2,048-token prompt in chunks
 DECODE_STEPS = 6
 
 
