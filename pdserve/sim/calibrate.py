@@ -1,9 +1,10 @@
 """`pdserve sim --calibrate`: time our engine's steps on this machine and fit a profile.
 
 The engine (pdserve/engine/llm_engine.py, the embedded SmolLM2 unless told
-otherwise) runs a grid of batches: prompts alone (16 to 2,048 tokens),
-decode batches (1 to 16 sequences at 64 and 512 tokens of context) and
-prompts joining a running decode batch. Every step is timed with a wall
+otherwise) runs a grid of batches: prompts alone (32 to 1,024 tokens),
+decode batches (1 to 8 sequences at 64 and 512 tokens of context), prompts
+joining a running decode batch, and a 2,048-token prompt in chunks beside
+decodes. Every step is timed with a wall
 clock around `LLMEngine.step`, so sampling and bookkeeping are in it, and its
 `StepShape` is read from the sequences' computed-token counts before and
 after. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
