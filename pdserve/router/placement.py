@@ -29,15 +29,13 @@ class Placer:
     """Prefill by `prefill_policy`, decode by KV headroom (seed 000 §5.1)."""
 
     def __init__(self, prefill_policy: str = "cache_aware", index: PrefixIndex | None = None,
-                 alpha: float | None = None, clock=time.monotonic, block_hasher=block_hashes):
+                 alpha: float | None = None, clock=time.monotonic):
         if prefill_policy not in policy.POLICIES:
             raise ValueError(f"policy must be one of {policy.POLICIES}")
         self.name = prefill_policy
         self.index = index or PrefixIndex()
         self.alpha = alpha  # None: adaptive to the prefill pool's load
         self._clock = clock
-        # the simulator passes hashes it computed once per request (a 12K-token prompt is 750 blake2b calls)
-        self._block_hashes = block_hasher
         self._busy_until_s: dict[str, float] = {}
         # decode worker -> {request id: (prompt tokens, max_tokens)} of what this router sent it
         self._decode_booked: dict[str, dict[str, tuple[int, int]]] = {}
@@ -80,7 +78,7 @@ class Placer:
         for w in ps:
             bs = int((w.stats or {}).get("kv_block_size", 0))
             if bs and bs not in hashes:
-                hashes[bs] = self._block_hashes(prompt, bs)
+                hashes[bs] = block_hashes(prompt, bs)
             hit = self.index.hit_ratio(w.worker_id, hashes[bs], bs, len(prompt)) if bs else 0.0
             prefill_s = prefill_cost(w)(len(prompt))
             # the router's own bookings, or what the last heartbeat saw waiting (work other
