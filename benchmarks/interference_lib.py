@@ -227,10 +227,31 @@ def warm_up(url: str, tokens, n_tokens: int = 300) -> None:
             r.raise_for_status()
 
 
+def itl_split_ms(res: dict, pct: float = 99) -> tuple[float | None, float | None]:
+    """The chats' ITL percentile for gaps that overlap a long prompt's prefill (its send to its
+    first token) and for all other gaps: the interference itself, apart from everything else."""
+    import numpy as np
+
+    st, ttft, tags = res["start_times"], res["ttfts"], res["tags"]
+    windows = [(st[i], st[i] + ttft[i]) for i, t in enumerate(tags) if t == "long" and ttft[i]]
+    inside, outside = [], []
+    for i, tag in enumerate(tags):
+        if tag != "chat" or res["errors"][i]:
+            continue
+        end = st[i] + ttft[i]
+        for gap in res["itls"][i]:
+            begin, end = end, end + gap
+            hit = any(a < end and begin < b for a, b in windows)
+            (inside if hit else outside).append(gap * 1000)
+    f = (lambda v: float(np.percentile(v, pct)) if v else None)
+    return f(inside), f(outside)
+
+
 _COLUMNS = [  # header, source ("chat": the chats' summary; "all": every request), key, format
     ("TPOT p50", "chat", "median_tpot_ms", "{:.0f}"), ("TPOT p99", "chat", "p99_tpot_ms", "{:.0f}"),
     ("ITL p50", "chat", "median_itl_ms", "{:.0f}"), ("ITL p99", "chat", "p99_itl_ms", "{:.0f}"),
     ("p99/p50", "chat", None, "{:.1f}x"),
+    ("ITL p99 in / out of a long prefill", "chat", None, None),
     ("TTFT mean", "all", "mean_ttft_ms", "{:.0f}"), ("TTFT p99", "all", "p99_ttft_ms", "{:.0f}"),
     ("chat TTFT p99", "chat", "p99_ttft_ms", "{:.0f}"), ("long TTFT mean", "long", "mean_ttft_ms", "{:.0f}"),
     ("goodput req/s", "all", "request_goodput", "{:.3f}"), ("SLO %", "all", "slo_attainment_pct", "{:.0f}"),
@@ -243,6 +264,9 @@ def _cell(res: dict, src: str, key: str | None, fmt: str | None, header: str) ->
     if header == "p99/p50":
         a, b = part.get("p99_itl_ms"), part.get("median_itl_ms")
         return fmt.format(a / b) if a and b else "-"
+    if header.startswith("ITL p99 in"):
+        inside, outside = itl_split_ms(res)
+        return " / ".join("-" if v is None else f"{v:.0f}" for v in (inside, outside))
     if header == "done/failed":
         return f"{res['completed']}/{res['failed']}"
     if header == "others' CPU":
