@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    # the cores are shared: the load around a run says how far to trust it
+    load_before = os.getloadavg()
+    print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", flush=True)
     batches = (1, 8) if args.quick else (1, 8, 32, 64)
     prefills = (512,) if args.quick else (512, 2048)
     n_work = 16 if args.quick else 64
@@ -154,6 +157,9 @@ def main() -> None:
     record("ready_s (lower=better)", ours_ready, hf_ready)
     print("targets (issue 2, 2 threads):", TARGETS)
     print("cpu capability:", torch.backends.cpu.get_cpu_capability(), "threads:", args.threads)
+    load_after = os.getloadavg()
+    print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    res["load_average"] = {"before": list(load_before), "after": list(load_after)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
