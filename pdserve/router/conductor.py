@@ -122,6 +122,23 @@ def live_scale(model: DecodeCostModel, observed: Sequence[tuple[int, int, float]
     return min(hi, max(lo, ratios[len(ratios) // 2]))
 
 
+def prefill_step_s(model: PrefillCostModel, chunks: Sequence[tuple[int, int]]) -> float:
+    """One step prefilling `chunks` of (tokens already computed, new tokens): the fixed
+    cost once, and for each chunk what D_prefill adds from its start to its end."""
+    a, b, c = model.a_s, model.b_s_per_token, model.c_s_per_token2
+    return a + sum(b * n + c * ((k + n) ** 2 - k ** 2) for k, n in chunks)
+
+
+def live_prefill_scale(model: PrefillCostModel, observed: Sequence[tuple[Sequence[tuple[int, int]], float]],
+                       lo: float = 0.25, hi: float = 8.0) -> float:
+    """Median observed / predicted over live prefill steps ([(computed, new), ...], seconds),
+    bounded to [lo, hi]; 1.0 with no samples. See `live_scale`."""
+    ratios = sorted(s / p for chunks, s in observed if (p := prefill_step_s(model, chunks)) > 0)
+    if not ratios:
+        return 1.0
+    return min(hi, max(lo, ratios[len(ratios) // 2]))
+
+
 # ---------------------------------------------------------------- §5.1 placement
 
 

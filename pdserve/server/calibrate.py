@@ -86,14 +86,17 @@ def calibration_stats(samples: list[tuple[int, float]], reference_tokens: int = 
 
 
 class DecodeStepRecorder:
-    """Times the engine's pure decode steps (every scheduled sequence gets one token):
-    (batch, context tokens in the batch, seconds) into a ring of recent samples.
+    """Times the engine's steps. Pure decode steps (every scheduled sequence gets one
+    token) go to `samples` as (batch, context tokens in the batch, seconds); steps
+    that prefill go to `prefill_samples` as ([(tokens computed before, new tokens)
+    per sequence], seconds). Both are rings of recent samples.
 
     Installed by wrapping the engine's `step` and its scheduler's `schedule`
     (instance attributes, this engine only): the engine stays unaware of it."""
 
     def __init__(self, engine, maxlen: int = LIVE_SAMPLES):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=maxlen)
+        self.prefill_samples: deque[tuple[list[tuple[int, int]], float]] = deque(maxlen=maxlen)
         self._sched = None
         step, schedule = engine.step, engine.scheduler.schedule
 
@@ -107,8 +110,13 @@ class DecodeStepRecorder:
             outputs = step()
             dt = time.perf_counter() - t0
             s = self._sched
-            if s is not None and s.scheduled and all(x.num_new_tokens == 1 for x in s.scheduled):
+            if s is None or not s.scheduled:
+                return outputs
+            if all(x.num_new_tokens == 1 for x in s.scheduled):
                 self.samples.append((len(s.scheduled), sum(x.seq.num_computed_tokens for x in s.scheduled), dt))
+            else:
+                self.prefill_samples.append(
+                    ([(x.seq.num_computed_tokens - x.num_new_tokens, x.num_new_tokens) for x in s.scheduled], dt))
             return outputs
 
         engine.scheduler.schedule = timed_schedule
@@ -154,6 +162,22 @@ def measure_decode(engine, recorder: DecodeStepRecorder, points=DECODE_POINTS,
             bm.reset_prefix_cache()  # the next point must not hit this one's prompt
         recorder.samples.clear()
     return out
+
+
+def prefill_stats(calibration: dict, live: list[tuple[list[tuple[int, int]], float]],
+                  reference_tokens: int = REFERENCE_TOKENS) -> dict:
+    """The start-up D_prefill(L) rescaled by live prefill steps (as the decode model is):
+    a busy machine prefills slower than the idle one calibration saw, and a TTFT
+    prediction from the idle fit would admit what then misses its SLO."""
+    if not calibration.get("prefill_cost_s"):
+        return {}
+    model = conductor.PrefillCostModel(*calibration["prefill_cost_s"])
+    scale = conductor.live_prefill_scale(model, live)
+    m = conductor.PrefillCostModel(model.a_s * scale, model.b_s_per_token * scale, model.c_s_per_token2 * scale)
+    seconds = m(reference_tokens)
+    return {"prefill_cost_s": [m.a_s, m.b_s_per_token, m.c_s_per_token2],
+            "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None,
+            "prefill_live_scale": scale, "prefill_live_samples": len(live)}
 
 
 def decode_stats(model: conductor.DecodeCostModel, live: list[tuple[int, int, float]],

@@ -104,7 +104,7 @@ def build(args, port: int):
                 holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host,
                                                       scheme="shm" if engine.runner.kv_shm_paths else "tcp")
             api.receiver = holder["receiver"]
-            holder["steps"] = DecodeStepRecorder(engine)  # live decode step times for the TPOT model
+        holder["steps"] = DecodeStepRecorder(engine)  # live step times: rescale the cost models
         holder["static"] = {"kv_bytes_per_token": engine.runner.kv_cache_bytes // max(
             1, engine.runner.num_blocks * engine.runner.block_size), "num_layers": engine.model_config.num_hidden_layers,
             "kv_layerwise": bool(args.kv_layerwise), "max_num_seqs": engine.config.scheduler.max_num_seqs}
@@ -128,6 +128,7 @@ def build(args, port: int):
             if len(samples) >= 3:
                 holder["decode_model"] = conductor.fit_decode_cost(samples)
                 log.info("decode calibration: %s from %s", holder["decode_model"], samples)
+        holder["steps"].prefill_samples.clear()  # live rescaling is about traffic, not calibration
         await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder)
 
     async def close():
@@ -192,9 +193,10 @@ def _heartbeat_fn(kv_pub, holder):
     drain = kv_pub.drain_fn()
 
     def fn(engine):
-        from pdserve.server.calibrate import decode_stats
+        from pdserve.server.calibrate import decode_stats, prefill_stats
 
         live = dict(holder.get("static", {}))
+        live.update(prefill_stats(holder.get("calibration", {}), list(holder["steps"].prefill_samples)))
         live["running_context_tokens"] = sum(s.num_tokens for s in engine.scheduler.running)
         if holder.get("decode_model") is not None:
             live.update(decode_stats(holder["decode_model"], holder["steps"].recent(),

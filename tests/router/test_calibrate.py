@@ -1,4 +1,6 @@
 """Start-up prefill calibration on a real (tiny) engine, and what a cluster's router sees of it."""
+import pytest
+
 from pdserve.server.calibrate import calibration_stats, measure_prefill
 
 
@@ -27,6 +29,17 @@ def test_decode_recorder_times_only_pure_decode_steps(tiny_llm):
     # one prefill step (both prompts), then three steps of two one-token decodes
     assert [(b, ctx) for b, ctx, _ in rec.recent()] == [(2, 29 + 1 + 10 + 1), (2, 43), (2, 45)]
     assert all(s > 0 for *_, s in rec.recent())
+    assert [chunks for chunks, _ in rec.prefill_samples] == [[(0, 29), (0, 10)]]
+
+
+def test_prefill_stats_rescale_the_calibration():
+    from pdserve.server.calibrate import prefill_stats
+
+    cal = {"prefill_cost_s": [0.0, 1e-3, 0.0], "prefill_tokens_per_s": 1000.0}
+    assert prefill_stats({}, []) == {}
+    st = prefill_stats(cal, [([(0, 100)], 0.3)])  # three times slower than calibrated
+    assert st["prefill_live_scale"] == pytest.approx(3.0) and st["prefill_cost_s"][1] == pytest.approx(3e-3)
+    assert st["prefill_tokens_per_s"] == pytest.approx(1000.0 / 3)
 
 
 def test_measure_decode_on_tiny_engine_fits_and_leaves_cache_empty(tiny_llm):

@@ -189,3 +189,14 @@ def test_seed000_s3_3_layerwise_exposes_only_the_last_layer():
     assert c.predict_ttft(0.1, 0.2, layerwise) == pytest.approx(0.30555, abs=1e-5)
     with pytest.raises(ValueError):
         c.predict_transfer_s(1, 1, 1, 0.0, True)
+
+
+def test_prefill_step_and_live_prefill_scale():
+    m = c.PrefillCostModel(0.01, 1e-3, 1e-6)
+    # a whole 100-token prompt in one step is D_prefill(100); in two chunks the parts add up
+    assert c.prefill_step_s(m, [(0, 100)]) == pytest.approx(m(100))
+    assert c.prefill_step_s(m, [(0, 60)]) + c.prefill_step_s(m, [(60, 40)]) - m.a_s == pytest.approx(m(100))
+    assert c.live_prefill_scale(m, []) == 1.0
+    live = [([(0, 100)], 2 * m(100)), ([(0, 50), (10, 1)], 2.5 * c.prefill_step_s(m, [(0, 50), (10, 1)])),
+            ([(0, 10)], 0.5 * m(10))]
+    assert c.live_prefill_scale(m, live) == pytest.approx(2.0)
