@@ -35,6 +35,7 @@ from pdserve.sim.deploy import Hardware, Layout, build  # noqa: E402
 from pdserve.sim.latency import ProfileLatency  # noqa: E402
 from pdserve.sim.workload import SimRequest  # noqa: E402
 
+CONTENDED_SHARE = 0.10  # others' share of the machine above which a measured run says little about the engine
 METRICS = (("mean_ttft_ms", 0.10), ("mean_tpot_ms", 0.10), ("p99_ttft_ms", 0.20), ("p99_tpot_ms", 0.20))
 ENGINE_MAX_NUM_SEQS = 64  # SchedulerConfig's default, what the servers ran with
 
@@ -142,8 +143,12 @@ def main(argv=None) -> int:
         print(format_rows(name, rows), flush=True)
     for name, r in report.items():
         cpu = {k: v for k, v in (r["cpu"] or {}).items() if not isinstance(v, list)}
+        share = cpu.get("others_share_of_machine")
+        flag = (f"  <- CONTENDED: other processes took {100 * share:.0f}% of the machine; the profile timed the "
+                f"engine alone, so this row compares against the contention, not the engine"
+                if share is not None and share > CONTENDED_SHARE else "")
         print(f"{name}: {r['requests']} requests of {r['model']}; measured under load {r['load_before']}, "
-              f"cpu {json.dumps(cpu)}")
+              f"cpu {json.dumps(cpu)}{flag}")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
