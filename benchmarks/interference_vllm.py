@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     version = vllm_version(py)
     workload = interference.workload_from(args)
     tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
-    requests = datasets.mixed(workload, tokens, seed=args.seed, range_ratio=args.range_ratio)  # the very requests interference.py sends
+    # the very requests interference.py sends
+    requests = datasets.mixed(workload, tokens, seed=args.seed, range_ratio=args.range_ratio)
     cores = sorted(os.sched_getaffinity(0))[:own.vllm_threads]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=own.kvcache_space_gib,
                VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}", OMP_NUM_THREADS=str(own.vllm_threads))
