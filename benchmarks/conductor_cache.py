@@ -54,6 +54,8 @@ def select_conversations(path: str, conversations: int, min_turns: int, max_turn
 
 def run_policy(policy: str, requests, args) -> dict:
     engine = ["--block-size", str(args.block_size), "--max-model-len", "4096"]
+    if args.kv_blocks:
+        engine += ["--num-gpu-blocks", str(args.kv_blocks)]
     with Deployment(2, 1, model=args.model, router_args=["--policy", policy], worker_args=engine) as dep:
         before = dep.worker_stats("prefill")
         res = run_benchmark(requests, dep.url, request_rate=args.request_rate, use_trace_times=False,
@@ -80,6 +82,9 @@ def main() -> int:
     p.add_argument("--output-scale", type=float, default=0.02)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=0.5)
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: the engine's, far more than this workload needs); "
+                        "a pool smaller than the workload's working set makes placement decide what stays cached")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -100,8 +105,10 @@ def main() -> int:
         os.unlink(f.name)
     mean_in = sum(r.prompt_len for r in requests) / len(requests)
     mean_out = sum(r.output_len for r in requests) / len(requests)
+    unique = len({h for r in recs for h in r["hash_ids"]}) * args.block_tokens
     print(f"{len(requests)} requests from {args.conversations} conversations, mean {mean_in:.0f} prompt / "
-          f"{mean_out:.1f} output tokens, {args.request_rate} req/s; load before: {load_str()}", flush=True)
+          f"{mean_out:.1f} output tokens, {unique} distinct prompt tokens, {args.request_rate} req/s, "
+          f"KV blocks per worker: {args.kv_blocks or 'default'}; load before: {load_str()}", flush=True)
     results = []
     for policy in args.policies:
         r = run_policy(policy, requests, args)
