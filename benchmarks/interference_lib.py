@@ -193,7 +193,7 @@ class TreeCpu:
 
     def _loop(self) -> None:
         last = self.first
-        ncpu = len(os.sched_getaffinity(0))
+        ncpu = os.cpu_count() or 1  # the machine's, not this (maybe pinned) process's
         while not self._stop.wait(self.every_s):
             now = self._sample()
             wall = now[0] - last[0]
@@ -207,7 +207,7 @@ class TreeCpu:
         end = self._sample()
         wall, busy, server, me = (end[i] - self.first[i] for i in range(4))
         others = max(0.0, busy - server - me)
-        ncpu = len(os.sched_getaffinity(0))
+        ncpu = os.cpu_count() or 1  # the machine's, not this (maybe pinned) process's
         return {"wall_s": round(wall, 1), "server_cpu_s": round(server, 1), "client_cpu_s": round(me, 1),
                 "others_cpu_s": round(others, 1), "others_share_of_machine": round(others / (wall * ncpu), 3),
                 "others_share_trace": self.trace}
