@@ -33,7 +33,10 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-mode", default="push", choices=["push", "pull"],
                    help="push: P writes into blocks D reserved; pull: D fetches from P when told")
     p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")
-    p.add_argument("--kv-timeout-s", type=float, default=30.0, help="deadline for a request's KV to arrive")
+    p.add_argument("--kv-timeout-s", type=float, default=120.0,
+                   help="lease of a decode reservation whose KV has not arrived; a transfer that breaks "
+                        "is reported at once, so this only bounds a silent hang (a CPU prefill queued "
+                        "behind long prompts can take tens of seconds)")
     p.add_argument("--max-num-seqs-in-flight", type=int, default=1024)
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -40,6 +40,12 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-transport", choices=["auto", "tcp", "nixl"], default="auto",
                    help="auto: shared memory on one host, TCP across hosts; nixl: NIXL WRITE (needs nixl-cu12)")
     p.add_argument("--kv-mode", choices=["push", "pull"], default="push")
+    p.add_argument("--kv-bandwidth-gbps", type=float, default=None,
+                   help="router: KV bandwidth for its TTFT prediction (default: measured from transfers)")
+    p.add_argument("--worker-timeout-s", type=float, default=None,
+                   help="router: seconds without a heartbeat before a worker is dead (router default 3)")
+    p.add_argument("--kv-timeout-s", type=float, default=None,
+                   help="router: lease of a decode reservation whose KV has not arrived (router default 120)")
     p.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)

@@ -30,9 +30,11 @@ def _engine_args(args) -> list[str]:
 
 
 def _admission_args(args) -> list[str]:
-    """The router's early-rejection flags that were set (each is off unless given)."""
+    """The router's flags that were set: early rejection (each off unless given), the KV
+    bandwidth for its TTFT model, and its timeouts (the router's defaults otherwise)."""
     out = []
-    for flag in ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark"):
+    for flag in ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark", "kv_bandwidth_gbps", "worker_timeout_s",
+                 "kv_timeout_s"):
         v = getattr(args, flag, None)
         if v is not None:
             out += ["--" + flag.replace("_", "-"), str(v)]
