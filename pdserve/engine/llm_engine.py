@@ -73,7 +73,11 @@ class LLMEngine:
         if resume_token_ids:
             seq.output_token_ids = [int(t) for t in resume_token_ids]
             # the same detokenizer state the first worker had: held-back bytes complete later
-            seq.output_text = self._detok[request_id].step(seq.output_token_ids)
+            # token by token, as the first worker decoded them: a batch that ends inside a
+            # UTF-8 character would hold back all of its text, and the whole of it would be
+            # streamed again
+            detok = self._detok[request_id]
+            seq.output_text = "".join(detok.step([t]) for t in seq.output_token_ids)
             seq.emitted_text_len = len(seq.output_text)
         if kv_destination is not None:
             if self.bridge is None:

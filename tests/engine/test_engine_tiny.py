@@ -215,3 +215,28 @@ def test_resume_continues_where_another_worker_stopped(tiny_llm):
     assert final.outputs[0].token_ids == full.token_ids
     assert final.outputs[0].text == full.text
     assert_idle(tiny_llm)
+
+
+def test_resume_continues_the_text_exactly_where_the_stream_stopped(tmp_path):
+    """A request replayed on another worker with the tokens so far (its decode worker
+    died) must stream exactly the rest of the text, even when the tokens so far end
+    inside a UTF-8 character (the sharp tiny model emits such byte tokens)."""
+    d = write_tiny_model(str(tmp_path / "sharp"), logit_scale=8.0)
+    eng = LLM(d, dtype="float32", block_size=16, num_gpu_blocks=256).engine
+    prompt = "tell me a story about the sea and the ships that sail on it " * 4
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eng.add_request("ref", prompt, params)
+    streamed, text = {}, ""  # tokens so far -> the text deltas a client had received by then
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            text += o.new_text
+            streamed[len(o.outputs[0].token_ids)] = text
+    ids = o.outputs[0].token_ids
+    held_back = [k for k in range(1, len(ids)) if len(eng.tokenizer.decode(ids[:k])) != len(streamed[k])]
+    assert held_back, "the test needs a cut inside a UTF-8 character"
+    for k in range(1, len(ids)):
+        eng.add_request(f"r{k}", prompt, params, resume_token_ids=ids[:k])
+        rest = ""
+        while eng.has_unfinished_requests():
+            rest += "".join(o.new_text for o in eng.step())
+        assert streamed[k] + rest == text, k
