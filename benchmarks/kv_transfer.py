@@ -2,8 +2,9 @@
 
 1. Bandwidth per transport vs the raw limit: shared memory vs a plain memcpy of
    the same bytes; TCP push and pull, and NIXL WRITE (UCX over TCP) when
-   importable, vs a plain socket moving the same bytes (`recv_into` a
-   preallocated buffer). Target >= 0.8x.
+   importable, vs a plain socket moving the same bytes to another process
+   (`recv_into` a preallocated buffer). The receivers run in processes of their
+   own, as decode workers do. Target >= 0.8x.
 2. Exposed transfer time for a 2,000-token prompt on the real model: the time
    from the prefill's last layer to the decode side holding every layer,
    layer-wise vs eager. Target: layer-wise hides >= 90% of eager's.
@@ -141,35 +142,52 @@ def one_transfer(sender, rx: ReceiverProcess, tokens: int, block: int, tid: str,
     return dt
 
 
-def raw_socket_s(nbytes: int, chunk: int) -> float:
-    """A plain loopback socket moving `nbytes` in `chunk`-sized sends into a preallocated buffer."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    buf = bytearray(chunk)
-    done = threading.Event()
+_RAW_RECEIVER = """
+import socket, sys
+nbytes, chunk = int(sys.argv[1]), int(sys.argv[2])
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+buf = bytearray(nbytes)  # the destination, as big as the KV it stands for
+view = memoryview(buf)
+while True:
+    c, _ = srv.accept()
+    got = 0
+    while got < nbytes:
+        n = c.recv_into(view[got:got + chunk])
+        if n == 0:
+            sys.exit(1)
+        got += n
+    c.sendall(b"k")
+    c.close()
+"""
 
-    def recv():
-        c, _ = srv.accept()
-        view, got = memoryview(buf), 0
-        while got < nbytes:
-            n = c.recv_into(view[: min(chunk, nbytes - got)])
-            got += n
-        c.sendall(b"k")
-        c.close()
-        done.set()
 
-    threading.Thread(target=recv, daemon=True).start()
-    s = socket.create_connection(srv.getsockname())
+def raw_socket_s(nbytes: int, chunk: int, reps: int) -> float:
+    """A plain loopback socket moving `nbytes` in `chunk`-sized sends to `recv_into` in
+    another process (as the transports are measured): the best of `reps` runs."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", _RAW_RECEIVER, str(nbytes), str(chunk)],
+                            stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
     data = memoryview(torch.randn(chunk // 4).numpy().view("uint8"))
-    t0 = time.perf_counter()
-    sent = 0
-    while sent < nbytes:
-        s.sendall(data[: min(chunk, nbytes - sent)])
-        sent += min(chunk, nbytes - sent)
-    s.recv(1)
-    dt = time.perf_counter() - t0
-    s.close()
-    srv.close()
-    return dt
+    best = float("inf")
+    try:
+        for _ in range(reps + 1):
+            s = socket.create_connection(("127.0.0.1", port))
+            t0 = time.perf_counter()
+            sent = 0
+            while sent < nbytes:
+                n = min(chunk, nbytes - sent)
+                s.sendall(data[:n])
+                sent += n
+            s.recv(1)
+            best = min(best, time.perf_counter() - t0)
+            s.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    return best
 
 
 def bandwidth(tokens: int, reps: int) -> dict:
@@ -200,7 +218,7 @@ def bandwidth(tokens: int, reps: int) -> dict:
     _unlink(paths)
     out["shm"] = (nbytes / shm / 1e9, nbytes / memcpy / 1e9)
     rx = ReceiverProcess("tcp", nb, block, [])
-    sock = min(raw_socket_s(nbytes, per_layer // 2) for _ in range(reps))
+    sock = raw_socket_s(nbytes, per_layer // 2, reps)
     tcp = TcpKVSender()
     push = min(one_transfer(tcp, rx, tokens, block, f"t{i}", []) for i in range(reps + 1))
     exp = PullKVExporter()
