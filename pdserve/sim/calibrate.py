@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.sim.latency import ProfileLatency, StepShape, chunk_attention
+from pdserve.sim.latency import ProfileLatency, StepShape
 
 # Batches of the size a CPU engine serves (up to 8 sequences, prompts up to 2,048 tokens): the
 # engine's kernels change regime with the batch, so a fit is only good where it was measured.
@@ -35,14 +35,7 @@ def _shape(before: dict, seqs) -> StepShape:
         n = seq.num_computed_tokens - done
         if n <= 0:
             continue
-        if n == 1 and done >= seq.num_prompt_tokens:
-            shape.decode_seqs += 1
-            shape.decode_context += done
-        else:
-            shape.prefill_tokens += n
-            shape.prefill_seqs += 1
-            shape.prefill_context += done
-            shape.prefill_attention += chunk_attention(done, n)
+        shape.add(done, n, decode=n == 1 and done >= seq.num_prompt_tokens)
     return shape
 
 

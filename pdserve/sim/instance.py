@@ -26,7 +26,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import Sequence, Status
 from pdserve.kv.block_manager import BlockManager, SeqBlocks
 from pdserve.sim.events import EventLoop
-from pdserve.sim.latency import LatencyModel, StepShape, chunk_attention
+from pdserve.sim.latency import LatencyModel, StepShape
 
 OUTPUT_TOKEN = 0  # placeholder id of every simulated output token
 
@@ -146,14 +146,7 @@ class SimInstance:
         shape = StepShape()
         for s in out.scheduled:
             seq, n, done = s.seq, s.num_new_tokens, s.seq.num_computed_tokens
-            if n == 1 and done == seq.num_tokens - 1 and done >= seq.num_prompt_tokens:
-                shape.decode_seqs += 1
-                shape.decode_context += done
-            else:
-                shape.prefill_tokens += n
-                shape.prefill_seqs += 1
-                shape.prefill_context += done
-                shape.prefill_attention += chunk_attention(done, n)
+            shape.add(done, n, decode=n == 1 and done == seq.num_tokens - 1 and done >= seq.num_prompt_tokens)
         dur = self.latency.step_s(shape)
         self.busy = True
         self.busy_s += dur

@@ -41,6 +41,17 @@ class StepShape:
     def tokens(self) -> int:
         return self.prefill_tokens + self.decode_seqs
 
+    def add(self, done: int, n: int, decode: bool) -> None:
+        """Count one sequence's share of the step: `n` new tokens after `done` cached ones."""
+        if decode:
+            self.decode_seqs += 1
+            self.decode_context += done
+        else:
+            self.prefill_tokens += n
+            self.prefill_seqs += 1
+            self.prefill_context += done
+            self.prefill_attention += chunk_attention(done, n)
+
     def features(self) -> list[float]:
         return [1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.decode_context),
                 float(self.prefill_attention)]
