@@ -37,7 +37,7 @@ import torch
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVTransferError
 from pdserve.transfer.receiver import KVReceiverServer
-from pdserve.transfer.sender import TcpKVSender, _host_port, destination_slots
+from pdserve.transfer.sender import TcpKVSender, _host_port
 
 log = logging.getLogger("pdserve.transfer")
 # NIXL configures its logger at import, INFO lines to stdout: quiet it before anything imports it
@@ -119,7 +119,6 @@ class NixlKVSender(TcpKVSender):
         self._pending: dict[int, tuple] = {}  # id(notice header) -> (handle, registration, k, v, state)
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int], list] = {}  # (address, bytes) -> [registration, users]
-        self._slots: dict = {}
         self.nixl_bytes = 0
         self.nixl_fallbacks = 0
 
@@ -146,16 +145,14 @@ class NixlKVSender(TcpKVSender):
         t = self._transfers[transfer_id]
         r = self._remotes[t.dest.address]
         n = k.shape[0]
-        key = (transfer_id, token_start, n)  # every layer of a chunk goes to the same slots
-        if self._slots.get("key") != key:
-            self._slots = {"key": key, "runs": wire.slot_runs(destination_slots(t.dest, token_start, n))}
+        _, runs = self._destination(t, token_start, n)
         k = k.to(r.dtype).contiguous()
         v = v.to(r.dtype).contiguous()
         row = k[0].numel() * k.element_size() if n else 0
         k_base, v_base, size = r.layers[layer]
         local, remote = [], []
         for src, base in ((k, k_base), (v, v_base)):
-            for off, first, m in self._slots["runs"]:
+            for off, first, m in runs:
                 if (first + m) * row > size:
                     raise KVTransferError(f"{transfer_id}: slot {first + m} is outside the destination cache")
                 local.append((src.data_ptr() + off * row, m * row, 0))

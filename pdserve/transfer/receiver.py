@@ -32,6 +32,7 @@ class _Expected:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     stats: TransferStats = field(default_factory=TransferStats)
+    runs: dict = field(default_factory=dict)  # (offset, n) -> runs of consecutive slots
 
     @property
     def tokens(self) -> int:
@@ -233,7 +234,9 @@ class KVReceiverServer(KVReceiver):
         row = tuple(k_cache.shape[-2:])
         if h["nbytes"] != 2 * n * row[0] * row[1] * k_cache.element_size():
             raise wire.FrameError(f"layer frame of {h['nbytes']} bytes does not hold {n} tokens of K and V")
-        runs = wire.slot_runs(e.slots[lo:lo + n])
+        runs = e.runs.get((lo, n))
+        if runs is None:  # every layer of a chunk lands in the same slots: split them once
+            runs = e.runs[(lo, n)] = wire.slot_runs(e.slots[lo:lo + n])
         if not wire.few_runs(runs, n):
             return None
         views = [c.view(-1, *row)[first:first + m] for c in (k_cache, v_cache) for _, first, m in runs]

@@ -79,6 +79,8 @@ class TcpKVSender(KVSender):
         self._closed = False
         self.total_bytes = 0
         self.total_retries = 0
+        self._slots_key: tuple | None = None
+        self._slots: tuple = ()
         threading.Thread(target=self._send_loop, name="kv-send", daemon=True).start()
 
     # ---- contract
@@ -178,6 +180,16 @@ class TcpKVSender(KVSender):
                 self.total_retries += 1
                 time.sleep(0.05)
 
+    def _destination(self, t: _Outgoing, token_start: int, n: int) -> tuple[torch.Tensor, list]:
+        """The receiver's slots for tokens [token_start, token_start + n) and their runs of
+        consecutive slots; every layer of a chunk lands in the same ones, so the last
+        answer is kept (backends that write in place use it)."""
+        key = (t.dest.transfer_id, token_start, n)
+        if self._slots_key != key:
+            slots = destination_slots(t.dest, token_start, n)
+            self._slots_key, self._slots = key, (slots, wire.slot_runs(slots))
+        return self._slots
+
     def _ready(self, header: dict, payload: list) -> tuple[dict, list]:
         """The frame as it may go out now (a backend that moves the bytes some other
         way first waits here until they have landed)."""
@@ -229,7 +241,6 @@ class ShmKVSender(TcpKVSender):
     def __init__(self, retry_window_s: float = 5.0):
         super().__init__("none", retry_window_s)
         self._maps: dict[str, list[torch.Tensor]] = {}
-        self._slots: dict = {}
 
     def begin(self, dest, num_layers):
         if dest.shm_paths and dest.shm_paths[0] not in self._maps:
@@ -239,11 +250,7 @@ class ShmKVSender(TcpKVSender):
     def save_layer(self, transfer_id, layer, token_start, k, v):
         t = self._transfers[transfer_id]
         caches = self._maps[t.dest.shm_paths[0]]
-        key = (transfer_id, token_start, k.shape[0])  # every layer of a chunk lands in the same slots
-        if self._slots.get("key") != key:
-            slots = destination_slots(t.dest, token_start, k.shape[0])
-            self._slots = {"key": key, "slots": slots, "runs": wire.slot_runs(slots)}
-        slots, runs = self._slots["slots"], self._slots["runs"]
+        slots, runs = self._destination(t, token_start, k.shape[0])
         kc, vc = caches[2 * layer], caches[2 * layer + 1]
         wire.copy_into_slots(kc.view(-1, *kc.shape[-2:]), slots, k, runs)
         wire.copy_into_slots(vc.view(-1, *vc.shape[-2:]), slots, v, runs)
