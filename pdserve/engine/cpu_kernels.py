@@ -17,7 +17,7 @@ _module = None
 _failed = False
 
 
-_SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp")
+_SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp", "pool_check.cpp")
 _HEADERS = ("pool.h",)  # part of the cache key, not compiled on their own
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

@@ -29,6 +29,22 @@ def test_gguf_matmul_matches_dequantized_weights(qtype, rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("threads", [2, 4])
+def test_parallel_loop_runs_every_index_once_before_returning(threads):
+    """pool.h under stress: chunk counts that change from loop to loop, more threads
+    than cores (so helpers get descheduled mid-claim). A helper late from one loop
+    once claimed a chunk of the next and the loop returned early (CI: a fused layer
+    read half-written rows)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels.pool_check(4096, 256, 100_000, 0) == 0
+        assert kernels.pool_check(4096, 256, 5_000, 5) == 0
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_attention_matches_sdpa(dtype):
     g = torch.Generator().manual_seed(0)

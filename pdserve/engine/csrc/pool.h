@@ -12,6 +12,13 @@
 //
 // Correctness never depends on a helper running (after a fork, say: the caller
 // then runs every chunk). Helpers spin briefly between loops, then sleep.
+//
+// The ticket word holds the job's generation, its chunk count and the next
+// chunk, so one compare-and-swap both claims a chunk and proves the job is
+// still the one the helper saw. (With the chunk count in a word of its own, a
+// helper late from the previous job could read the next job's count, claim a
+// chunk on the old ticket and count it done twice: the caller then returned
+// with a chunk still running, and a fused layer read half-written rows.)
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -50,8 +57,8 @@ class Pool {
     grain = std::max<int64_t>(grain, 1);
     // ~8 chunks per thread: small enough that a late helper leaves little for the caller to wait on
     const int64_t chunk = std::max<int64_t>(grain, (range + threads * 8 - 1) / (threads * 8));
-    const int64_t n_chunks = (range + chunk - 1) / chunk;
-    if (threads <= 1 || n_chunks <= 1 || !busy_.try_lock()) {
+    const int64_t n_chunks = (range + chunk - 1) / chunk;  // <= threads * 8, far below kMaxChunks
+    if (threads <= 1 || n_chunks <= 1 || n_chunks >= kMaxChunks || !busy_.try_lock()) {
       fn(begin, end);  // one thread, a tiny loop, or another caller holds the pool
       return;
     }
@@ -60,11 +67,10 @@ class Pool {
     begin_ = begin;
     end_ = end;
     chunk_ = chunk;
-    n_chunks_.store(n_chunks, std::memory_order_relaxed);
     want_helpers_.store(threads - 1, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = ++gen_counter_;
-    ticket_.store(gen << 32, std::memory_order_release);
+    const uint64_t gen = ++gen_counter_ & 0xffffffffu;
+    ticket_.store((gen << 32) | (static_cast<uint64_t>(n_chunks) << 16), std::memory_order_release);
     generation_.store(gen, std::memory_order_release);
     if (sleepers_.load(std::memory_order_acquire) > 0) {
       std::lock_guard<std::mutex> lk(sleep_mu_);
@@ -91,11 +97,12 @@ class Pool {
 
   // Claim and run chunks of job `gen` until none are left (or a newer job started).
   void work(uint64_t gen) {
+    gen &= 0xffffffffu;
     for (;;) {
       uint64_t t = ticket_.load(std::memory_order_acquire);
       if ((t >> 32) != gen) return;
-      const int64_t c = static_cast<int64_t>(t & 0xffffffffu);
-      if (c >= n_chunks_.load(std::memory_order_relaxed)) return;
+      const int64_t n = static_cast<int64_t>((t >> 16) & 0xffffu), c = static_cast<int64_t>(t & 0xffffu);
+      if (c >= n) return;
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
       const int64_t b = begin_ + c * chunk_;
       (*fn_)(b, std::min(end_, b + chunk_));
@@ -124,14 +131,15 @@ class Pool {
     }
   }
 
+  static constexpr int64_t kMaxChunks = 1 << 16;
+
   std::mutex busy_;
-  std::atomic<uint64_t> ticket_{0};      // (generation << 32) | next chunk
+  std::atomic<uint64_t> ticket_{0};      // (generation << 32) | (chunk count << 16) | next chunk
   std::atomic<uint64_t> generation_{0};  // the job helpers should join
   std::atomic<int64_t> done_{0};
   uint64_t gen_counter_ = 0;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t begin_ = 0, end_ = 0, chunk_ = 1;  // read only by whoever holds a claimed chunk
-  std::atomic<int64_t> n_chunks_{0};
   std::atomic<int> want_helpers_{0};
   std::atomic<int> helpers_{0};
   std::atomic<int> sleepers_{0};
