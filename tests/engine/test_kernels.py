@@ -16,9 +16,11 @@ needs_kernels = pytest.mark.skipif(kernels is None, reason="C++ kernels could no
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 37])
 def test_gguf_matmul_matches_dequantized_weights(qtype, rows):
-    n, k = 96, 256
+    """Below 8 rows the kernel decodes blocks in registers; from 8 on it expands weight
+    rows to fp32 and multiplies 2 x 4 tiles (37: a remainder in both directions)."""
+    n, k = 97, 256
     w = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
     t = gguf.GGMLQuantizationType[qtype]
     raw = gguf.quants.quantize(w, t)  # [n, row_bytes] uint8, the on-disk layout

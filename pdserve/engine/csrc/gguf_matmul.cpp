@@ -18,6 +18,7 @@
 #define PDS_AVX2 1
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -40,6 +41,13 @@ inline float dot32(const float* q, const float* x) {
   float s = 0;
 #pragma omp simd reduction(+ : s)
   for (int i = 0; i < QK; ++i) s += q[i] * x[i];
+  return s;
+}
+
+inline float dot_k(const float* a, const float* b, int64_t K) {
+  float s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < K; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -150,7 +158,108 @@ void rows(const uint8_t* w, const float* x, const float* xsum, float* out, int64
   }
 }
 
+// Two or more activation rows: expand a weight row's blocks once into fp32
+// (w = d*q + bias, in L1), then multiply a 2-weight-row x 4-activation-row
+// tile with eight accumulators in registers: per 8 weights, 6 loads and 8 FMAs.
+// The per-row kernel above decodes in registers and re-multiplies by the block
+// scale for every activation row, which made a decode step's cost grow almost
+// linearly with the batch (batch 8 took 4.7x batch 1's time).
+template <int QTYPE>
+inline void expand_row(const uint8_t* row, float* w, int64_t nb) {
+  constexpr int bytes = QTYPE == 2 ? 18 : QTYPE == 3 ? 20 : 34;
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* b = row + j * bytes;
+    const float d = half_at(b);
+    const float bias = QTYPE == 3 ? half_at(b + 2) : QTYPE == 2 ? -8.f * d : 0.f;
+    float* o = w + j * QK;
+#ifdef PDS_AVX2
+    __m256 q[4];
+    decode_block<QTYPE>(b, q);
+    const __m256 dv = _mm256_set1_ps(d), bv = _mm256_set1_ps(bias);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(q[i], dv, bv));
+#else
+    if (QTYPE == 8) {
+      const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+      for (int i = 0; i < QK; ++i) o[i] = qs[i] * d + bias;
+    } else {
+      const uint8_t* qs = b + (QTYPE == 3 ? 4 : 2);
+      for (int i = 0; i < 16; ++i) { o[i] = (qs[i] & 15) * d + bias; o[i + 16] = (qs[i] >> 4) * d + bias; }
+    }
+#endif
+  }
+}
+
+// out[m * N + t] = w[t] . x[m] for NT weight rows (stride K) and MT activation rows (stride K).
+template <int NT, int MT>
+inline void tile(const float* w, const float* x, float* out, int64_t N, int64_t K) {
+#ifdef PDS_AVX2
+  __m256 acc[NT][MT];
+  for (int t = 0; t < NT; ++t)
+    for (int m = 0; m < MT; ++m) acc[t][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 wv = _mm256_loadu_ps(w + t * K + k);
+      for (int m = 0; m < MT; ++m) acc[t][m] = _mm256_fmadd_ps(wv, xv[m], acc[t][m]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int m = 0; m < MT; ++m) out[m * N + t] = hsum(acc[t][m]);
+#else
+  for (int t = 0; t < NT; ++t)
+    for (int m = 0; m < MT; ++m) out[m * N + t] = dot_k(w + t * K, x + m * K, K);
+#endif
+}
+
+template <int NT>
+inline void tile_rows(const float* w, const float* x, float* out, int64_t M, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<NT, 4>(w, x + m * K, out + m * N, N, K);
+  switch (M - m) {
+    case 3: tile<NT, 3>(w, x + m * K, out + m * N, N, K); break;
+    case 2: tile<NT, 2>(w, x + m * K, out + m * N, N, K); break;
+    case 1: tile<NT, 1>(w, x + m * K, out + m * N, N, K); break;
+    default: break;
+  }
+}
+
+// Output columns [n0, n1) for all M rows, two weight rows at a time.
+template <int QTYPE>
+void rows_expanded(const uint8_t* w, const float* x, float* out, int64_t M, int64_t N, int64_t K,
+                   int64_t row_bytes, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < 2 * K) buf.resize(2 * K);
+  const int64_t nb = K / QK;
+  // 16 activation rows at a time stay in L2 while every weight row pair passes
+  // (all 64 rows of a big batch did not: the expansion is cheaper than the misses)
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t mt = std::min<int64_t>(16, M - m0);
+    const float* xm = x + m0 * K;
+    float* om = out + m0 * N;
+    for (int64_t n = n0; n < n1; n += 2) {
+      expand_row<QTYPE>(w + n * row_bytes, buf.data(), nb);
+      if (n + 1 < n1) {
+        expand_row<QTYPE>(w + (n + 1) * row_bytes, buf.data() + K, nb);
+        tile_rows<2>(buf.data(), xm, om + n, mt, N, K);
+      } else {
+        tile_rows<1>(buf.data(), xm, om + n, mt, N, K);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// From this many activation rows on, gguf_matmul expands weight rows to fp32 first
+// (benchmarks/engine.py can move it to compare the two kernels).
+int64_t kExpandFromRows = 8;
+
+int64_t set_gguf_expand_rows(int64_t rows) {
+  const int64_t old = kExpandFromRows;
+  kExpandFromRows = rows;
+  return old;
+}
 
 // x: [M, K] float32 contiguous; w: [N, row_bytes] uint8 raw GGUF rows; returns [M, N] float32.
 torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K) {
@@ -160,6 +269,17 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64
   const int64_t M = x.size(0), N = w.size(0), nb = K / QK, row_bytes = w.size(1);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 8, "unsupported GGUF type ", qtype);
+  if (M >= kExpandFromRows) {
+    pds::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      if (qtype == 2) rows_expanded<2>(wp, xp, op, M, N, K, row_bytes, n0, n1);
+      else if (qtype == 3) rows_expanded<3>(wp, xp, op, M, N, K, row_bytes, n0, n1);
+      else rows_expanded<8>(wp, xp, op, M, N, K, row_bytes, n0, n1);
+    });
+    return out;
+  }
   std::vector<float> xsum(M * nb);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < nb; ++j) {
@@ -167,9 +287,6 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64
       for (int i = 0; i < QK; ++i) s += xp[m * K + j * QK + i];
       xsum[m * nb + j] = s;
     }
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 8, "unsupported GGUF type ", qtype);
   pds::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (qtype == 2) rows<2>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
     else if (qtype == 3) rows<3>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);

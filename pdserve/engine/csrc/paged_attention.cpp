@@ -177,10 +177,13 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 void register_decode_layer(pybind11::module& m);
 int64_t pool_check(int64_t n, int64_t grain, int64_t loops, int64_t work);
+int64_t set_gguf_expand_rows(int64_t rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("gguf_matmul", &gguf_matmul, "x @ W.T with W in raw GGUF Q4_0/Q4_1/Q8_0 blocks (CPU)");
   register_decode_layer(m);
+  m.def("set_gguf_expand_rows", &set_gguf_expand_rows,
+        "gguf_matmul expands weights to fp32 from this many rows on; returns the previous value");
   m.def("pool_check", &pool_check, "self-check of the parallel loop: indices not run exactly once");
 }
