@@ -70,12 +70,24 @@ class Sampler:
         logits = logits / temps
         logits = _top_k_top_p_min_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
-        # Exponential race (Gumbel-max equivalent): argmax(p / E), E ~ Exp(1).
-        noise = torch.empty_like(probs)
+        # Inverse CDF: one uniform number per row (from the row's own generator when it
+        # has a seed), located in the row's cumulative distribution. An exponential
+        # race over the vocabulary drew 49,152 random numbers per row: 1.3 ms a row on
+        # this CPU, more than a decode step's share of the matrix products at batch 8.
+        u = torch.empty(len(params), 1, dtype=torch.float64, device=logits.device)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=logits.device)
         for i, p in enumerate(params):
-            g = self._generator(seq_ids[i], p.seed) if p.seed is not None else None
-            noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
+            if p.seed is not None:
+                g = self._generator(seq_ids[i], p.seed)
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=logits.device)
+        cdf = probs.double().cumsum(dim=-1)  # fp64: a 49K-term fp32 sum drifts at the tail
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        # rounding can only land past the last token with mass; never on one without
+        zero = probs.gather(1, sampled.unsqueeze(1)).squeeze(1) == 0
+        if zero.any():
+            sampled = torch.where(zero, probs.argmax(dim=-1), sampled)
         return torch.where(greedy, greedy_tokens, sampled)
 
     @staticmethod
