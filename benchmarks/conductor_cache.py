@@ -13,6 +13,8 @@ Reported per policy: the prefill workers' prefix-cache hit rate (hit tokens /
 looked-up tokens, from their own counters) and mean TTFT from the client.
 
     flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/conductor_cache.py
+
+Results in docs/conductor.md (x1.63 hit rate, x0.73 mean TTFT at the defaults).
 """
 from __future__ import annotations
 
@@ -75,16 +77,17 @@ def main() -> int:
     p.add_argument("--trace", default=os.path.normpath(TRACE))
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--min-turns", type=int, default=3)
-    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--min-turns", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-input-tokens", type=int, default=12000, help="trace tokens (before scaling)")
     p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id (the trace's is 512)")
     p.add_argument("--output-scale", type=float, default=0.02)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=0.5)
-    p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV blocks per worker (default: the engine's, far more than this workload needs); "
-                        "a pool smaller than the workload's working set makes placement decide what stays cached")
+    p.add_argument("--kv-blocks", type=int, default=128,
+                   help="KV blocks per worker; 128 x 16 tokens is a quarter of the 8,768 distinct prompt tokens of the "
+                        "defaults, so placement decides what stays cached, as in production (0: the engine's default "
+                        "pool, far larger than this workload)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
