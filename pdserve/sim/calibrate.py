@@ -8,7 +8,8 @@ decodes. Every step is timed with a wall
 clock around `LLMEngine.step`, so sampling and bookkeeping are in it, and its
 `StepShape` is read from the sequences' computed-token counts before and
 after. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
-c*decode_seqs + d*decode_context + e*prefill_attention, weighted to minimise
+c*decode_seqs + d*decode_context + e*prefill_attention (+ f when the step has
+prompt tokens: another code path), weighted to minimise
 relative error (a 12 ms decode step matters as much as a 4 s prefill). About a
 minute on an idle machine.
 """
@@ -118,5 +119,5 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
     prof.num_blocks = engine.block_manager.num_blocks
     prof.block_size = engine.block_manager.block_size
     log(f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
-        + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e"), prof.coef)))
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e", "f"), prof.coef)))
     return prof

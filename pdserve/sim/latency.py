@@ -54,7 +54,7 @@ class StepShape:
 
     def features(self) -> list[float]:
         return [1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.decode_context),
-                float(self.prefill_attention)]
+                float(self.prefill_attention), 1.0 if self.prefill_tokens else 0.0]
 
 
 def chunk_attention(ctx_before: int, n: int) -> float:
@@ -137,7 +137,12 @@ class RooflineLatency(LatencyModel):
 
 
 FEATURES = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token",
-            "e_s_per_attention_pair")
+            "e_s_per_attention_pair", "f_s_per_prefill_step")
+# f: a step with any prompt tokens takes another code path than a decode-only one (our CPU
+# engine: the layer-by-layer Python path on dense fp32 weights instead of one C++ call per
+# layer on the GGUF blocks). With one intercept for both, a 32-token prompt was predicted at
+# 131 ms against 234 ms measured, and a prefill worker's stream of short prompts ran 3x
+# slower than the simulator said. Profiles written before it have five terms (f = 0).
 
 
 @dataclass
@@ -154,6 +159,8 @@ class ProfileLatency(LatencyModel):
     block_size: int = 16
 
     def __post_init__(self):
+        if len(self.coef) == len(FEATURES) - 1:
+            self.coef = list(self.coef) + [0.0]
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"a profile has {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
         self.name = f"profile ({self.source or 'fitted'}, threads={self.threads})"
@@ -162,11 +169,12 @@ class ProfileLatency(LatencyModel):
     def step_s(self, s: StepShape) -> float:
         if s.prefill_tokens + s.decode_seqs == 0:
             return 0.0
-        a, b, c, d, e = self._c
-        return a + b * s.prefill_tokens + c * s.decode_seqs + d * s.decode_context + e * s.prefill_attention
+        a, b, c, d, e, f = self._c
+        return (a + b * s.prefill_tokens + c * s.decode_seqs + d * s.decode_context + e * s.prefill_attention
+                + (f if s.prefill_tokens else 0.0))
 
     def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
-        a, _, c, d, _ = self._c
+        a, _, c, d, _, _ = self._c
         return a + c * batch + d * (context0 + batch * np.arange(k, dtype=np.float64))
 
     def layers(self) -> int:

@@ -59,7 +59,7 @@ def test_vectorised_decode_steps_equal_single_steps(model):
 
 
 def test_profile_fit_recovers_coefficients_and_drops_negative_terms(tmp_path):
-    truth = ProfileLatency([0.004, 2e-4, 1e-3, 5e-7, 3e-9])
+    truth = ProfileLatency([0.004, 2e-4, 1e-3, 5e-7, 3e-9, 0.05])
     shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, prefill_attention=chunk_attention(0, p),
                         decode_seqs=b, decode_context=b * c)
               for p in (0, 64, 512, 2048) for b in (0, 1, 8, 16) for c in (64, 512) if p or b]
@@ -72,6 +72,13 @@ def test_profile_fit_recovers_coefficients_and_drops_negative_terms(tmp_path):
     fit.save(str(path))
     again = ProfileLatency.load(str(path))
     assert again.coef == pytest.approx(fit.coef) and len(again.samples) == len(shapes)
+
+
+def test_profile_prefill_steps_pay_their_own_fixed_cost_and_old_profiles_load():
+    lat = ProfileLatency([0.01, 1e-3, 2e-3, 0.0, 0.0, 0.1])
+    assert lat.step_s(StepShape(decode_seqs=1)) == pytest.approx(0.012)
+    assert lat.step_s(StepShape(prefill_tokens=32, prefill_seqs=1)) == pytest.approx(0.01 + 0.032 + 0.1)
+    assert ProfileLatency([0.01, 1e-3, 2e-3, 0.0, 0.0]).coef[-1] == 0.0  # a five-term profile
 
 
 def test_kv_transfer_seed000_3_3_layerwise_hides_all_but_the_last_layer():
