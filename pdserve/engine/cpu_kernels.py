@@ -18,7 +18,7 @@ _failed = False
 
 
 _SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp", "pool_check.cpp")
-_HEADERS = ("pool.h",)  # part of the cache key, not compiled on their own
+_HEADERS = ("pool.h", "simd_exp.h")  # part of the cache key, not compiled on their own
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 

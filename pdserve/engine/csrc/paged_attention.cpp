@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include "pool.h"
+#include "simd_exp.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -54,32 +55,13 @@ inline void scores_f32(const float* q, const float* const* krows, int64_t len, i
   }
   for (; t < len; ++t) out[t] = dot(q, krows[t], D);
 }
-// exp for 8 floats (Cephes' range reduction + degree-5 polynomial, ~1 ulp on the
-// softmax range x <= 0): the scalar expf loop was most of this kernel's time.
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 // s[t] = exp(s[t] - m) in place; returns the sum
 inline float exp_sum(float* s, int64_t len, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + 8 <= len; t += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    const __m256 e = pds::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
     _mm256_storeu_ps(s + t, e);
     acc = _mm256_add_ps(acc, e);
   }
