@@ -37,19 +37,14 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-inline float dot32(const float* q, const float* x) {
-  float s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < QK; ++i) s += q[i] * x[i];
-  return s;
-}
-
 inline float dot_k(const float* a, const float* b, int64_t K) {
   float s = 0;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < K; ++i) s += a[i] * b[i];
   return s;
 }
+
+inline float dot32(const float* q, const float* x) { return dot_k(q, x, QK); }
 
 #ifdef PDS_AVX2
 // Widen 8 bytes (unsigned or signed) to 8 floats.
@@ -158,7 +153,7 @@ void rows(const uint8_t* w, const float* x, const float* xsum, float* out, int64
   }
 }
 
-// Two or more activation rows: expand a weight row's blocks once into fp32
+// kExpandFromRows (8) or more activation rows: expand a weight row's blocks once into fp32
 // (w = d*q + bias, in L1), then multiply a 2-weight-row x 4-activation-row
 // tile with eight accumulators in registers: per 8 weights, 6 loads and 8 FMAs.
 // The per-row kernel above decodes in registers and re-multiplies by the block
@@ -251,8 +246,9 @@ void rows_expanded(const uint8_t* w, const float* x, float* out, int64_t M, int6
 
 }  // namespace
 
-// From this many activation rows on, gguf_matmul expands weight rows to fp32 first
-// (benchmarks/engine.py can move it to compare the two kernels).
+// From this many activation rows on, gguf_matmul expands weight rows to fp32 first:
+// below 8 the per-row kernel is faster (docs/performance.md, run 4's kernel table,
+// measured by flipping this with set_gguf_expand_rows).
 int64_t kExpandFromRows = 8;
 
 int64_t set_gguf_expand_rows(int64_t rows) {

@@ -69,7 +69,7 @@ class Pool {
     chunk_ = chunk;
     want_helpers_.store(threads - 1, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
-    const uint64_t gen = ++gen_counter_ & 0xffffffffu;
+    const uint64_t gen = ++gen_counter_;  // 32 bits, wrapping: the ticket's top half
     ticket_.store((gen << 32) | (static_cast<uint64_t>(n_chunks) << 16), std::memory_order_release);
     generation_.store(gen, std::memory_order_release);
     if (sleepers_.load(std::memory_order_acquire) > 0) {
@@ -97,7 +97,6 @@ class Pool {
 
   // Claim and run chunks of job `gen` until none are left (or a newer job started).
   void work(uint64_t gen) {
-    gen &= 0xffffffffu;
     for (;;) {
       uint64_t t = ticket_.load(std::memory_order_acquire);
       if ((t >> 32) != gen) return;
@@ -137,7 +136,7 @@ class Pool {
   std::atomic<uint64_t> ticket_{0};      // (generation << 32) | (chunk count << 16) | next chunk
   std::atomic<uint64_t> generation_{0};  // the job helpers should join
   std::atomic<int64_t> done_{0};
-  uint64_t gen_counter_ = 0;
+  uint32_t gen_counter_ = 0;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t begin_ = 0, end_ = 0, chunk_ = 1;  // read only by whoever holds a claimed chunk
   std::atomic<int> want_helpers_{0};
