@@ -1,0 +1,77 @@
+"""The GGUF block kernels against each other and against dense fp32, same run.
+
+For each weight shape and row count: GMAC/s of `gguf_matmul` with the per-row
+kernel (blocks decoded in registers, scale applied per activation row), with
+the expanded kernel (weight rows expanded to fp32 in L1, 2x4 register tiles),
+and of `x @ W.T` on the dequantized weights; the ratios are against dense.
+`gguf_matmul` switches from the first to the second at 8 rows (kExpandFromRows).
+The weights are small enough to stay in cache between calls: this measures the
+arithmetic, not the memory traffic of a whole model.
+
+    flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/gguf_kernels.py --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import gguf
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdserve.engine import cpu_kernels  # noqa: E402
+from pdserve.engine.gguf_dequant import dequantize  # noqa: E402
+
+SHAPES = ((3072, 576), (576, 1536))  # SmolLM2-135M's gate/up and down projections
+ROWS = (1, 2, 4, 6, 8, 16, 32, 64)
+
+
+def best_s(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--qtype", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0"])
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    k = cpu_kernels.load()
+    if k is None:
+        print("C++ kernels unavailable here; nothing to compare")
+        return 1
+    t = gguf.GGMLQuantizationType[args.qtype]
+    print(f"{args.qtype}, {args.threads} thread(s); GMAC/s (ratio to dense fp32)")
+    for n, kk in SHAPES:
+        w = np.random.default_rng(0).standard_normal((n, kk)).astype(np.float32)
+        raw = torch.from_numpy(gguf.quants.quantize(w, t))
+        dense = dequantize(raw.reshape(-1), args.qtype, n * kk).view(n, kk).contiguous()
+        print(f"W {n} x {kk}")
+        for m in ROWS:
+            x = torch.randn(m, kk)
+            macs = n * kk * m
+            old = k.set_gguf_expand_rows(1 << 30)
+            per_row = best_s(lambda: k.gguf_matmul(x, raw, int(t), kk), args.reps)
+            k.set_gguf_expand_rows(1)
+            expanded = best_s(lambda: k.gguf_matmul(x, raw, int(t), kk), args.reps)
+            k.set_gguf_expand_rows(old)
+            fp32 = best_s(lambda: x @ dense.T, args.reps)
+            print(f"  rows {m:3d}  per-row {macs / per_row / 1e9:5.1f} ({fp32 / per_row:4.2f}x)  "
+                  f"expanded {macs / expanded / 1e9:5.1f} ({fp32 / expanded:4.2f}x)  dense {macs / fp32 / 1e9:5.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
