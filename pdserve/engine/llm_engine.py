@@ -123,6 +123,15 @@ class LLMEngine:
                         self.model_config.num_hidden_layers, deadline_s)
         return dest
 
+    def claim_reservation(self, request_id: str, hold_s: float) -> bool:
+        """The decode for a reservation has begun: keep its blocks for hold_s more
+        (the wait for the KV) instead of the lease counted from the reservation.
+        False if the lease already expired and the blocks are gone."""
+        if request_id not in self._reserved:
+            return False
+        self._reserved[request_id] = max(self._reserved[request_id], time.monotonic() + hold_s)
+        return True
+
     def activate_transferred(self, request_id: str, first_token: int | None, kv_complete: bool):
         """Start decoding a reserved request.
 

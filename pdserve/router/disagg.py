@@ -336,6 +336,23 @@ class DisaggEngine:
         except WorkerGone as e:
             self.registry.mark_dead(d.worker_id)
             await self._replace(c, reason=str(e))
+        except APIError as e:
+            if e.code != "reservation_expired":
+                raise
+            # D's lease ran out before the decode began (a prefill slower than
+            # --kv-timeout-s): its blocks are gone, so it recomputes from the prompt
+            # and the tokens already streamed, as after a failed transfer.
+            self.counters["recomputed"] += 1
+            log.warning("request %s: %s's reservation expired before decoding; recomputing there",
+                        c.rid, d.worker_id)
+            c.remote_ids[d.worker_id] = f"{c.rid}-x"
+            body = {"request_id": c.remote_ids[d.worker_id], "prompt_token_ids": c.prompt,
+                    "resume_token_ids": c.token_ids, "params": params_to_json(c.params)}
+            try:
+                await self._consume(c, d, "/internal/generate", body)
+            except WorkerGone as e2:
+                self.registry.mark_dead(d.worker_id)
+                await self._replace(c, reason=str(e2))
 
     async def _replace(self, c: _Choice, reason: str) -> None:
         """The decode worker is gone: replay prompt + tokens so far on another worker."""

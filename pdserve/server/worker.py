@@ -62,6 +62,12 @@ class WorkerApi:
         self.sender = sender  # KVSender (prefill / both)
         self.receiver = receiver  # KVReceiver (decode / both)
         self.save_timeout_s = save_timeout_s
+        import os
+
+        from pdserve.transfer.sender import parse_faults
+
+        # tests of the failure paths: `delay_prefill=0:S` holds the first prefill S seconds
+        self._faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
 
     async def _body(self, request: Request) -> dict:
         try:
@@ -79,6 +85,8 @@ class WorkerApi:
         dest = KVDestination.from_json(b["kv_destination"]) if b.get("kv_destination") else None
         params = params_from_json(b.get("params", {}))
         params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+        if "delay_prefill" in self._faults:
+            await asyncio.sleep(self._faults.pop("delay_prefill")[1])
         group = self.engine.submit([EngineInput(b["prompt_token_ids"], params, kv_destination=dest)],
                                    request_id=rid)
         await group.accepted()
@@ -153,9 +161,14 @@ class WorkerApi:
         rid = b["request_id"] + "-0"
         first = b.get("first_token")
         kv_ok = False
+        wait_s = float(b.get("timeout_s", 30))
+        # the lease ran from the reservation; a decode that is here now holds the blocks
+        # through its own wait, or learns at once that they are gone
+        if not await self.engine.call(lambda e: e.claim_reservation(rid, wait_s + 5.0)):
+            raise APIError(404, f"no reserved request {rid!r} here (lease expired?)", code="reservation_expired")
         if b.get("kv_expected", True):
             try:
-                await asyncio.to_thread(self.receiver.wait_for_all, rid, float(b.get("timeout_s", 30)))
+                await asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s)
                 kv_ok = True
             except KVTransferError as e:
                 log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
@@ -165,7 +178,8 @@ class WorkerApi:
             first_out = await self.engine.call(lambda e: e.activate_transferred(rid, first, kv_ok))
         except KeyError:
             group.abort()
-            raise APIError(404, f"no reserved request {rid!r} here (lease expired?)") from None
+            raise APIError(404, f"no reserved request {rid!r} here (lease expired?)",
+                           code="reservation_expired") from None
         return StreamingResponse(self._stream(group, first_out, kv_ok), media_type="application/x-ndjson")
 
     async def _stream(self, group, first_out=None, kv_ok: bool = True):

@@ -52,7 +52,8 @@ def _host_port(address: str) -> tuple[str, int]:
 def parse_faults(spec: str | None) -> dict[str, tuple[int, float]]:
     """Fault injection for tests of the failure paths, from $PDSERVE_KV_FAULT:
     `cut_at_layer=K` (drop the connection once before layer K), `stall_at_layer=K:S`
-    (sleep S seconds before layer K), `exit_at_layer=K` (the process dies there)."""
+    (sleep S seconds before layer K), `exit_at_layer=K` (the process dies there);
+    the worker reads `delay_prefill=0:S` (its first prefill starts S seconds late)."""
     out = {}
     for item in filter(None, (spec or "").split(",")):
         name, _, value = item.partition("=")

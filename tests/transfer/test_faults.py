@@ -72,6 +72,16 @@ def test_transfer_stalled_past_deadline_is_recomputed(sharp_model_dir, reference
         assert_no_leaks(c)
 
 
+def test_reservation_that_expires_before_the_decode_is_recomputed(sharp_model_dir, reference):
+    """P's first token comes after D's lease ran out (a prefill slower than --kv-timeout-s):
+    D answers that the reservation is gone and the router has D recompute, instead of
+    failing the request."""
+    with with_fault(sharp_model_dir, "delay_prefill=0:3", router_args=["--kv-timeout-s", "1"]) as c:
+        assert run_request(c) == reference
+        assert c.status()["counters"]["recomputed"] >= 1
+        assert_no_leaks(c)
+
+
 def test_prefill_dies_mid_transfer(sharp_model_dir, reference):
     """The router sees P's stream break and tells D at once: D recomputes without
     waiting out --kv-timeout-s (30 s here)."""
