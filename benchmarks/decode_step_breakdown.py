@@ -28,9 +28,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--greedy", action="store_true")
+    p.add_argument("--int8-activations", action="store_true", help="the opt-in int8 GGUF kernels")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(max_num_seqs=max(args.batch))
+    llm = LLM(max_num_seqs=max(args.batch), int8_activations=args.int8_activations)
     eng = llm.llm_engine if hasattr(llm, "llm_engine") else llm.engine
     acc: dict[str, float] = {}
 

@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller workload, fewer batch sizes")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="pdserve with the opt-in int8-activation kernels (not token-identical to fp32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # the cores are shared: the load around a run says how far to trust it
@@ -134,7 +136,8 @@ def main() -> None:
         print(f"{name:<24} pdserve {ours:9.1f}   transformers {hf or float('nan'):9.1f}   ratio {ratio}",
               flush=True)
 
-    llm = LLM(dtype=args.dtype, threads=args.threads, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(dtype=args.dtype, threads=args.threads, max_num_seqs=64, max_num_batched_tokens=2048,
+              int8_activations=args.int8_activations)
     hf = None
     tmp = tempfile.TemporaryDirectory()
     if not args.skip_hf:
@@ -156,7 +159,8 @@ def main() -> None:
         f"{tmp.name!r}); transformers.AutoTokenizer.from_pretrained({tmp.name!r})", args.threads)
     record("ready_s (lower=better)", ours_ready, hf_ready)
     print("targets (issue 2, 2 threads):", TARGETS)
-    print("cpu capability:", torch.backends.cpu.get_cpu_capability(), "threads:", args.threads)
+    print("cpu capability:", torch.backends.cpu.get_cpu_capability(), "threads:", args.threads,
+          "int8 activations:", args.int8_activations)
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     res["load_average"] = {"before": list(load_before), "after": list(load_after)}

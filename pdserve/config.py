@@ -166,6 +166,10 @@ class EngineConfig:
     seed: int = 0
     # Small-batch matmuls read a GGUF file's Q4_0/Q4_1/Q8_0 blocks directly (CPU, fp32).
     use_gguf_kernels: bool = True
+    # Opt-in: those kernels round the activations to int8 per 32 values (llama.cpp's
+    # Q8 x Q4 dot products): ~2x faster small-batch decode on AVX2, but no longer the
+    # exact fp32 arithmetic, so not token-identical to transformers (docs/performance.md).
+    int8_activations: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)

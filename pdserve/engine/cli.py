@@ -23,12 +23,15 @@ def add_engine_arguments(p) -> None:
                    help="largest prompt chunk per step with chunked prefill (0: the whole budget)")
     p.add_argument("--enable-prefix-caching", action=_BoolAction, default=True)
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--int8-activations", action="store_true",
+                   help="GGUF kernels round activations to int8 (faster small-batch decode on CPU; "
+                        "not token-identical to the fp32 default)")
 
 
 def engine_kwargs(args) -> dict:
     names = ("dtype", "device", "threads", "block_size", "num_gpu_blocks", "kv_cache_memory_bytes",
              "max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill",
-             "long_prefill_token_threshold", "enable_prefix_caching", "policy")
+             "long_prefill_token_threshold", "enable_prefix_caching", "policy", "int8_activations")
     return {n: getattr(args, n) for n in names}
 
 

@@ -30,19 +30,24 @@ class Linear(nn.Linear):
     qtype: int = 0
     kernel = None
     max_rows: int = 16
+    int8_activations: bool = False  # qweight is then q8_repack's layout, multiplied by q8_matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None and x.shape[0] <= self.max_rows:
-            y = self.kernel.gguf_matmul(x.contiguous(), self.qweight, self.qtype, self.in_features)
+            mm = self.kernel.q8_matmul if self.int8_activations else self.kernel.gguf_matmul
+            y = mm(x.contiguous(), self.qweight, self.qtype, self.in_features)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
-    def set_quantized(self, blocks: list[tuple[int, torch.Tensor]], kernel) -> bool:
+    def set_quantized(self, blocks: list[tuple[int, torch.Tensor]], kernel, int8_activations: bool = False) -> bool:
         """Use these raw block rows (one entry per fused part) if they share one type."""
         if len({t for t, _ in blocks}) != 1 or self.weight.dtype != torch.float32:
             return False
         self.qtype = blocks[0][0]
         self.qweight = torch.cat([raw for _, raw in blocks], dim=0).contiguous()
+        if int8_activations:
+            self.qweight = kernel.q8_repack(self.qweight, self.qtype, self.in_features)
+        self.int8_activations = int8_activations
         self.kernel = kernel
         return True
 
@@ -117,7 +122,8 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
             self.qkv_proj.qweight, self.qkv_proj.qtype, bias, self.o_proj.qweight, self.o_proj.qtype,
             self.gate_up_proj.qweight, self.gate_up_proj.qtype, self.down_proj.qweight, self.down_proj.qtype,
-            self.n_heads, self.n_kv, self.head_dim, config.intermediate_size, config.rms_norm_eps)
+            self.n_heads, self.n_kv, self.head_dim, config.intermediate_size, config.rms_norm_eps,
+            self.qkv_proj.int8_activations)
         return True
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
@@ -216,8 +222,10 @@ class LlamaModel(nn.Module):
         if not cfg.tie_word_embeddings:
             _copy(own, "lm_head.weight", _take(state, "lm_head.weight"))
 
-    def load_quantized(self, quantized: dict[str, tuple[int, torch.Tensor]], kernel) -> int:
-        """Give each linear layer its GGUF blocks; returns how many layers use them."""
+    def load_quantized(self, quantized: dict[str, tuple[int, torch.Tensor]], kernel,
+                       int8_activations: bool = False) -> int:
+        """Give each linear layer its GGUF blocks; returns how many layers use them.
+        With int8_activations every block product rounds its activations to int8."""
         def parts(*names):
             return [quantized[n] for n in names] if all(n in quantized for n in names) else None
 
@@ -229,9 +237,9 @@ class LlamaModel(nn.Module):
                                (layer.gate_up_proj, (m + "gate_proj.weight", m + "up_proj.weight")),
                                (layer.down_proj, (m + "down_proj.weight",))):
                 blocks = parts(*names)
-                used += bool(blocks and lin.set_quantized(blocks, kernel))
+                used += bool(blocks and lin.set_quantized(blocks, kernel, int8_activations))
         head = parts("model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
-        used += bool(head and self.lm_head.set_quantized(head, kernel))
+        used += bool(head and self.lm_head.set_quantized(head, kernel, int8_activations))
         import os
 
         if not os.environ.get("PDSERVE_NO_FUSED_DECODE"):

@@ -33,7 +33,8 @@ class ModelRunner:
 
             self.decode_kernel = cpu_kernels.load()
             if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
-                self.num_quantized_linears = self.model.load_quantized(quantized, self.decode_kernel)
+                self.num_quantized_linears = self.model.load_quantized(
+                    quantized, self.decode_kernel, int8_activations=config.int8_activations)
         self.num_blocks = config.cache.num_gpu_blocks or self._blocks_for_memory()
         self.kv_shape = [self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim]
         self.kv_shm_paths: list[str] = []

@@ -30,6 +30,53 @@ def test_gguf_matmul_matches_dequantized_weights(qtype, rows):
     torch.testing.assert_close(got, x @ dense.T, rtol=1e-5, atol=1e-4)
 
 
+def _int8_reference(x: torch.Tensor, raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """q8_matmul's arithmetic in PyTorch: activations rounded per 32 values to int8
+    (scale max|x| / 127), integer block dot products, d * dx and the block constant
+    times the exact block sum of x."""
+    n = raw.shape[0]
+    k = x.shape[1]
+    nb = k // 32
+    blocks = torch.from_numpy(raw.reshape(n, nb, -1).copy())
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float().view(n, nb)
+    if qtype == "Q8_0":
+        q = blocks[..., 2:34].contiguous().view(torch.int8).long()
+        c = torch.zeros(n, nb)
+    else:
+        qs = blocks[..., 4:20] if qtype == "Q4_1" else blocks[..., 2:18]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).long()
+        c = blocks[..., 2:4].contiguous().view(torch.float16).float().view(n, nb) if qtype == "Q4_1" else -8 * d
+    xb = x.view(-1, nb, 32)
+    dx = xb.abs().amax(-1) / 127
+    xq = torch.round(xb / torch.where(dx > 0, dx, 1).unsqueeze(-1) * (dx > 0).unsqueeze(-1)).long()
+    isum = torch.einsum("mjk,njk->mnj", xq, q).double()
+    return ((isum * (dx.unsqueeze(1) * d.unsqueeze(0)).double()).sum(-1)
+            + (xb.sum(-1).double() @ c.double().T)).float()
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,k", [(1, 256), (3, 256), (8, 288), (16, 64)])
+def test_int8_activation_matmul_does_the_int8_arithmetic(qtype, rows, k):
+    """The opt-in int8 kernel computes exactly the rounded-activation products (288: an odd
+    number of blocks, the unpaired last block), and stays within ~3% of the fp32 product."""
+    n = 37
+    w = np.random.default_rng(2).standard_normal((n, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, 5] = 40.0  # an outlier, as in real hidden states: its block gets a coarse scale
+    packed = kernels.q8_repack(torch.from_numpy(raw), int(t), k)
+    assert packed.shape[0] == n
+    got = kernels.q8_matmul(x, packed, int(t), k)
+    torch.testing.assert_close(got, _int8_reference(x, raw, qtype), rtol=1e-4, atol=1e-3)
+    exact = kernels.gguf_matmul(x, torch.from_numpy(raw), int(t), k)
+    assert ((got - exact).norm() / exact.norm()).item() < 0.03
+    with pytest.raises(RuntimeError, match="q8_repack"):
+        kernels.q8_matmul(x, torch.from_numpy(raw), int(t), k) if qtype == "Q4_0" else \
+            kernels.q8_matmul(x, packed[:, :-1].contiguous(), int(t), k)
+
+
 @needs_kernels
 @pytest.mark.parametrize("threads", [2, 4])
 def test_parallel_loop_runs_every_index_once_before_returning(threads):
@@ -48,10 +95,12 @@ def test_parallel_loop_runs_every_index_once_before_returning(threads):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_sdpa(dtype):
+@pytest.mark.parametrize("lens", [[1, 3, 4, 9, 17], [256, 257, 700, 5, 1030]])
+def test_paged_decode_attention_matches_sdpa(dtype, lens):
+    """Contexts past 256 tokens are cut into pieces that run in parallel and are merged."""
     g = torch.Generator().manual_seed(0)
     b, h, kvh, d, bs = 5, 6, 2, 32, 4
-    lens = torch.tensor([1, 3, 4, 9, 17])
+    lens = torch.tensor(lens)
     nb = int((lens.max() + bs - 1) // bs)
     num_blocks = b * nb + 3
     kc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
@@ -85,13 +134,14 @@ def test_embedded_model_uses_its_gguf_blocks(real_model_path):
     assert llm.engine.runner.num_quantized_linears == 121
 
 
-def _quantized_layer(qtype: str, bias: bool):
+def _quantized_layer(qtype: str, bias: bool, int8: bool = False):
     from pdserve.config import ModelConfig
     from pdserve.engine.model import DecoderLayer
 
     cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
     layer = DecoderLayer(cfg, 0)
+    torch.manual_seed(1)  # the norms' weights and the bias below: the same layer every run
     rng = np.random.default_rng(1)
     t = gguf.GGMLQuantizationType[qtype]
     for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
@@ -101,7 +151,7 @@ def _quantized_layer(qtype: str, bias: bool):
             lin.weight.copy_(dequantize(raw.reshape(-1), qtype, w.size).view(lin.weight.shape))
             if lin.bias is not None:
                 lin.bias.normal_()
-        assert lin.set_quantized([(int(t), torch.from_numpy(raw))], kernels)
+        assert lin.set_quantized([(int(t), torch.from_numpy(raw))], kernels, int8_activations=int8)
     with torch.no_grad():
         layer.input_layernorm.weight.uniform_(0.5, 1.5)
         layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
@@ -110,14 +160,16 @@ def _quantized_layer(qtype: str, bias: bool):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype,bias", [("Q4_1", False), ("Q4_0", True), ("Q8_0", False)])
+@pytest.mark.parametrize("qtype,bias,int8", [("Q4_1", False, False), ("Q4_0", True, False), ("Q8_0", False, False),
+                                             ("Q4_1", False, True), ("Q8_0", True, True)])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_fused_decode_layer_matches_the_python_layer(qtype, bias, batch):
-    """One C++ call per layer computes what the layer's Python forward computes, KV writes included."""
+def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
+    """One C++ call per layer computes what the layer's Python forward computes, KV writes
+    included; with int8 activations both paths use the int8 kernel."""
     from pdserve.engine.attention import AttentionMetadata
     from pdserve.engine.model import rope_inv_freq
 
-    cfg, layer = _quantized_layer(qtype, bias)
+    cfg, layer = _quantized_layer(qtype, bias, int8)
     g = torch.Generator().manual_seed(batch)
     bs, nb = 4, 6
     kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
@@ -135,6 +187,13 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, batch):
     with torch.inference_mode():
         ref = layer(x, emb.cos().unsqueeze(1), emb.sin().unsqueeze(1), ref_caches, meta)
         got = layer.fused.forward(x, emb.cos(), emb.sin(), caches[0][0], caches[0][1], slots, tables, lens)
+    if int8:
+        # the paths' ~1e-6 differences (RoPE's FMA, the SiLU's exp) can tip an activation
+        # across an int8 rounding boundary (one step: ~1% of its block's largest value),
+        # and a tipped value moves the products after it: compare as a whole
+        for a, b in ((got, ref), (caches[0][0], ref_caches[0][0]), (caches[0][1], ref_caches[0][1])):
+            assert ((a - b).norm() / b.norm()).item() < 1e-2
+        return
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][0], ref_caches[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][1], ref_caches[0][1], rtol=1e-5, atol=1e-5)

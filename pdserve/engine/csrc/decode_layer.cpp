@@ -25,6 +25,7 @@
 #endif
 
 torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 
@@ -82,6 +83,11 @@ struct DecodeLayer {
   int64_t t_qkv, t_o, t_gate_up, t_down;
   int64_t n_heads, n_kv, head_dim, hidden, inter;
   double eps;
+  bool int8_activations = false;  // opt-in: q8_matmul on q8_repack weights
+
+  torch::Tensor mm(torch::Tensor x, const torch::Tensor& w, int64_t qtype, int64_t K) const {
+    return int8_activations ? q8_matmul(x, w, qtype, K) : gguf_matmul(x, w, qtype, K);
+  }
 
   // x: [M, hidden] fp32; cos, sin: [M, head_dim]; caches [blocks, block_size, n_kv, head_dim] fp32;
   // slots: [M] int64; block_tables [M, max_blocks] int64; seq_lens [M] int64. Returns the new x.
@@ -96,7 +102,7 @@ struct DecodeLayer {
     const float feps = static_cast<float>(eps);
     auto h = torch::empty_like(x);
     rmsnorm(x.data_ptr<float>(), ln1.data_ptr<float>(), h.data_ptr<float>(), M, hidden, feps);
-    auto qkv_out = gguf_matmul(h, qkv, t_qkv, hidden);  // [M, q + 2 kv]
+    auto qkv_out = mm(h, qkv, t_qkv, hidden);  // [M, q + 2 kv]
     if (qkv_bias) qkv_out.add_(*qkv_bias);
     const int64_t width = q_size + 2 * kv_size;
     float* qp = qkv_out.data_ptr<float>();
@@ -116,15 +122,15 @@ struct DecodeLayer {
     }
     auto attn = torch::empty({M, n_heads, D}, x.options());
     paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, 1.0 / std::sqrt((double)D));
-    auto out = gguf_matmul(attn.view({M, q_size}), o, t_o, q_size);
+    auto out = mm(attn.view({M, q_size}), o, t_o, q_size);
     float* xo = out.data_ptr<float>();
     const float* xi = x.data_ptr<float>();
     for (int64_t i = 0; i < M * hidden; ++i) xo[i] = xi[i] + xo[i];
     rmsnorm(xo, ln2.data_ptr<float>(), h.data_ptr<float>(), M, hidden, feps);
-    auto gu = gguf_matmul(h, gate_up, t_gate_up, hidden);  // [M, 2 inter]
+    auto gu = mm(h, gate_up, t_gate_up, hidden);  // [M, 2 inter]
     auto act = torch::empty({M, inter}, x.options());
     silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), M, inter);
-    auto d = gguf_matmul(act, down, t_down, inter);
+    auto d = mm(act, down, t_down, inter);
     const float* dp = d.data_ptr<float>();
     for (int64_t i = 0; i < M * hidden; ++i) xo[i] = xo[i] + dp[i];
     return out;
@@ -138,10 +144,12 @@ void register_decode_layer(pybind11::module& m) {
       .def(pybind11::init([](torch::Tensor ln1, torch::Tensor ln2, torch::Tensor qkv, int64_t t_qkv,
                              std::optional<torch::Tensor> qkv_bias, torch::Tensor o, int64_t t_o,
                              torch::Tensor gate_up, int64_t t_gate_up, torch::Tensor down, int64_t t_down,
-                             int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t inter, double eps) {
+                             int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t inter, double eps,
+                             bool int8_activations) {
         TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
         return DecodeLayer{ln1.contiguous(), ln2.contiguous(), qkv, o, gate_up, down, qkv_bias,
-                           t_qkv, t_o, t_gate_up, t_down, n_heads, n_kv, head_dim, ln1.size(0), inter, eps};
+                           t_qkv, t_o, t_gate_up, t_down, n_heads, n_kv, head_dim, ln1.size(0), inter, eps,
+                           int8_activations};
       }))
       .def("forward", &DecodeLayer::forward, "one decoder layer for decode tokens (CPU, float32)");
 }

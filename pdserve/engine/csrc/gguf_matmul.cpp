@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -82,6 +83,24 @@ inline void decode_block(const uint8_t* b, __m256 q[4]) {
 }
 #endif
 
+}  // namespace
+
+// How far ahead of the row being multiplied the kernels ask for weights (bytes).
+int64_t kPrefetchBytes = 4096;
+
+namespace {
+
+// The weights of a decode step (~96 MB here) stream from DRAM once per step. The
+// hardware prefetcher alone, restarted at every chunk a thread claims, left the
+// batch-1 kernels at ~6-9 GB/s of the ~23 the machine reads; asking for the bytes
+// kPrefetchBytes ahead of the row in hand (not past the chunk's end) keeps more
+// reads in flight. Measured in docs/performance.md ("Prefetching the weights").
+inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+  const uint8_t* p = row + kPrefetchBytes;
+  const uint8_t* stop = std::min(p + row_bytes, end);
+  for (; p < stop; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 // qtype: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0 (ggml's type ids)
 // One weight row against MT activation rows, the MT accumulators held in
 // registers: the previous version kept them in std::vectors, so every block
@@ -142,6 +161,7 @@ void rows(const uint8_t* w, const float* x, const float* xsum, float* out, int64
   const int64_t nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
+    prefetch_ahead(row, row_bytes, w + n1 * row_bytes);
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) row_tile<QTYPE, 4>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb);
     switch (M - m) {
@@ -244,12 +264,203 @@ void rows_expanded(const uint8_t* w, const float* x, float* out, int64_t M, int6
   }
 }
 
+// ---- int8 activations (opt-in): Q8 x Q4/Q8 dot products on AVX2, as llama.cpp does ----
+//
+// The fp32 kernels above spend most of a batch-1 step turning nibbles into floats
+// (~5.8 GB/s of weights per core). Quantizing each 32-value block of the activations
+// to int8 (scale max|x| / 127) lets `vpmaddubsw` multiply weights and activations as
+// bytes. That rounds the activations (~0.5% relative per dot product), so it changes
+// the numbers: an opt-in mode whose agreement with the fp32 path is measured
+// (docs/performance.md), never the default.
+//
+// The weights are first repacked (same size as the GGUF rows, see q8_repack): a row's
+// nibbles contiguous, then its block scales, then its per-block constants. One 32-byte
+// load then holds two Q4 blocks, two masks give 64 weights, and the activations are
+// stored in the matching order (low halves of a block pair, then high halves). A dot
+// product over a block is d * dx * sum(q_i * xq_i) + c * sum(x_i), with c the Q4_1
+// minimum or Q4_0's -8d and sum(x_i) the exact fp32 sum.
+
+constexpr int kQ4 = 0, kQ8 = 1;  // repacked layouts
+
+inline int packed_kind(int64_t qtype) { return qtype == 8 ? kQ8 : kQ4; }
+
+// Repacked row, nb blocks: Q4: qs[nb][16] | d[nb] fp16 | c[nb] fp16.  Q8: qs[nb][32] | d[nb] fp16.
+void repack_row(const uint8_t* src, uint8_t* dst, int64_t qtype, int64_t nb) {
+  const int bytes = qtype == 2 ? 18 : qtype == 3 ? 20 : 34;
+  const int qbytes = qtype == 8 ? 32 : 16;
+  uint8_t* qs = dst;
+  uint8_t* ds = dst + nb * qbytes;
+  uint8_t* cs = ds + nb * 2;
+  for (int64_t j = 0; j < nb; ++j) {
+    const uint8_t* b = src + j * bytes;
+    std::memcpy(ds + 2 * j, b, 2);
+    if (qtype == 8) {
+      std::memcpy(qs + j * 32, b + 2, 32);
+      continue;
+    }
+    std::memcpy(qs + j * 16, b + (qtype == 3 ? 4 : 2), 16);
+    if (qtype == 3) {
+      std::memcpy(cs + 2 * j, b + 2, 2);
+    } else {  // -8 d: a power-of-two multiple, exact in fp16 but for overflow (|d| < 8188)
+      uint16_t h;
+      std::memcpy(&h, b, 2);
+      const c10::Half c(-8.f * static_cast<float>(c10::Half(h, c10::Half::from_bits())));
+      std::memcpy(cs + 2 * j, &c.x, 2);
+    }
+  }
+}
+
+// x [M, K] -> xq [M, K] int8 (pair order for Q4 weights), xd [M, nb] block scales, xs [M, nb] block sums.
+void quantize_rows(const float* x, int8_t* xq, float* xd, float* xs, int64_t M, int64_t K, bool pair_order) {
+  const int64_t nb = K / QK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t r = m * nb + j;
+      const float* xb = x + r * QK;
+      float am = 0, s = 0;
+      for (int i = 0; i < QK; ++i) { am = std::max(am, std::fabs(xb[i])); s += xb[i]; }
+      const float inv = am > 0 ? 127.f / am : 0.f;
+      xd[r] = am / 127.f;
+      xs[r] = s;
+      // pair order: for blocks (2p, 2p+1): x[2p][0:16] x[2p+1][0:16] x[2p][16:32] x[2p+1][16:32];
+      // an unpaired last block stays in natural order
+      int8_t* row = xq + m * K;
+      const bool paired = pair_order && (j | 1) < nb;
+      for (int i = 0; i < QK; ++i) {
+        const int8_t v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        int64_t at = j * QK + i;
+        if (paired) at = (j & ~int64_t(1)) * QK + (i < 16 ? 0 : 32) + (j & 1) * 16 + (i & 15);
+        row[at] = v;
+      }
+    }
+}
+
+// One repacked weight row against MT quantized activation rows.
+template <int KIND, int MT>
+inline void row_tile_q8(const uint8_t* row, const int8_t* xq, const float* xd, const float* xs, float* out,
+                        int64_t N, int64_t K, int64_t nb) {
+  constexpr int qbytes = KIND == kQ8 ? 32 : 16;
+  const uint8_t* qs = row;
+  const uint8_t* ds = row + nb * qbytes;
+  const uint8_t* cs = ds + nb * 2;
+  float res[MT];
+  for (int m = 0; m < MT; ++m) res[m] = 0.f;
+#ifdef PDS_AVX2
+  // block scales d_j * dx_j for each activation row, 8 at a time (F16C)
+  constexpr int kMaxNb = 256;  // K up to 8192 on this path
+  alignas(32) float sc[MT][kMaxNb];
+  int64_t j8 = 0;
+  for (; j8 + 8 <= nb; j8 += 8) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + 2 * j8)));
+    __m256 c = KIND == kQ4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cs + 2 * j8)))
+                           : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      _mm256_store_ps(sc[m] + j8, _mm256_mul_ps(d, _mm256_loadu_ps(xd + m * nb + j8)));
+      if (KIND == kQ4) res[m] += hsum(_mm256_mul_ps(c, _mm256_loadu_ps(xs + m * nb + j8)));
+    }
+  }
+  for (; j8 < nb; ++j8)
+    for (int m = 0; m < MT; ++m) {
+      sc[m][j8] = half_at(ds + 2 * j8) * xd[m * nb + j8];
+      if (KIND == kQ4) res[m] += half_at(cs + 2 * j8) * xs[m * nb + j8];
+    }
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  int64_t j = 0;
+  if (KIND == kQ4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (; j + 2 <= nb; j += 2) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + j * 16));
+      const __m256i lo = _mm256_and_si256(v, low4);                         // blocks j, j+1: weights 0-15
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);   // weights 16-31
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xb = xq + m * K + j * QK;
+        const __m256i p = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32))));
+        const __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(sc[m] + j)),
+                                              _mm_broadcast_ss(sc[m] + j + 1), 1);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), s, acc[m]);
+      }
+    }
+    if (j < nb) {  // an odd last block, natural order
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + j * 16));
+      const __m128i l4 = _mm_set1_epi8(0x0F);
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), l4), _mm_and_si128(q, l4));
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + j * QK));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones)),
+                                 _mm256_broadcast_ss(sc[m] + j), acc[m]);
+      }
+    }
+  } else {
+    for (; j < nb; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + j * 32));
+      const __m256i wa = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MT; ++m) {
+        // signed x signed as |w| x (x * sign w)
+        const __m256i xv = _mm256_sign_epi8(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + j * QK)), w);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), ones)),
+                                 _mm256_broadcast_ss(sc[m] + j), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m * N] = res[m] + hsum(acc[m]);
+#else
+  for (int64_t j = 0; j < nb; ++j) {
+    const float d = half_at(ds + 2 * j);
+    const float c = KIND == kQ4 ? half_at(cs + 2 * j) : 0.f;
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xrow = xq + m * K;
+      const bool paired = KIND == kQ4 && (j | 1) < nb;
+      int32_t s = 0;
+      for (int i = 0; i < QK; ++i) {
+        const int w = KIND == kQ8 ? static_cast<int8_t>(qs[j * 32 + i])
+                                  : (i < 16 ? qs[j * 16 + i] & 15 : qs[j * 16 + i - 16] >> 4);
+        int64_t at = j * QK + i;
+        if (paired) at = (j & ~int64_t(1)) * QK + (i < 16 ? 0 : 32) + (j & 1) * 16 + (i & 15);
+        s += w * xrow[at];
+      }
+      res[m] += d * xd[m * nb + j] * static_cast<float>(s) + c * xs[m * nb + j];
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m * N] = res[m];
+#endif
+}
+
+template <int KIND>
+void rows_q8(const uint8_t* w, const int8_t* xq, const float* xd, const float* xs, float* out, int64_t M,
+             int64_t N, int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+  const int64_t nb = K / QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    prefetch_ahead(row, row_bytes, w + n1 * row_bytes);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      row_tile_q8<KIND, 4>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb);
+    switch (M - m) {
+      case 3: row_tile_q8<KIND, 3>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb); break;
+      case 2: row_tile_q8<KIND, 2>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb); break;
+      case 1: row_tile_q8<KIND, 1>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace
 
 // From this many activation rows on, gguf_matmul expands weight rows to fp32 first:
 // below 8 the per-row kernel is faster (docs/performance.md, run 4's kernel table,
 // measured by flipping this with set_gguf_expand_rows).
 int64_t kExpandFromRows = 8;
+
+int64_t set_prefetch_bytes(int64_t bytes) {
+  const int64_t old = kPrefetchBytes;
+  kPrefetchBytes = bytes;
+  return old;
+}
 
 int64_t set_gguf_expand_rows(int64_t rows) {
   const int64_t old = kExpandFromRows;
@@ -287,6 +498,43 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64
     if (qtype == 2) rows<2>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
     else if (qtype == 3) rows<3>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
     else rows<8>(wp, xp, xsum.data(), op, M, N, K, row_bytes, n0, n1);
+  });
+  return out;
+}
+
+// GGUF rows [N, row_bytes] -> the layout q8_matmul reads (same size; see repack_row).
+torch::Tensor q8_repack(torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2, "w must be 2-D contiguous uint8");
+  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 8, "unsupported GGUF type ", qtype);
+  TORCH_CHECK(K % QK == 0 && K / QK <= 256, "K must be a multiple of 32, at most 8192");
+  const int64_t nb = K / QK, bytes = qtype == 2 ? 18 : qtype == 3 ? 20 : 34;
+  TORCH_CHECK(w.size(1) == nb * bytes, "row size does not match K and the type");
+  const int64_t packed = qtype == 8 ? nb * 34 : nb * 20;  // Q4_0 grows by its 2-byte constants
+  auto out = torch::empty({w.size(0), packed}, w.options());
+  for (int64_t n = 0; n < w.size(0); ++n)
+    repack_row(w.data_ptr<uint8_t>() + n * w.size(1), out.data_ptr<uint8_t>() + n * packed, qtype, nb);
+  return out;
+}
+
+// x @ W.T with the activations rounded to int8 per 32-value block (opt-in; see row_tile_q8).
+// w: q8_repack's output. x: [M, K] float32; returns [M, N] float32.
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be contiguous uint8");
+  TORCH_CHECK(K % QK == 0 && x.size(1) == K && K / QK <= 256, "K must be a multiple of 32 (<= 8192) and match x");
+  TORCH_CHECK(qtype == 2 || qtype == 3 || qtype == 8, "unsupported GGUF type ", qtype);
+  const int64_t M = x.size(0), N = w.size(0), nb = K / QK, row_bytes = w.size(1);
+  TORCH_CHECK(row_bytes == (qtype == 8 ? nb * 34 : nb * 20), "w is not a q8_repack of this K and type");
+  auto out = torch::empty({M, N}, x.options());
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  const int kind = packed_kind(qtype);
+  quantize_rows(x.data_ptr<float>(), xq.data(), xd.data(), xs.data(), M, K, kind == kQ4);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  pds::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    if (kind == kQ4) rows_q8<kQ4>(wp, xq.data(), xd.data(), xs.data(), op, M, N, K, row_bytes, n0, n1);
+    else rows_q8<kQ8>(wp, xq.data(), xd.data(), xs.data(), op, M, N, K, row_bytes, n0, n1);
   });
   return out;
 }

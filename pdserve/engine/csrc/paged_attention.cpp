@@ -35,26 +35,6 @@ inline float dot(const float* q, const T* k, int64_t d) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-// fp32 K rows: two tokens per iteration so two FMA chains run at once.
-inline void scores_f32(const float* q, const float* const* krows, int64_t len, int64_t D, float* out) {
-  int64_t t = 0;
-  for (; t + 2 <= len; t += 2) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krows[t] + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krows[t + 1] + i), a1);
-    }
-    // horizontal sums of both accumulators together
-    __m256 h = _mm256_hadd_ps(a0, a1);
-    __m128 lo = _mm256_castps256_ps128(h), hi = _mm256_extractf128_ps(h, 1);
-    __m128 sum = _mm_add_ps(lo, hi);  // [a0 01, a0 23, a1 01, a1 23] pairs
-    sum = _mm_hadd_ps(sum, sum);
-    out[t] = _mm_cvtss_f32(sum);
-    out[t + 1] = _mm_cvtss_f32(_mm_shuffle_ps(sum, sum, 1));
-  }
-  for (; t < len; ++t) out[t] = dot(q, krows[t], D);
-}
 // s[t] = exp(s[t] - m) in place; returns the sum
 inline float exp_sum(float* s, int64_t len, float m) {
   const __m256 mv = _mm256_set1_ps(m);
@@ -72,8 +52,63 @@ inline float exp_sum(float* s, int64_t len, float m) {
   for (; t < len; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
   return sum;
 }
+
+// Scores of NG query heads at once: each K row is loaded once for all of them
+// (the per-head passes read every K row G times). D is a multiple of 8, at most 256.
+template <int NG>
+inline void scores_heads(const float* q, const float* const* krows, int64_t len, int64_t D, float* out,
+                         int64_t out_stride) {
+  for (int64_t t = 0; t < len; ++t) {
+    __m256 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_ps();
+    const float* k = krows[t];
+    for (int64_t i = 0; i < D; i += 8) {
+      const __m256 kv = _mm256_loadu_ps(k + i);
+      for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) {
+      __m128 x = _mm_add_ps(_mm256_castps256_ps128(a[g]), _mm256_extractf128_ps(a[g], 1));
+      x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+      x = _mm_add_ss(x, _mm_movehdup_ps(x));
+      out[g * out_stride + t] = _mm_cvtss_f32(x);
+    }
+  }
+}
+
+// acc[g] += sum_t w[g][t] * v[t] for NG heads over 32 columns of D at a time, the
+// NG x 4 accumulators in registers: each V row slice is loaded once for all heads.
+template <int NG>
+inline void weighted_v(const float* w, int64_t w_stride, const float* const* vrows, int64_t len, int64_t D,
+                       float* acc) {
+  for (int64_t i0 = 0; i0 < D; i0 += 32) {
+    const int nv = static_cast<int>(std::min<int64_t>(32, D - i0) / 8);
+    __m256 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const float* v = vrows[t] + i0;
+      __m256 vv[4];
+      for (int j = 0; j < nv; ++j) vv[j] = _mm256_loadu_ps(v + 8 * j);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 wg = _mm256_set1_ps(w[g * w_stride + t]);
+        for (int j = 0; j < nv; ++j) a[g][j] = _mm256_fmadd_ps(wg, vv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < nv; ++j) _mm256_storeu_ps(acc + g * D + i0 + 8 * j, a[g][j]);
+  }
+}
 #define PDS_AVX2_ATTN 1
 #endif
+
+// Context is cut into pieces of kSplit tokens, each a work item of its own
+// (split-K, "flash decoding"): at batch 1 the 3 KV heads of this model were 3
+// work items for 2 threads, one thread idle a third of the time, and a long
+// context ran on one core. Each piece leaves its running max, sum of exponentials
+// and unnormalised V sum; the pieces of a (sequence, KV head) are merged at the
+// end. The cut depends only on the sequence's own length, never on the batch or
+// the thread count, so a sequence's numbers do not change with its neighbours.
+constexpr int64_t kSplit = 256;
 
 template <typename T>
 void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -90,20 +125,43 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
 
-  pds::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+  // work items: (sequence, KV head, piece); first[b] = the index of b's first piece
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + std::max<int64_t>(1, (lens[b] + kSplit - 1) / kSplit);
+  const int64_t pieces = first[B];
+  // per (piece, KV head): G maxima, G sums, G x D accumulators
+  std::vector<float> part_m(pieces * KVH * G), part_l(pieces * KVH * G), part_acc(pieces * KVH * G * D);
+
+  pds::parallel_for(0, pieces * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores;
     std::vector<const T*> krows;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, h = idx % KVH, len = lens[b];
+      const int64_t piece = idx / KVH, h = idx % KVH;
+      const int64_t b = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
+      const int64_t t0 = (piece - first[b]) * kSplit, t1 = std::min(lens[b], t0 + kSplit), len = t1 - t0;
       const int64_t* table = bt + b * max_blocks;
+      float* pm = part_m.data() + idx * G;
+      float* pl = part_l.data() + idx * G;
+      float* acc = part_acc.data() + idx * G * D;
+      if (len <= 0) {
+        for (int64_t g = 0; g < G; ++g) { pm[g] = -std::numeric_limits<float>::infinity(); pl[g] = 0.f; }
+        std::fill(acc, acc + G * D, 0.f);
+        continue;
+      }
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qp[(b * H + h * G) * D + i]) * (float)scale;
       scores.assign(G * len, 0.f);
       krows.resize(len);
-      for (int64_t t = 0; t < len; ++t) krows[t] = kp + table[t / BS] * blk_stride + (t % BS) * tok_stride + h * D;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t pos = t0 + t;
+        krows[t] = kp + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
+      }
 #ifdef PDS_AVX2_ATTN
       if constexpr (std::is_same<T, float>::value) {
         if (D % 8 == 0) {
-          for (int64_t g = 0; g < G; ++g) scores_f32(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len);
+          int64_t g = 0;
+          for (; g + 3 <= G; g += 3) scores_heads<3>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
+          for (; g + 2 <= G; g += 2) scores_heads<2>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
+          for (; g < G; ++g) scores_heads<1>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
           goto softmax;
         }
       }
@@ -121,22 +179,58 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         float sum = 0;
         for (int64_t t = 0; t < len; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
 #endif
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+        pm[g] = m;
+        pl[g] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef PDS_AVX2_ATTN
+      if constexpr (std::is_same<T, float>::value) {
+        if (D % 8 == 0) {
+          for (int64_t t = 0; t < len; ++t) {  // krows now points at the V rows
+            const int64_t pos = t0 + t;
+            krows[t] = vp + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
+          }
+          int64_t g = 0;
+          for (; g + 3 <= G; g += 3) weighted_v<3>(scores.data() + g * len, len, krows.data(), len, D, acc + g * D);
+          for (; g + 2 <= G; g += 2) weighted_v<2>(scores.data() + g * len, len, krows.data(), len, D, acc + g * D);
+          for (; g < G; ++g) weighted_v<1>(scores.data() + g * len, len, krows.data(), len, D, acc + g * D);
+          continue;
+        }
+      }
+#endif
+      std::fill(acc, acc + G * D, 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = vp + table[t / BS] * blk_stride + (t % BS) * tok_stride + h * D;
+        const int64_t pos = t0 + t;
+        const T* vrow = vp + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * len + t];
-          float* a = acc.data() + g * D;
+          float* a = acc + g * D;
 #pragma omp simd
           for (int64_t i = 0; i < D; ++i) a[i] += w * to_f(vrow[i]);
         }
       }
-      for (int64_t i = 0; i < G * D; ++i) op[(b * H + h * G) * D + i] = static_cast<T>(acc[i]);
     }
   });
+
+  // merge the pieces of each (sequence, KV head): rescale each to the global max
+  std::vector<float> sum(D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t g = 0; g < G; ++g) {
+        float M = -std::numeric_limits<float>::infinity();
+        for (int64_t pc = first[b]; pc < first[b + 1]; ++pc) M = std::max(M, part_m[(pc * KVH + h) * G + g]);
+        float l = 0;
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t pc = first[b]; pc < first[b + 1]; ++pc) {
+          const int64_t at = (pc * KVH + h) * G + g;
+          if (part_l[at] == 0.f) continue;
+          const float c = first[b + 1] - first[b] == 1 ? 1.f : std::exp(part_m[at] - M);
+          l += c * part_l[at];
+          const float* a = part_acc.data() + at * D;
+          for (int64_t i = 0; i < D; ++i) sum[i] += c * a[i];
+        }
+        const float inv = 1.f / l;
+        for (int64_t i = 0; i < D; ++i) op[(b * H + h * G + g) * D + i] = static_cast<T>(sum[i] * inv);
+      }
 }
 
 }  // namespace
@@ -157,15 +251,23 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 }
 
 torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
+torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
+torch::Tensor q8_repack(torch::Tensor w, int64_t qtype, int64_t K);
 void register_decode_layer(pybind11::module& m);
 int64_t pool_check(int64_t n, int64_t grain, int64_t loops, int64_t work);
 int64_t set_gguf_expand_rows(int64_t rows);
+int64_t set_prefetch_bytes(int64_t bytes);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
   m.def("gguf_matmul", &gguf_matmul, "x @ W.T with W in raw GGUF Q4_0/Q4_1/Q8_0 blocks (CPU)");
+  m.def("q8_matmul", &q8_matmul,
+        "x @ W.T, W repacked by q8_repack, activations rounded to int8 per 32-value block (opt-in, not exact)");
+  m.def("q8_repack", &q8_repack, "GGUF Q4_0/Q4_1/Q8_0 rows -> the layout q8_matmul reads");
   register_decode_layer(m);
   m.def("set_gguf_expand_rows", &set_gguf_expand_rows,
         "gguf_matmul expands weights to fp32 from this many rows on; returns the previous value");
+  m.def("set_prefetch_bytes", &set_prefetch_bytes,
+        "how far ahead (bytes) the small-batch GGUF kernels prefetch weights; returns the previous value");
   m.def("pool_check", &pool_check, "self-check of the parallel loop: indices not run exactly once");
 }
