@@ -201,6 +201,13 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = self._metrics_factory(engine.model_config.name)
         self._on_stats(engine.stats())
+        # A serving process keeps its engine for life: take everything loaded so far
+        # (model, tokenizer vocabulary) out of the cyclic GC's walks, as vLLM does.
+        # Collections during decoding were ~5% of a batch-1 step in a perf profile.
+        import gc
+
+        gc.collect()
+        gc.freeze()
         self.ready.set()
 
     def _on_failure(self, reason: str) -> None:

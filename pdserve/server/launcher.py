@@ -26,6 +26,10 @@ def _engine_args(args) -> list[str]:
         out.append("--no-enable-chunked-prefill")
     if not args.enable_prefix_caching:
         out.append("--no-enable-prefix-caching")
+    if getattr(args, "int8_activations", False):
+        out.append("--int8-activations")
+    if getattr(args, "policy", "fcfs") != "fcfs":
+        out += ["--scheduling-policy", args.policy]
     return out + (["--model", args.model] if args.model else [])
 
 

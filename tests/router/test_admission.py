@@ -191,3 +191,24 @@ def test_conductor_status_non_null_after_traffic(tiny_model_dir):
         assert len(s["decode_cost_s"]) == 3 and s["decode_live_samples"] > 0  # live steps seen
         assert d["stats"]["num_running"] == 0
         assert c.status()["counters"]["kv_exposed_seconds"] > 0
+
+
+def test_serve_hands_its_engine_flags_to_the_workers_it_starts():
+    """`pdserve serve` (disaggregated) starts workers: the engine flags it was given reach them."""
+    import argparse
+
+    from pdserve.server import cli as serve_cli
+    from pdserve.server import worker_cli
+    from pdserve.server.launcher import _engine_args
+
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    flags = _engine_args(p.parse_args(["--int8-activations", "--scheduling-policy", "priority",
+                                       "--no-enable-prefix-caching", "--max-num-seqs", "8"]))
+    wp = argparse.ArgumentParser()
+    worker_cli.add_arguments(wp)
+    w = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1", *flags])
+    assert (w.int8_activations, w.policy, w.enable_prefix_caching, w.max_num_seqs) == (True, "priority", False, 8)
+    defaults = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1",
+                              *_engine_args(p.parse_args([]))])
+    assert (defaults.int8_activations, defaults.policy) == (False, "fcfs")
