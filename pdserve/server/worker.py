@@ -162,16 +162,22 @@ class WorkerApi:
         first = b.get("first_token")
         kv_ok = False
         wait_s = float(b.get("timeout_s", 30))
-        # the lease ran from the reservation; a decode that is here now holds the blocks
-        # through its own wait, or learns at once that they are gone
-        if not await self.engine.call(lambda e: e.claim_reservation(rid, wait_s + 5.0)):
-            raise APIError(404, f"no reserved request {rid!r} here (lease expired?)", code="reservation_expired")
         if b.get("kv_expected", True):
-            try:
-                await asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s)
-                kv_ok = True
-            except KVTransferError as e:
-                log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
+            # Usually the KV landed while P sampled the first token: then the one engine
+            # call below activates at once. Each call waits for the step in flight, and
+            # with a second one the first inter-token gap was ~2.5 decode steps.
+            kv_ok = self.receiver.is_complete(rid)
+            if not kv_ok:
+                # the lease ran from the reservation; a decode that waits holds the
+                # blocks through its wait, or learns at once that they are gone
+                if not await self.engine.call(lambda e: e.claim_reservation(rid, wait_s + 5.0)):
+                    raise APIError(404, f"no reserved request {rid!r} here (lease expired?)",
+                                   code="reservation_expired")
+                try:
+                    await asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s)
+                    kv_ok = True
+                except KVTransferError as e:
+                    log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
             self.receiver.cancel(rid)  # landed or given up: late frames must not touch the blocks
         group = self.engine.attach(b["request_id"], 1)
         try:
