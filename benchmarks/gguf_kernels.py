@@ -3,6 +3,7 @@
 For each weight shape and row count: GMAC/s of `gguf_matmul` with the per-row
 kernel (blocks decoded in registers, scale applied per activation row), with
 the expanded kernel (weight rows expanded to fp32 in L1, 2x4 register tiles),
+with the opt-in int8-activation kernel (`q8_matmul` on `q8_repack`ed weights),
 and of `x @ W.T` on the dequantized weights; the ratios are against dense.
 `gguf_matmul` switches from the first to the second at 8 rows (kExpandFromRows).
 The weights are small enough to stay in cache between calls: this measures the
@@ -58,6 +59,7 @@ def main() -> int:
         w = np.random.default_rng(0).standard_normal((n, kk)).astype(np.float32)
         raw = torch.from_numpy(gguf.quants.quantize(w, t))
         dense = dequantize(raw.reshape(-1), args.qtype, n * kk).view(n, kk).contiguous()
+        packed = k.q8_repack(raw, int(t), kk)
         print(f"W {n} x {kk}")
         for m in ROWS:
             x = torch.randn(m, kk)
@@ -67,9 +69,11 @@ def main() -> int:
             k.set_gguf_expand_rows(1)
             expanded = best_s(lambda: k.gguf_matmul(x, raw, int(t), kk), args.reps)
             k.set_gguf_expand_rows(old)
+            int8 = best_s(lambda: k.q8_matmul(x, packed, int(t), kk), args.reps)
             fp32 = best_s(lambda: x @ dense.T, args.reps)
             print(f"  rows {m:3d}  per-row {macs / per_row / 1e9:5.1f} ({fp32 / per_row:4.2f}x)  "
-                  f"expanded {macs / expanded / 1e9:5.1f} ({fp32 / expanded:4.2f}x)  dense {macs / fp32 / 1e9:5.1f}")
+                  f"expanded {macs / expanded / 1e9:5.1f} ({fp32 / expanded:4.2f}x)  "
+                  f"int8-act {macs / int8 / 1e9:5.1f} ({fp32 / int8:4.2f}x)  dense {macs / fp32 / 1e9:5.1f}")
     return 0
 
 
