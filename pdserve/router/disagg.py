@@ -345,11 +345,8 @@ class DisaggEngine:
             self.counters["recomputed"] += 1
             log.warning("request %s: %s's reservation expired before decoding; recomputing there",
                         c.rid, d.worker_id)
-            c.remote_ids[d.worker_id] = f"{c.rid}-x"
-            body = {"request_id": c.remote_ids[d.worker_id], "prompt_token_ids": c.prompt,
-                    "resume_token_ids": c.token_ids, "params": params_to_json(c.params)}
             try:
-                await self._consume(c, d, "/internal/generate", body)
+                await self._resume_on(c, d, f"{c.rid}-x")
             except WorkerGone as e2:
                 self.registry.mark_dead(d.worker_id)
                 await self._replace(c, reason=str(e2))
@@ -365,15 +362,19 @@ class DisaggEngine:
             c.workers.add(w.worker_id)
             failed.add(w.worker_id)  # if this one fails too, do not come back to it
             log.warning("request %s: decode worker lost (%s); continuing on %s", c.rid, reason, w.worker_id)
-            c.remote_ids[w.worker_id] = f"{c.rid}-r{len(c.workers)}"
-            body = {"request_id": c.remote_ids[w.worker_id], "prompt_token_ids": c.prompt,
-                    "resume_token_ids": c.token_ids, "params": params_to_json(c.params)}
             try:
-                await self._consume(c, w, "/internal/generate", body)
+                await self._resume_on(c, w, f"{c.rid}-r{len(c.workers)}")
                 return
             except WorkerGone:
                 self.registry.mark_dead(w.worker_id)
         raise APIError(503, f"the request lost its decode worker and no other could take it ({reason})")
+
+    async def _resume_on(self, c: _Choice, w, remote_id: str) -> None:
+        """Run the rest of the request on w from its prompt and the tokens already streamed."""
+        c.remote_ids[w.worker_id] = remote_id
+        body = {"request_id": remote_id, "prompt_token_ids": c.prompt,
+                "resume_token_ids": c.token_ids, "params": params_to_json(c.params)}
+        await self._consume(c, w, "/internal/generate", body)
 
     async def _consume(self, c: _Choice, w, path: str, body: dict) -> None:
         try:

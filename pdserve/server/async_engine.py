@@ -12,6 +12,7 @@ requests that share one queue, accepted or refused together.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import queue
@@ -204,8 +205,6 @@ class AsyncEngine:
         # A serving process keeps its engine for life: take everything loaded so far
         # (model, tokenizer vocabulary) out of the cyclic GC's walks, as vLLM does.
         # Collections during decoding were ~5% of a batch-1 step in a perf profile.
-        import gc
-
         gc.collect()
         gc.freeze()
         self.ready.set()

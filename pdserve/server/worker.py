@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, install_handlers
 from pdserve.transfer.connector import KVDestination, KVTransferError
+from pdserve.transfer.sender import parse_faults
 
 log = logging.getLogger("pdserve.worker")
 
@@ -50,6 +52,11 @@ def output_event(out) -> dict:
             "num_prompt_tokens": len(out.prompt_token_ids)}
 
 
+def _reservation_gone(rid: str) -> APIError:
+    """The router reads the code: it then has this worker recompute the request."""
+    return APIError(404, f"no reserved request {rid!r} here (lease expired?)", code="reservation_expired")
+
+
 def _line(obj: dict) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
@@ -62,10 +69,6 @@ class WorkerApi:
         self.sender = sender  # KVSender (prefill / both)
         self.receiver = receiver  # KVReceiver (decode / both)
         self.save_timeout_s = save_timeout_s
-        import os
-
-        from pdserve.transfer.sender import parse_faults
-
         # tests of the failure paths: `delay_prefill=0:S` holds the first prefill S seconds
         self._faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
 
@@ -171,8 +174,7 @@ class WorkerApi:
                 # the lease ran from the reservation; a decode that waits holds the
                 # blocks through its wait, or learns at once that they are gone
                 if not await self.engine.call(lambda e: e.claim_reservation(rid, wait_s + 5.0)):
-                    raise APIError(404, f"no reserved request {rid!r} here (lease expired?)",
-                                   code="reservation_expired")
+                    raise _reservation_gone(rid)
                 try:
                     await asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s)
                     kv_ok = True
@@ -184,8 +186,7 @@ class WorkerApi:
             first_out = await self.engine.call(lambda e: e.activate_transferred(rid, first, kv_ok))
         except KeyError:
             group.abort()
-            raise APIError(404, f"no reserved request {rid!r} here (lease expired?)",
-                           code="reservation_expired") from None
+            raise _reservation_gone(rid) from None
         return StreamingResponse(self._stream(group, first_out, kv_ok), media_type="application/x-ndjson")
 
     async def _stream(self, group, first_out=None, kv_ok: bool = True):

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,6 +47,30 @@ inline float dot_k(const float* a, const float* b, int64_t K) {
 }
 
 inline float dot32(const float* q, const float* x) { return dot_k(q, x, QK); }
+
+// f(std::integral_constant<int, MT>{}, m) for the activation rows [m, m + MT), in tiles of
+// 4 and one tile of the 1-3 left: the tile size is a template argument of the kernels
+// (their accumulators live in registers).
+template <class F>
+inline void by_row_tiles(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) f(std::integral_constant<int, 4>{}, m);
+  switch (M - m) {
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+// Where value i of block j of an activation row goes in the int8 kernels' layout: for Q4
+// weights ("pair order") blocks (2p, 2p+1) are stored x[2p][0:16] x[2p+1][0:16]
+// x[2p][16:32] x[2p+1][16:32], matching one 32-byte load of two blocks' nibbles; an
+// unpaired last block, and every block for Q8 weights, stays in natural order.
+inline int64_t xq_index(int64_t j, int i, int64_t nb, bool pair_order) {
+  if (!pair_order || (j | 1) >= nb) return j * QK + i;
+  return (j & ~int64_t(1)) * QK + (i < 16 ? 0 : 32) + (j & 1) * 16 + (i & 15);
+}
 
 #ifdef PDS_AVX2
 // Widen 8 bytes (unsigned or signed) to 8 floats.
@@ -162,14 +187,9 @@ void rows(const uint8_t* w, const float* x, const float* xsum, float* out, int64
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     prefetch_ahead(row, row_bytes, w + n1 * row_bytes);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) row_tile<QTYPE, 4>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb);
-    switch (M - m) {
-      case 3: row_tile<QTYPE, 3>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb); break;
-      case 2: row_tile<QTYPE, 2>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb); break;
-      case 1: row_tile<QTYPE, 1>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb); break;
-      default: break;
-    }
+    by_row_tiles(M, [&](auto mt, int64_t m) {
+      row_tile<QTYPE, decltype(mt)::value>(row, x + m * K, xsum + m * nb, out + m * N + n, N, K, nb);
+    });
   }
 }
 
@@ -229,14 +249,7 @@ inline void tile(const float* w, const float* x, float* out, int64_t N, int64_t 
 
 template <int NT>
 inline void tile_rows(const float* w, const float* x, float* out, int64_t M, int64_t N, int64_t K) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<NT, 4>(w, x + m * K, out + m * N, N, K);
-  switch (M - m) {
-    case 3: tile<NT, 3>(w, x + m * K, out + m * N, N, K); break;
-    case 2: tile<NT, 2>(w, x + m * K, out + m * N, N, K); break;
-    case 1: tile<NT, 1>(w, x + m * K, out + m * N, N, K); break;
-    default: break;
-  }
+  by_row_tiles(M, [&](auto mt, int64_t m) { tile<NT, decltype(mt)::value>(w, x + m * K, out + m * N, N, K); });
 }
 
 // Output columns [n0, n1) for all M rows, two weight rows at a time.
@@ -322,16 +335,9 @@ void quantize_rows(const float* x, int8_t* xq, float* xd, float* xs, int64_t M, 
       const float inv = am > 0 ? 127.f / am : 0.f;
       xd[r] = am / 127.f;
       xs[r] = s;
-      // pair order: for blocks (2p, 2p+1): x[2p][0:16] x[2p+1][0:16] x[2p][16:32] x[2p+1][16:32];
-      // an unpaired last block stays in natural order
       int8_t* row = xq + m * K;
-      const bool paired = pair_order && (j | 1) < nb;
-      for (int i = 0; i < QK; ++i) {
-        const int8_t v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-        int64_t at = j * QK + i;
-        if (paired) at = (j & ~int64_t(1)) * QK + (i < 16 ? 0 : 32) + (j & 1) * 16 + (i & 15);
-        row[at] = v;
-      }
+      for (int i = 0; i < QK; ++i)
+        row[xq_index(j, i, nb, pair_order)] = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
     }
 }
 
@@ -414,14 +420,11 @@ inline void row_tile_q8(const uint8_t* row, const int8_t* xq, const float* xd, c
     const float c = KIND == kQ4 ? half_at(cs + 2 * j) : 0.f;
     for (int m = 0; m < MT; ++m) {
       const int8_t* xrow = xq + m * K;
-      const bool paired = KIND == kQ4 && (j | 1) < nb;
       int32_t s = 0;
       for (int i = 0; i < QK; ++i) {
         const int w = KIND == kQ8 ? static_cast<int8_t>(qs[j * 32 + i])
                                   : (i < 16 ? qs[j * 16 + i] & 15 : qs[j * 16 + i - 16] >> 4);
-        int64_t at = j * QK + i;
-        if (paired) at = (j & ~int64_t(1)) * QK + (i < 16 ? 0 : 32) + (j & 1) * 16 + (i & 15);
-        s += w * xrow[at];
+        s += w * xrow[xq_index(j, i, nb, KIND == kQ4)];
       }
       res[m] += d * xd[m * nb + j] * static_cast<float>(s) + c * xs[m * nb + j];
     }
@@ -437,15 +440,9 @@ void rows_q8(const uint8_t* w, const int8_t* xq, const float* xd, const float* x
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     prefetch_ahead(row, row_bytes, w + n1 * row_bytes);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      row_tile_q8<KIND, 4>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb);
-    switch (M - m) {
-      case 3: row_tile_q8<KIND, 3>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb); break;
-      case 2: row_tile_q8<KIND, 2>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb); break;
-      case 1: row_tile_q8<KIND, 1>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb); break;
-      default: break;
-    }
+    by_row_tiles(M, [&](auto mt, int64_t m) {
+      row_tile_q8<KIND, decltype(mt)::value>(row, xq + m * K, xd + m * nb, xs + m * nb, out + m * N + n, N, K, nb);
+    });
   }
 }
 

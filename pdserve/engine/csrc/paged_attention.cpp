@@ -110,6 +110,16 @@ inline void weighted_v(const float* w, int64_t w_stride, const float* const* vro
 // the thread count, so a sequence's numbers do not change with its neighbours.
 constexpr int64_t kSplit = 256;
 
+// f(std::integral_constant<int, NG>{}, g) over the G query heads of a KV head, in
+// groups of 3, then 2, then 1 (the group size is the kernels' register count).
+template <class F>
+inline void by_head_groups(int64_t G, F&& f) {
+  int64_t g = 0;
+  for (; g + 3 <= G; g += 3) f(std::integral_constant<int, 3>{}, g);
+  for (; g + 2 <= G; g += 2) f(std::integral_constant<int, 2>{}, g);
+  for (; g < G; ++g) f(std::integral_constant<int, 1>{}, g);
+}
+
 template <typename T>
 void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -151,17 +161,17 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
       for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qp[(b * H + h * G) * D + i]) * (float)scale;
       scores.assign(G * len, 0.f);
       krows.resize(len);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = t0 + t;
-        krows[t] = kp + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
-      }
+      // the K or V row of this KV head at position pos
+      auto row_at = [&](const T* cache, int64_t pos) {
+        return cache + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
+      };
+      for (int64_t t = 0; t < len; ++t) krows[t] = row_at(kp, t0 + t);
 #ifdef PDS_AVX2_ATTN
       if constexpr (std::is_same<T, float>::value) {
         if (D % 8 == 0) {
-          int64_t g = 0;
-          for (; g + 3 <= G; g += 3) scores_heads<3>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
-          for (; g + 2 <= G; g += 2) scores_heads<2>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
-          for (; g < G; ++g) scores_heads<1>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
+          by_head_groups(G, [&](auto ng, int64_t g) {
+            scores_heads<decltype(ng)::value>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
+          });
           goto softmax;
         }
       }
@@ -185,22 +195,18 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 #ifdef PDS_AVX2_ATTN
       if constexpr (std::is_same<T, float>::value) {
         if (D % 8 == 0) {
-          for (int64_t t = 0; t < len; ++t) {  // krows now points at the V rows
-            const int64_t pos = t0 + t;
-            krows[t] = vp + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
-          }
-          int64_t g = 0;
-          for (; g + 3 <= G; g += 3) weighted_v<3>(scores.data() + g * len, len, krows.data(), len, D, acc + g * D);
-          for (; g + 2 <= G; g += 2) weighted_v<2>(scores.data() + g * len, len, krows.data(), len, D, acc + g * D);
-          for (; g < G; ++g) weighted_v<1>(scores.data() + g * len, len, krows.data(), len, D, acc + g * D);
+          std::vector<const T*>& vrows = krows;  // the K rows are done with
+          for (int64_t t = 0; t < len; ++t) vrows[t] = row_at(vp, t0 + t);
+          by_head_groups(G, [&](auto ng, int64_t g) {
+            weighted_v<decltype(ng)::value>(scores.data() + g * len, len, vrows.data(), len, D, acc + g * D);
+          });
           continue;
         }
       }
 #endif
       std::fill(acc, acc + G * D, 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = t0 + t;
-        const T* vrow = vp + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
+        const T* vrow = row_at(vp, t0 + t);
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * len + t];
           float* a = acc + g * D;
@@ -223,7 +229,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         for (int64_t pc = first[b]; pc < first[b + 1]; ++pc) {
           const int64_t at = (pc * KVH + h) * G + g;
           if (part_l[at] == 0.f) continue;
-          const float c = first[b + 1] - first[b] == 1 ? 1.f : std::exp(part_m[at] - M);
+          const float c = std::exp(part_m[at] - M);  // exactly 1 for the piece holding the max
           l += c * part_l[at];
           const float* a = part_acc.data() + at * D;
           for (int64_t i = 0; i < D; ++i) sum[i] += c * a[i];
