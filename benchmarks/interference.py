@@ -21,7 +21,13 @@ Contract with benchmarks/sim_vs_engine.py: `--out-dir DIR` holds
 `workload.json` (the workload parameters, the resolved CONFIGS, and every
 request in the order of the result arrays) and `DIR/<config>.json`, the
 `pdserve bench` result (vLLM field names, per-request `ttfts` / `itls` /
-`start_times`). `CONFIGS` and `resolve_config` are importable.
+`start_times`). `CONFIGS` and `resolve_config` are importable. Every engine
+process writes a step trace (`DIR/<config>.<role>.steps.jsonl`, see
+pdserve/engine/step_trace.py); `<config>.json` has their paths under
+`step_traces`, with the measured run's [start, end] and, with `--calibrate`,
+the window in which `pdserve sim --calibrate --served`'s grid went through the
+same deployment just before the run (what sim_vs_engine.py fits the
+simulator's profiles to).
 """
 from __future__ import annotations
 
@@ -91,7 +97,18 @@ def _engine_flags(cfg: dict, model: str | None) -> list[str]:
             + (["--model", model] if model else []))
 
 
-def server_commands(cfg: dict, model: str | None) -> tuple[list[str], list[list[str]]]:
+def trace_paths(cfg: dict, out_dir: str) -> dict[str, str]:
+    """Where each engine process of the config writes its step trace (engine/step_trace.py):
+    role ("both", "prefill-0", "decode-0", ...) -> path."""
+    if cfg["mode"] == "collocated":
+        roles = ["both"]
+    else:
+        roles = [f"{role}-{i}" for role in ("prefill", "decode") for i in range(cfg["pools"][role])]
+    return {r: os.path.abspath(os.path.join(out_dir, f"{cfg['name']}.{r}.steps.jsonl")) for r in roles}
+
+
+def server_commands(cfg: dict, model: str | None, traces: dict[str, str] | None = None
+                    ) -> tuple[list[str], list[list[str]]]:
     """The front process (`pdserve serve`, or the router) and the workers that join it.
 
     Disaggregated workers are started by hand, as `pdserve serve --mode
@@ -100,9 +117,11 @@ def server_commands(cfg: dict, model: str | None) -> tuple[list[str], list[list[
     and their defaults (3 s, 30 s) are shorter than one prefill step / one long
     prefill on one core of this machine (see docs/interference.md)."""
     py = [sys.executable, "-m", "pdserve.cli"]
+    traces = traces or {}
+    trace = (lambda role: ["--step-trace", traces[role]] if role in traces else [])
     if cfg["mode"] == "collocated":
         return py + ["serve", "--mode", "collocated", "--host", "127.0.0.1", "--port", "{port}",
-                     *_engine_flags(cfg, model)], []
+                     *_engine_flags(cfg, model), *trace("both")], []
     pin = (lambda who: ["taskset", "-c", ",".join(map(str, cfg["cores"][who]))]
            if cfg["pinned"] and who in cfg.get("cores", {}) else [])
     router = pin("router") + py + ["router", "--host", "127.0.0.1", "--port", "{port}", "--policy", "cache_aware",
@@ -115,7 +134,7 @@ def server_commands(cfg: dict, model: str | None) -> tuple[list[str], list[list[
                         "--worker-id", f"{role}-{i}", *_engine_flags(cfg, model)]
             if cfg["pinned"]:
                 cmd += ["--cpu-cores", ",".join(map(str, cfg["cores"][role]))]
-            workers.append(cmd + ["--kv-transport", "auto"])
+            workers.append(cmd + ["--kv-transport", "auto", *trace(f"{role}-{i}")])
     return router, workers
 
 
@@ -154,6 +173,9 @@ def parse_args(argv=None):
     p.add_argument("--src", default="HEAD",
                    help="git ref whose committed tree the servers run (a clean copy), or 'worktree' for this tree")
     p.add_argument("--table-only", action="store_true", help="print the table of the JSONs in --out-dir")
+    p.add_argument("--calibrate", action="store_true",
+                   help="before each config's run, send `pdserve sim --calibrate --served`'s grid through the "
+                        "same deployment; its window in the step traces is what sim_vs_engine.py fits")
     return p.parse_args(argv)
 
 
@@ -232,8 +254,12 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
 def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProcess | None = None) -> dict:
     """Start the config's server (or the one given), warm it up, run the workload, stop it, save."""
     log_path = os.path.join(args.out_dir, f"{cfg['name']}.log")
+    traces = trace_paths(cfg, args.out_dir)
+    for path in traces.values():
+        if os.path.exists(path):
+            os.remove(path)  # a trace is appended to: start this config's afresh
     if server is None:
-        front, workers = server_commands(cfg, args.model)
+        front, workers = server_commands(cfg, args.model, traces)
         server = ServerProcess([], log_path, args.startup_timeout, cmd=front, extra_cmds=workers,
                                cwd=args.src_dir, env=args.src_env)
     print(f"\n== {cfg['name']}: {cfg['label']}", flush=True)
@@ -246,11 +272,15 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
         load_before = load_str()
         with server, client_cores(cfg):
             warm_up(server.url, tokens)
+            calibration = calibrate_through(server.url, tokens) if args.calibrate else None
+            run_since = time.monotonic()
             cpu = TreeCpu(server.pids)
             result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),
                                    goodput=_slos(args.goodput), percentiles=[50, 90, 99], ignore_eos=True,
                                    seed=args.seed, progress=True, send_until_s=args.chat_duration)
             result["cpu"] = cpu.stop()
+            result["step_traces"] = {"paths": traces, "clock": "time.monotonic", "calibration": calibration,
+                                     "run": [run_since, time.monotonic()]}
         result["load_before"], result["load_after"] = load_before, load_str()
     result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed", source=getattr(args, "source", None),
                   **{f"mixed_{k}": v for k, v in dataclasses.asdict(workload).items()})
@@ -261,6 +291,18 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
         for png in save_plots(result, d, prefix=f"interference_{cfg['name']}", title=cfg["label"]):
             print(f"   plot: {png}")
     return result
+
+
+def calibrate_through(url: str, tokens) -> list[float]:
+    """The served calibration grid through `url` (the router, for (c)); its [start, end] on the
+    step traces' clock."""
+    import asyncio
+
+    from pdserve.sim.calibrate import drive_grid
+
+    since = time.monotonic()
+    asyncio.run(drive_grid(url, tokens, log=lambda m: print("   " + m, flush=True)))
+    return [since, time.monotonic()]
 
 
 def load_results(out_dir: str, names: list[str]) -> dict[str, dict]:

@@ -7,11 +7,21 @@ configs, every request's prompt and output tokens and kind) and
 configuration it simulates the same requests, sent at the measured send times
 (`start_times`; the chats are a closed loop, so their send times depend on the
 server: replaying them keeps the comparison about latency, not arrival), on
-the same engine settings, with the step-time profile `pdserve sim --calibrate`
-measured for its thread count. Then it prints measured vs predicted mean and
-P99 TTFT and TPOT, over all requests and over the chats alone.
+the same engine settings, with a step-time profile, and prints measured vs
+predicted mean and P99 TTFT and TPOT, over all requests and over the chats
+alone.
 
-    python benchmarks/sim_vs_engine.py --results /tmp/interference [--calibrate]
+The profile: when interference.py ran with `--calibrate`, the served
+calibration grid went through each deployment just before its run, and each
+engine process traced its steps; each config's profile (one per role for the
+disaggregated one) is fitted to those steps (`pdserve sim --calibrate
+--from-trace`). Otherwise, `pdserve sim --calibrate` of the engine alone for
+the config's thread count. It also prices the steps the measured run itself
+took with that profile: a bias there is the step model; the rest of an error
+is queueing and batching.
+
+    python benchmarks/interference.py --calibrate --out-dir /tmp/interference
+    python benchmarks/sim_vs_engine.py --results /tmp/interference
 
 Targets (issue 7): means within 10%, P99 within 20%.
 Without interference.py's output, `--make-results DIR` produces a small
@@ -29,7 +39,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import numpy as np  # noqa: E402
+
 from pdserve.config import SchedulerConfig  # noqa: E402
+from pdserve.engine.step_trace import read as read_trace  # noqa: E402
+from pdserve.sim.calibrate import fit_trace, trace_samples  # noqa: E402
 from pdserve.sim.cluster import Cluster  # noqa: E402
 from pdserve.sim.deploy import Hardware, Layout, build  # noqa: E402
 from pdserve.sim.latency import ProfileLatency  # noqa: E402
@@ -46,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None, help="comma-separated subset (default: every result present)")
     p.add_argument("--profile-dir", default=None, help="where sim-profile-threads<N>.json live (default: --results)")
     p.add_argument("--calibrate", action="store_true", help="(re)measure the profiles first, under --lock")
+    p.add_argument("--profiles", choices=["auto", "served", "engine"], default="auto",
+                   help="served: fit each config's profile(s) to the steps its own deployment ran for the "
+                        "calibration grid (interference.py --calibrate); engine: `pdserve sim --calibrate` of "
+                        "the engine alone; auto: served where the results have it")
     p.add_argument("--lock", default="/tmp/pdserve-measure.lock")
     p.add_argument("--kv-bytes-per-s", type=float, default=24.5e9,
                    help="KV link of the disaggregated config (shared memory here: 24.5 GB/s, shared/FINDINGS.md)")
@@ -81,15 +99,53 @@ def sim_requests(doc: dict, measured: dict) -> list[SimRequest]:
     return out
 
 
-def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict) -> dict:
-    prof = ProfileLatency.load(profile_path(args, int(cfg["threads"])))
+def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileLatency | None] | None:
+    """Profiles fitted to the steps the deployment itself ran for the served calibration grid
+    (interference.py --calibrate): one for a collocated engine, one per role for (c)."""
+    st = measured.get("step_traces") or {}
+    window = st.get("calibration")
+    if not window:
+        return None
+    paths = st["paths"]
+    fit = (lambda role: fit_trace([p for r, p in paths.items() if r.startswith(role)], since=window[0],
+                                  until=window[1], threads=int(cfg["threads"]), log=lambda m: None))
+    if cfg["mode"] == "collocated":
+        return fit("both"), None
+    return fit("prefill"), fit("decode")
+
+
+def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, dict]:
+    """How well each profile prices the steps the measured run itself took (its window of the
+    same traces): median |error| and the bias of the summed time. A bias here is the step model;
+    the rest of a TTFT/TPOT error is queueing and batching."""
+    st = measured.get("step_traces") or {}
+    if not st.get("run"):
+        return {}
+    out = {}
+    for role, path in st["paths"].items():
+        prof = profiles.get(role.split("-")[0])
+        if prof is None or not os.path.exists(path):
+            continue
+        samples = trace_samples(read_trace(path, *st["run"]))
+        if not samples:
+            continue
+        pred = np.array([prof.step_s(shape) for shape, _ in samples])
+        meas = np.array([t for _, t in samples])
+        out[role] = {"steps": len(samples), "median_abs_error": float(np.median(np.abs(pred / meas - 1))),
+                     "sum_bias": float(pred.sum() / meas.sum() - 1), "measured_s": float(meas.sum())}
+    return out
+
+
+def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict,
+             profiles: tuple[ProfileLatency, ProfileLatency | None] | None = None) -> dict:
+    prof, dprof = profiles or (ProfileLatency.load(profile_path(args, int(cfg["threads"]))), None)
     sched = SchedulerConfig(int(cfg["max_num_batched_tokens"]), int(cfg.get("max_num_seqs", ENGINE_MAX_NUM_SEQS)),
                             bool(cfg["enable_chunked_prefill"]), int(cfg.get("chunk_size_tokens") or 0))
     if cfg["mode"] == "collocated":
         layout = Layout("chunked" if cfg["enable_chunked_prefill"] else "collocated", instances=cfg["pools"]["both"])
     else:
         layout = Layout("disagg", prefill=cfg["pools"]["prefill"], decode=cfg["pools"]["decode"])
-    cc = build(layout, Hardware(profile=prof, num_blocks=prof.num_blocks or None), sched,
+    cc = build(layout, Hardware(profile=prof, num_blocks=prof.num_blocks or None, decode_profile=dprof), sched,
                block_size=prof.block_size, kv_bytes_per_s=args.kv_bytes_per_s,
                transfer_latency_s=args.kv_transfer_latency_ms / 1000, layerwise=True)
     return Cluster(cc).run(requests, goodput=goodput or None)
@@ -125,7 +181,19 @@ def main(argv=None) -> int:
         doc = json.load(f)
     names = args.configs.split(",") if args.configs else [
         n for n in doc["configs"] if os.path.exists(os.path.join(args.results, f"{n}.json"))]
-    threads = sorted({int(doc["configs"][n]["threads"]) for n in names})
+    results = {}
+    for name in names:
+        with open(os.path.join(args.results, f"{name}.json")) as f:
+            results[name] = json.load(f)
+    served = {}
+    if args.profiles != "engine":
+        for name in names:
+            served[name] = served_profiles(results[name], doc["configs"][name])
+            if served[name] is None and args.profiles == "served":
+                print(f"{name}: no calibration window in its step traces (run interference.py --calibrate)",
+                      file=sys.stderr)
+                return 2
+    threads = sorted({int(doc["configs"][n]["threads"]) for n in names if not served.get(n)})
     for t in threads:
         if args.calibrate or not os.path.exists(profile_path(args, t)):
             calibrate(args, t)
@@ -134,21 +202,29 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     report = {}
     for name in names:
-        with open(os.path.join(args.results, f"{name}.json")) as f:
-            measured = json.load(f)
-        predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput)
+        measured = results[name]
+        profiles = served.get(name)
+        predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles)
         rows = compare(measured, predicted)
+        fits = step_fit(measured, {"both": profiles[0], "prefill": profiles[0], "decode": profiles[1]}
+                        if profiles else {})
         report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu"),
-                        "model": measured.get("model_id"), "requests": len(measured["start_times"])}
+                        "model": measured.get("model_id"), "requests": len(measured["start_times"]),
+                        "profiles": "served" if profiles else "engine", "step_fit": fits,
+                        "coef": {role: p.coef for role, p in zip(("prefill_or_both", "decode"), profiles or ())
+                                 if p is not None}}
         print(format_rows(name, rows), flush=True)
     for name, r in report.items():
         cpu = {k: v for k, v in (r["cpu"] or {}).items() if not isinstance(v, list)}
         share = cpu.get("others_share_of_machine")
-        flag = (f"  <- CONTENDED: other processes took {100 * share:.0f}% of the machine; the profile timed the "
-                f"engine alone, so this row compares against the contention, not the engine"
+        flag = (f"  <- CONTENDED: other processes took {100 * share:.0f}% of the machine; contention that "
+                f"changes during a run (or between the profile and the run) is not in the profile"
                 if share is not None and share > CONTENDED_SHARE else "")
         print(f"{name}: {r['requests']} requests of {r['model']}; measured under load {r['load_before']}, "
               f"cpu {json.dumps(cpu)}{flag}")
+        print(f"   profiles: {r['profiles']}" + "".join(
+            f"; {role}: {f['steps']} steps of the run priced with median |error| {100 * f['median_abs_error']:.1f}%"
+            f", total {100 * f['sum_bias']:+.1f}%" for role, f in r["step_fit"].items()))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

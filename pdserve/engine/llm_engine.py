@@ -49,6 +49,7 @@ class LLMEngine:
         self.bridge = None
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
+        self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
         self.load_time_s = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s", self.load_time_s,
                  self.model_config.name, self.runner.num_blocks, config.cache.block_size,
@@ -196,7 +197,7 @@ class LLMEngine:
 
     # ---- the step
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.last_schedule = self.scheduler.schedule()
         if sched.empty:
             return []
         hook = self.bridge.layer_hook(sched.scheduled, self.runner, self.block_manager) if self.bridge else None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.step_trace import StepTraceWriter
 from pdserve.server.admission import RateMeter, admit, retry_after_s
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
@@ -101,8 +102,9 @@ class RequestGroup:
 
 class AsyncEngine:
     def __init__(self, make_engine: Callable[[], object], metrics_factory: Callable[[str], ServerMetrics],
-                 max_waiting_requests: int = 256):
+                 max_waiting_requests: int = 256, step_trace: StepTraceWriter | None = None):
         self._make_engine = make_engine
+        self.step_trace = step_trace  # every step's record goes there (engine/step_trace.py)
         self._metrics_factory = metrics_factory
         self.max_waiting_requests = max_waiting_requests
         self.engine = None  # the LLMEngine, once loaded; only its immutable parts are read from the loop
@@ -271,15 +273,25 @@ class AsyncEngine:
             self._post(self._on_failure, f"load failed: {e}")
             return
         self._post(self._on_ready, engine)
+        trace = self.step_trace
         try:
-            while self._run_commands(engine, block=not engine.has_unfinished_requests()):
+            while True:
+                idle = not engine.has_unfinished_requests()
+                if not self._run_commands(engine, block=idle):
+                    break
                 if engine.has_unfinished_requests():
+                    t0 = time.monotonic()
                     outputs = engine.step()
+                    if trace is not None:
+                        trace.record(t0, time.monotonic(), engine.last_schedule, idle)
                     self._post(self._deliver, outputs, engine.stats())
         except Exception as e:
             # A failed step leaves the batch in an unknown state: stop, and let /health say so.
             log.exception("engine step failed; the engine is stopped")
             self._post(self._on_failure, f"step failed: {type(e).__name__}: {e}")
+        finally:
+            if trace is not None:
+                trace.close()
 
     def _run_commands(self, engine, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. False means stop."""

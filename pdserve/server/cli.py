@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="append one JSON line per engine step (timing and batch shape) for `pdserve sim "
+                        "--calibrate --from-trace`; disaggregated: FILE.<worker-id>.jsonl per worker")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     add_engine_arguments(p)
@@ -91,6 +94,7 @@ def run(args) -> int:
 def _build(args):
     from pdserve.config import EngineConfig
     from pdserve.engine.cli import engine_kwargs
+    from pdserve.engine.step_trace import open_step_trace
     from pdserve.server.app import ServerSettings, build_app
     from pdserve.server.async_engine import AsyncEngine
     from pdserve.server.metrics import ServerMetrics
@@ -106,7 +110,7 @@ def _build(args):
         return LLMEngine(config)
 
     engine = AsyncEngine(make_engine, lambda name: ServerMetrics(names[0] if names else name),
-                         max_waiting_requests=args.max_waiting_requests)
+                         max_waiting_requests=args.max_waiting_requests, step_trace=open_step_trace(args.step_trace))
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes)
     return build_app(engine, settings), engine

@@ -70,6 +70,8 @@ def launch(args) -> int:
         if not args.kv_layerwise:
             cmd.append("--no-kv-layerwise")
         cmd += ["--kv-wire", args.kv_wire, "--kv-transport", args.kv_transport]
+        if getattr(args, "step_trace", None):
+            cmd += ["--step-trace", f"{args.step_trace}.{role}-{i}.jsonl"]
         procs.append(subprocess.Popen(cmd))
     return _supervise(procs)
 

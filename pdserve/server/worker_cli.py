@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import uuid
 
 log = logging.getLogger("pdserve.worker")
@@ -39,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the cost models at start-up for the router's placement and admission: "
                         "D_prefill(L) on prefill roles, decode step time vs batch and context on decode roles")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="append one JSON line per engine step (timing and batch shape), for the simulator")
     p.add_argument("--log-level", default="info")
 
 
@@ -52,7 +55,11 @@ def run(args) -> int:
     if args.cpu_cores:
         os.sched_setaffinity(0, {int(c) for c in args.cpu_cores.split(",")})
     port = args.port or _free_port(args.host)
-    app = build(args, port)
+    try:
+        app = build(args, port)
+    except ValueError as e:
+        print(f"pdserve worker: {e}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=10)
     return 0
 
@@ -61,6 +68,7 @@ def build(args, port: int):
     from pdserve.config import EngineConfig
     from pdserve.engine.cli import engine_kwargs
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.step_trace import open_step_trace
     from pdserve.server.async_engine import AsyncEngine
     from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
@@ -110,7 +118,7 @@ def build(args, port: int):
             "kv_layerwise": bool(args.kv_layerwise), "max_num_seqs": engine.config.scheduler.max_num_seqs}
         return engine
 
-    engine = AsyncEngine(make_engine, ServerMetrics)
+    engine = AsyncEngine(make_engine, ServerMetrics, step_trace=open_step_trace(args.step_trace))
     api = WorkerApi(engine, role, sender=sender)
 
     async def join_router():

@@ -1,5 +1,15 @@
 """`pdserve sim --calibrate`: time our engine's steps on this machine and fit a profile.
 
+Three sources of steps, one fit:
+
+- the engine alone (`calibrate`, the default): exact control of every batch;
+- a served engine (`calibrate_served`, `--served`): the same kinds of batches
+  sent as streamed HTTP requests to `pdserve serve` started with
+  `--step-trace`, each step timed inside the server, so what serving adds
+  to a step (the event loop, detokenised deltas, SSE) is in the profile;
+- a step trace of any served run (`fit_trace`, `--from-trace FILE`), e.g. of
+  each worker of a disaggregated deployment, which gives one profile per role.
+
 The engine (pdserve/engine/llm_engine.py, the embedded SmolLM2 unless told
 otherwise) runs a grid of batches: prompts alone (32 to 1,024 tokens),
 decode batches (1 to 8 sequences at 64 and 512 tokens of context), prompts
@@ -15,6 +25,13 @@ minute on an idle machine.
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 from pdserve.sim.latency import ProfileLatency, StepShape
@@ -121,3 +138,192 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
     log(f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
         + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e", "f"), prof.coef)))
     return prof
+
+
+# ---- profiles from served steps
+
+def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) per traced step. A step's time is from its start to the next step's
+    start when the engine went straight on (what the streams see between two tokens,
+    including the server's work between steps), else its own duration."""
+    out = []
+    for i, rec in enumerate(records):
+        shape = StepShape()
+        for done, n, decode in rec["seqs"]:
+            shape.add(int(done), int(n), bool(decode))
+        if not shape.tokens:
+            continue
+        nxt = records[i + 1] if i + 1 < len(records) else None
+        dt = (nxt["t0"] if nxt is not None and not nxt.get("idle") else rec["t1"]) - rec["t0"]
+        out.append((shape, dt))
+    return out
+
+
+def fit_trace(paths: list[str], *, since: float | None = None, until: float | None = None, threads: int = 0,
+              model: str | None = None, source: str = "", log=print) -> ProfileLatency:
+    """A profile from step traces (engine/step_trace.py), steps started in [since, until]."""
+    from pdserve.engine.step_trace import read
+
+    samples = []
+    for path in paths:
+        samples += trace_samples(read(path, since, until))
+    if len(samples) < 8:
+        raise ValueError(f"{', '.join(paths)}: {len(samples)} traced steps in the window; a fit needs at least 8")
+    layers, kv_bytes = _model_shape(model)
+    prof = ProfileLatency.fit(samples, model_layers=layers, kv_bytes_per_token_=kv_bytes, threads=threads,
+                              source=source or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, "
+                                                f"{time.strftime('%Y-%m-%d %H:%M')}")
+    # the pool `pdserve serve` allocates by default (--kv-cache-memory-bytes 1 GiB, blocks of 16)
+    prof.block_size = 16
+    prof.num_blocks = int(DEFAULT_KV_CACHE_BYTES // (kv_bytes * prof.block_size)) if kv_bytes else 0
+    log(f"fitted on {len(samples)} served steps: "
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e", "f"), prof.coef)))
+    return prof
+
+
+def _model_shape(model: str | None) -> tuple[int, float]:
+    """Layers and fp32 KV bytes per token of the served model (read from its config, no weights)."""
+    from pdserve.engine.loader import load_model_info
+
+    mc = load_model_info(model).config
+    return mc.num_hidden_layers, float(mc.kv_bytes_per_token(4))
+
+
+# The served grid: the same kinds of batches as the engine-alone grid, sent as requests.
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # pdserve serve's --kv-cache-memory-bytes
+SERVED_DECODE_TOKENS = 16  # per request of a decode batch: joining takes a few steps, the rest is steady
+SERVED_BACKGROUND_TOKENS = 24  # the decodes a joining prompt meets
+
+
+def served_model(url: str) -> tuple[str, int | None]:
+    """The id a server (or router) serves and its context length, from /v1/models."""
+    import httpx
+
+    card = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, trust_env=False).json()["data"][0]
+    return card["id"], card.get("max_model_len")
+
+
+class _Client:
+    def __init__(self, url: str, model: str, tokens, max_model_len: int | None = None, seed: int = 0):
+        import numpy as np
+
+        self.url, self.model, self.tokens = url.rstrip("/") + "/v1/completions", model, tokens
+        # a small model's context caps the grid's prompts (decodes still fit after them)
+        self.max_prompt = (max_model_len - SERVED_BACKGROUND_TOKENS - 1) if max_model_len else None
+        self.rng = np.random.default_rng(seed)
+
+    async def request(self, client, prompt_tokens: int, max_tokens: int):
+        from pdserve.bench.client import RequestOutput, request_body, send
+        from pdserve.bench.datasets import Request
+
+        prompt_tokens = min(prompt_tokens, self.max_prompt or prompt_tokens)
+        req = Request(self.tokens.random_ids(self.rng, prompt_tokens), prompt_tokens, max_tokens)
+        out = RequestOutput(prompt_len=prompt_tokens)
+        await send(client, self.url, request_body(req, self.model, "/v1/completions", ignore_eos=True,
+                                                  temperature=0.0), out, time.perf_counter(), chat=False)
+        if out.error:
+            raise RuntimeError(f"calibration request ({prompt_tokens} tokens) failed: {out.error}")
+        return out
+
+    async def batch(self, client, prompt_tokens: int, max_tokens: int, n: int):
+        return await asyncio.gather(*(self.request(client, prompt_tokens, max_tokens) for _ in range(n)))
+
+    async def join(self, client, batch: int, prompt_tokens: int, background_prompt: int = 64) -> None:
+        """`batch` streams decoding, then a prompt of `prompt_tokens` arrives among them."""
+        from pdserve.bench.client import RequestOutput, request_body, send
+        from pdserve.bench.datasets import Request
+
+        outs = [RequestOutput(prompt_len=background_prompt) for _ in range(batch)]
+        tasks = []
+        for out in outs:
+            req = Request(self.tokens.random_ids(self.rng, background_prompt), background_prompt,
+                          SERVED_BACKGROUND_TOKENS)
+            body = request_body(req, self.model, "/v1/completions", ignore_eos=True, temperature=0.0)
+            tasks.append(asyncio.create_task(send(client, self.url, body, out, time.perf_counter(), chat=False)))
+        while not all(o.itl_s or o.error for o in outs) and not all(t.done() for t in tasks):
+            await asyncio.sleep(0.005)  # every stream has its second token: the batch is decoding
+        await self.request(client, prompt_tokens, 1)
+        await asyncio.gather(*tasks)
+        bad = [o.error for o in outs if o.error]
+        if bad:
+            raise RuntimeError(f"calibration request failed: {bad[0]}")
+
+
+async def drive_grid(url: str, tokens, log=print) -> None:
+    """Send the served grid to a running server (or router) at `url`."""
+    from pdserve.bench.client import make_client
+
+    model, max_model_len = served_model(url)
+    c = _Client(url, model, tokens, max_model_len)
+    async with make_client(None, 900.0) as client:
+        await c.batch(client, 256, 8, 4)  # warm-up, not in the window the caller fits
+        t0 = time.perf_counter()
+        for n in PREFILL_LENGTHS:
+            await c.request(client, n, 1)
+            await c.request(client, n, 1)
+        for batch, ctx in DECODE_GRID:
+            await c.batch(client, ctx, SERVED_DECODE_TOKENS, batch)
+        for batch, prompt in MIXED_GRID + tuple((b, 2048) for b, _ in CHUNKED_GRID):
+            await c.join(client, batch, prompt)
+        log(f"served grid sent in {time.perf_counter() - t0:.1f} s")
+
+
+def calibrate_served(url: str, trace_paths: list[str], *, threads: int = 0, model: str | None = None,
+                     log=print) -> ProfileLatency:
+    """Drive the grid through the server at `url`, whose engine(s) write `trace_paths`, and fit
+    on the steps they traced meanwhile (the warm-up excluded)."""
+    from pdserve.bench.tokens import TokenSource
+
+    tokens = TokenSource.from_path(model) if model else TokenSource()
+    since = time.monotonic()
+    asyncio.run(drive_grid(url, tokens, log))
+    until = time.monotonic()
+    time.sleep(1.5)  # the trace is flushed once a second
+    return fit_trace(trace_paths, since=since, until=until, threads=threads, model=model, log=log)
+
+
+def serve_and_calibrate(threads: int, model: str | None = None, cpu_cores: str | None = None,
+                        extra_flags: tuple[str, ...] = (), log=print, startup_timeout_s: float = 300.0
+                        ) -> ProfileLatency:
+    """`pdserve sim --calibrate --served`: start `pdserve serve --mode collocated` on a free
+    loopback port with a step trace, calibrate through it, stop it."""
+    import httpx
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-cal-") as tmp:
+        trace = os.path.join(tmp, "steps.jsonl")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "collocated", "--host", "127.0.0.1",
+               "--port", str(port), "--threads", str(threads), "--step-trace", trace, "--log-level", "warning",
+               *extra_flags] + (["--model", model] if model else [])
+        if cpu_cores:
+            cmd = ["taskset", "-c", cpu_cores] + cmd
+        url = f"http://127.0.0.1:{port}"
+        log("$ " + " ".join(cmd))
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            deadline = time.monotonic() + startup_timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+                try:
+                    if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the server was not ready after {startup_timeout_s:.0f} s")
+                time.sleep(0.5)
+            prof = calibrate_served(url, [trace], threads=threads, model=model, log=log)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        prof.source = (f"pdserve serve (served steps), {os.path.basename(model) if model else 'embedded SmolLM2'}, "
+                       f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}")
+        return prof

@@ -60,8 +60,14 @@ def add_arguments(p) -> None:
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="share of peak memory bandwidth reached")
     g.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per iteration (roofline)")
     g.add_argument("--profile", default=None, metavar="FILE", help="fitted step times from `--calibrate` instead")
+    g.add_argument("--decode-profile", default=None, metavar="FILE",
+                   help="disagg: the decode pool's own profile (default: --profile for both pools)")
     g.add_argument("--calibrate", action="store_true", help="measure our engine here, write --profile FILE, exit")
     g.add_argument("--threads", type=int, default=1, help="--calibrate: engine threads")
+    g.add_argument("--served", action="store_true",
+                   help="--calibrate through `pdserve serve` (steps timed inside the server, serving costs included)")
+    g.add_argument("--from-trace", nargs="+", default=None, metavar="FILE",
+                   help="--calibrate from step traces of served runs (`pdserve serve/worker --step-trace`)")
 
     # the workload and result flags of `pdserve bench`, the very same definitions
     tmp = argparse.ArgumentParser(add_help=False)
@@ -111,8 +117,11 @@ def _hardware(args) -> Hardware:
     if args.compute_efficiency or args.bandwidth_efficiency:
         eff = (args.compute_efficiency or 0.55, args.bandwidth_efficiency or 0.8)
     prof = ProfileLatency.load(args.profile) if args.profile else None
+    dprof = ProfileLatency.load(args.decode_profile) if args.decode_profile else None
+    if dprof is not None and prof is None:
+        raise ValueError("--decode-profile needs --profile (the prefill pool's)")
     return Hardware(args.model, args.gpu, args.dtype, args.kv_dtype, eff, args.step_overhead_ms / 1000, prof,
-                    args.num_gpu_blocks)
+                    args.num_gpu_blocks, dprof)
 
 
 def _layout(args) -> Layout:
@@ -186,11 +195,21 @@ def _save(args, result: dict) -> None:
 
 
 def _calibrate(args) -> int:
-    from pdserve.sim.calibrate import calibrate
+    from pdserve.sim.calibrate import calibrate, fit_trace, serve_and_calibrate
 
     path = args.profile or f"sim-profile-threads{args.threads}.json"
-    prof = calibrate(args.threads, None if args.model == "llama-3-70b" else args.model,
-                     log=lambda m: print(m, file=sys.stderr))
+    model = None if args.model == "llama-3-70b" else args.model
+    log = (lambda m: print(m, file=sys.stderr))
+    try:
+        if args.from_trace:
+            prof = fit_trace(args.from_trace, threads=args.threads, model=model, log=log)
+        elif args.served:
+            prof = serve_and_calibrate(args.threads, model, log=log)
+        else:
+            prof = calibrate(args.threads, model, log=log)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"pdserve sim --calibrate: {e}", file=sys.stderr)
+        return 2
     prof.save(path)
     print(f"profile: {path}")
     return 0

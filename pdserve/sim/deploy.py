@@ -30,6 +30,8 @@ class Hardware:
     overhead_s: float = 0.0
     profile: ProfileLatency | None = None
     num_blocks: int | None = None  # per instance; None: from memory (roofline) or the profile
+    # disagg: the decode pool's own profile (a worker timed in its role: `--from-trace`), else `profile`
+    decode_profile: ProfileLatency | None = None
 
     def pool(self, count: int, tp: int, block_size: int, sched: SchedulerConfig) -> PoolConfig:
         if self.profile is not None:
@@ -81,7 +83,8 @@ def build(layout: Layout, hw: Hardware, sched: SchedulerConfig, *, block_size: i
     if layout.mode == "disagg":
         # a decode instance never prefills a long prompt: chunking changes nothing there
         pools = {"prefill": hw.pool(layout.prefill, layout.prefill_tp, block_size, sched),
-                 "decode": hw.pool(layout.decode, layout.decode_tp, block_size, sched)}
+                 "decode": (replace(hw, profile=hw.decode_profile) if hw.decode_profile else hw).pool(
+                     layout.decode, layout.decode_tp, block_size, sched)}
         # one NIC per GPU of the prefill instance, each sending its own KV shard
         transfer = TransferModel(kv_bytes_per_s or network_bytes_per_s(network_gbps), layerwise,
                                  links=1 if kv_bytes_per_s else layout.prefill_tp, latency_s=transfer_latency_s)

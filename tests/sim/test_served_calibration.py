@@ -1,0 +1,96 @@
+"""Profiles from served steps: the step trace a server writes, and the fit on it."""
+import asyncio
+import json
+import time
+
+import pytest
+
+from pdserve.cli import main
+from pdserve.engine.step_trace import read
+from pdserve.sim.calibrate import trace_samples
+from pdserve.sim.latency import ProfileLatency
+
+
+def _write(path, records, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+
+
+def test_trace_reader_skips_a_torn_last_line_and_names_any_other_bad_line(tmp_path):
+    p = tmp_path / "steps.jsonl"
+    recs = [{"t0": 1.0, "t1": 1.2, "idle": True, "seqs": [[0, 32, 0]]},
+            {"t0": 1.25, "t1": 1.3, "idle": False, "seqs": [[32, 1, 1]]}]
+    _write(p, recs, tail='{"t0": 1.4, "t1"')  # a server killed mid-write
+    assert [r["t0"] for r in read(str(p))] == [1.0, 1.25]
+    assert [r["t0"] for r in read(str(p), since=1.1)] == [1.25]
+    _write(p, [recs[0], {"t0": 2.0, "t1": 1.0, "seqs": []}, recs[1]])
+    with pytest.raises(ValueError, match=r"steps.jsonl:2: .*t1 before t0"):
+        read(str(p))
+
+
+def test_a_step_lasts_until_the_next_one_starts_unless_the_engine_went_idle():
+    recs = [{"t0": 10.0, "t1": 10.5, "idle": True, "seqs": [[0, 100, 0]]},
+            {"t0": 10.6, "t1": 10.65, "idle": False, "seqs": [[100, 1, 1], [0, 20, 0]]},
+            {"t0": 10.7, "t1": 10.74, "idle": False, "seqs": [[101, 1, 1], [20, 1, 1]]},
+            {"t0": 20.0, "t1": 20.03, "idle": True, "seqs": [[5, 1, 1]]}]
+    samples = trace_samples(recs)
+    # the server's work between two steps is part of what a stream waits between two tokens
+    assert [round(t, 3) for _, t in samples] == [0.6, 0.1, 0.04, 0.03]
+    shape = samples[1][0]
+    assert (shape.prefill_tokens, shape.decode_seqs, shape.decode_context) == (20, 1, 100)
+    assert (samples[2][0].decode_seqs, samples[2][0].decode_context) == (2, 121)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.tiny import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny-cal")), max_pos=1024)
+
+
+def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, capsys):
+    from pdserve.bench.tokens import TokenSource
+    from pdserve.sim.calibrate import drive_grid
+    from tests.server.serverproc import ServerProcess
+
+    trace = tmp_path / "steps.jsonl"
+    with ServerProcess("--model", tiny_dir, "--threads", "1", "--max-num-batched-tokens", "256",
+                       "--step-trace", str(trace)) as server:
+        since = time.monotonic()
+        asyncio.run(drive_grid(server.url, TokenSource.from_path(tiny_dir), log=lambda m: None))
+        until = time.monotonic()
+    recs = read(str(trace), since, until)
+    # every prompt of the grid was computed, in the server, inside the window (chunked by the budget)
+    prefilled = sum(n for r in recs for _, n, decode in r["seqs"] if not decode)
+    assert prefilled >= 2 * (32 + 128 + 512 + 999) + 8 * 64
+    assert max(sum(n for _, n, _ in r["seqs"]) for r in recs) <= 256
+    assert any(len(r["seqs"]) == 8 and all(d for _, _, d in r["seqs"]) for r in recs)  # a decode batch of 8
+    assert all(r["t1"] >= r["t0"] for r in recs) and any(not r["idle"] for r in recs)
+
+    out = tmp_path / "prof.json"
+    assert main(["sim", "--calibrate", "--from-trace", str(trace), "--model", tiny_dir, "--threads", "1",
+                 "--profile", str(out)]) == 0
+    prof = ProfileLatency.load(str(out))
+    assert prof.model_layers == 2 and len(prof.samples) >= 50
+    assert prof.decode_steps_s(8, 8 * 512, 1)[0] >= prof.decode_steps_s(1, 64, 1)[0] > 0
+    capsys.readouterr()
+    assert main(["sim", "--profile", str(out), "--mode", "collocated", "--dataset-name", "random",
+                 "--num-prompts", "8", "--random-input-len", "64", "--random-output-len", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["completed"] == 8
+
+
+def test_step_trace_path_that_cannot_be_written_is_refused_at_start(tmp_path):
+    from tests.server.serverproc import ServerProcess
+
+    server = ServerProcess("--step-trace", str(tmp_path / "missing" / "steps.jsonl"), wait_ready=False)
+    try:
+        assert server.proc.wait(60) == 2
+        assert "--step-trace" in server.log() and "No such file" in server.log()
+    finally:
+        server.stop()
+
+
+def test_from_trace_with_too_few_steps_says_so(tmp_path, capsys):
+    p = tmp_path / "steps.jsonl"
+    _write(p, [{"t0": 1.0, "t1": 1.1, "idle": True, "seqs": [[0, 8, 0]]}])
+    assert main(["sim", "--calibrate", "--from-trace", str(p), "--profile", str(tmp_path / "x.json")]) == 2
+    assert "a fit needs at least 8" in capsys.readouterr().err
