@@ -173,6 +173,8 @@ def parse_args(argv=None):
     p.add_argument("--src", default="HEAD",
                    help="git ref whose committed tree the servers run (a clean copy), or 'worktree' for this tree")
     p.add_argument("--table-only", action="store_true", help="print the table of the JSONs in --out-dir")
+    p.add_argument("--calibrate-background", type=int, default=0, metavar="N",
+                   help="--calibrate with N more streams decoding all along (e.g. --chat-streams)")
     p.add_argument("--calibrate", action="store_true",
                    help="before each config's run, send `pdserve sim --calibrate --served`'s grid through the "
                         "same deployment; its window in the step traces is what sim_vs_engine.py fits")
@@ -272,7 +274,8 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
         load_before = load_str()
         with server, client_cores(cfg):
             warm_up(server.url, tokens)
-            calibration = calibrate_through(server.url, tokens) if args.calibrate else None
+            calibration = (calibrate_through(server.url, tokens, args.calibrate_background) if args.calibrate
+                           else None)
             run_since = time.monotonic()
             cpu = TreeCpu(server.pids)
             result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),
@@ -293,16 +296,17 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
     return result
 
 
-def calibrate_through(url: str, tokens) -> list[float]:
-    """The served calibration grid through `url` (the router, for (c)); its [start, end] on the
-    step traces' clock."""
+def calibrate_through(url: str, tokens, background_streams: int = 0) -> dict:
+    """The served calibration grid through `url` (the router, for (c)): its [start, end] on the
+    step traces' clock and its round-trip probes."""
     import asyncio
 
     from pdserve.sim.calibrate import drive_grid
 
     since = time.monotonic()
-    asyncio.run(drive_grid(url, tokens, log=lambda m: print("   " + m, flush=True)))
-    return [since, time.monotonic()]
+    probes = asyncio.run(drive_grid(url, tokens, log=lambda m: print("   " + m, flush=True),
+                                    background_streams=background_streams))
+    return {"window": [since, time.monotonic()], "rtt_probes": probes, "background_streams": background_streams}
 
 
 def load_results(out_dir: str, names: list[str]) -> dict[str, dict]:

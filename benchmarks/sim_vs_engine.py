@@ -68,6 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--kv-bytes-per-s", type=float, default=24.5e9,
                    help="KV link of the disaggregated config (shared memory here: 24.5 GB/s, shared/FINDINGS.md)")
     p.add_argument("--kv-transfer-latency-ms", type=float, default=0.0)
+    p.add_argument("--arrivals", choices=["closed-loop", "replay"], default="closed-loop",
+                   help="closed-loop: the simulated client runs the workload as the real one did (chat users "
+                        "send the next chat when the last ends, until the run's duration); replay: each request "
+                        "sent when the measured run sent it (a closed loop's send times carry the server's own "
+                        "latency, so a faster or slower simulated server meets the wrong concurrency)")
     p.add_argument("--json-out", default=None, help="also write the comparison here")
     return p.parse_args(argv)
 
@@ -83,6 +88,21 @@ def calibrate(args, threads: int) -> None:
         cmd = ["flock", args.lock] + cmd
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
+
+
+def closed_loop_requests(doc: dict) -> tuple[list[SimRequest], dict[str, int], float | None]:
+    """The workload as the client ran it: every request of workload.json in order, chats (no
+    arrival time) through `chat_streams` users who each send the next when the last ends,
+    until `chat_duration_s`; the long prompts at their own times."""
+    params = doc.get("params") or {}
+    out = []
+    for i, r in enumerate(doc["requests"]):
+        n = int(r["prompt_tokens"])
+        arrival = r.get("arrival_s")
+        out.append(SimRequest(i, n, int(r["output_tokens"]), None if arrival is None else float(arrival),
+                              r.get("kind", "default"), token_ids=[-1 - i] * n))
+    streams = params.get("chat_streams")
+    return out, ({"chat": int(streams)} if streams else {}), params.get("chat_duration_s")
 
 
 def sim_requests(doc: dict, measured: dict) -> list[SimRequest]:
@@ -103,12 +123,14 @@ def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileL
     """Profiles fitted to the steps the deployment itself ran for the served calibration grid
     (interference.py --calibrate): one for a collocated engine, one per role for (c)."""
     st = measured.get("step_traces") or {}
-    window = st.get("calibration")
-    if not window:
+    cal = st.get("calibration")
+    if not cal:
         return None
+    # results written before the probes: the calibration was its bare window
+    window, probes = (cal["window"], cal.get("rtt_probes")) if isinstance(cal, dict) else (cal, None)
     paths = st["paths"]
     fit = (lambda role: fit_trace([p for r, p in paths.items() if r.startswith(role)], since=window[0],
-                                  until=window[1], threads=int(cfg["threads"]), log=lambda m: None))
+                                  until=window[1], threads=int(cfg["threads"]), probes=probes, log=lambda m: None))
     if cfg["mode"] == "collocated":
         return fit("both"), None
     return fit("prefill"), fit("decode")
@@ -137,7 +159,8 @@ def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, d
 
 
 def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict,
-             profiles: tuple[ProfileLatency, ProfileLatency | None] | None = None) -> dict:
+             profiles: tuple[ProfileLatency, ProfileLatency | None] | None = None,
+             tag_concurrency: dict[str, int] | None = None, send_until_s: float | None = None) -> dict:
     prof, dprof = profiles or (ProfileLatency.load(profile_path(args, int(cfg["threads"]))), None)
     sched = SchedulerConfig(int(cfg["max_num_batched_tokens"]), int(cfg.get("max_num_seqs", ENGINE_MAX_NUM_SEQS)),
                             bool(cfg["enable_chunked_prefill"]), int(cfg.get("chunk_size_tokens") or 0))
@@ -147,8 +170,9 @@ def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict,
         layout = Layout("disagg", prefill=cfg["pools"]["prefill"], decode=cfg["pools"]["decode"])
     cc = build(layout, Hardware(profile=prof, num_blocks=prof.num_blocks or None, decode_profile=dprof), sched,
                block_size=prof.block_size, kv_bytes_per_s=args.kv_bytes_per_s,
-               transfer_latency_s=args.kv_transfer_latency_ms / 1000, layerwise=True)
-    return Cluster(cc).run(requests, goodput=goodput or None)
+               transfer_latency_s=args.kv_transfer_latency_ms / 1000, layerwise=True, tag_concurrency=tag_concurrency,
+               client_rtt_s=prof.request_rtt_s)
+    return Cluster(cc).run(requests, goodput=goodput or None, send_until_s=send_until_s)
 
 
 def compare(measured: dict, predicted: dict) -> list[dict]:
@@ -204,12 +228,17 @@ def main(argv=None) -> int:
     for name in names:
         measured = results[name]
         profiles = served.get(name)
-        predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles)
+        if args.arrivals == "closed-loop":
+            reqs, tags, until = closed_loop_requests(doc)
+            predicted = simulate(args, doc["configs"][name], reqs, goodput, profiles, tags, until)
+        else:
+            predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles)
         rows = compare(measured, predicted)
         fits = step_fit(measured, {"both": profiles[0], "prefill": profiles[0], "decode": profiles[1]}
                         if profiles else {})
         report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu"),
                         "model": measured.get("model_id"), "requests": len(measured["start_times"]),
+                        "predicted_requests": len(predicted["start_times"]),
                         "profiles": "served" if profiles else "engine", "step_fit": fits,
                         "coef": {role: p.coef for role, p in zip(("prefill_or_both", "decode"), profiles or ())
                                  if p is not None}}
@@ -220,7 +249,8 @@ def main(argv=None) -> int:
         flag = (f"  <- CONTENDED: other processes took {100 * share:.0f}% of the machine; contention that "
                 f"changes during a run (or between the profile and the run) is not in the profile"
                 if share is not None and share > CONTENDED_SHARE else "")
-        print(f"{name}: {r['requests']} requests of {r['model']}; measured under load {r['load_before']}, "
+        print(f"{name}: {r['requests']} requests of {r['model']} ({r['predicted_requests']} simulated); "
+              f"measured under load {r['load_before']}, "
               f"cpu {json.dumps(cpu)}{flag}")
         print(f"   profiles: {r['profiles']}" + "".join(
             f"; {role}: {f['steps']} steps of the run priced with median |error| {100 * f['median_abs_error']:.1f}%"

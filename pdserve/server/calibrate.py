@@ -91,25 +91,19 @@ class DecodeStepRecorder:
     that prefill go to `prefill_samples` as ([(tokens computed before, new tokens)
     per sequence], seconds). Both are rings of recent samples.
 
-    Installed by wrapping the engine's `step` and its scheduler's `schedule`
-    (instance attributes, this engine only): the engine stays unaware of it."""
+    Installed by wrapping the engine's `step` (an instance attribute, this engine
+    only); what the step ran is the engine's `last_schedule`."""
 
     def __init__(self, engine, maxlen: int = LIVE_SAMPLES):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=maxlen)
         self.prefill_samples: deque[tuple[list[tuple[int, int]], float]] = deque(maxlen=maxlen)
-        self._sched = None
-        step, schedule = engine.step, engine.scheduler.schedule
-
-        def timed_schedule():
-            self._sched = schedule()
-            return self._sched
+        step = engine.step
 
         def timed_step():
-            self._sched = None
             t0 = time.perf_counter()
             outputs = step()
             dt = time.perf_counter() - t0
-            s = self._sched
+            s = engine.last_schedule
             if s is None or not s.scheduled:
                 return outputs
             if all(x.num_new_tokens == 1 for x in s.scheduled):
@@ -119,7 +113,6 @@ class DecodeStepRecorder:
                     ([(x.seq.num_computed_tokens - x.num_new_tokens, x.num_new_tokens) for x in s.scheduled], dt))
             return outputs
 
-        engine.scheduler.schedule = timed_schedule
         engine.step = timed_step
 
     def recent(self) -> list[tuple[int, int, float]]:

@@ -19,7 +19,8 @@ clock around `LLMEngine.step`, so sampling and bookkeeping are in it, and its
 `StepShape` is read from the sequences' computed-token counts before and
 after. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
 c*decode_seqs + d*decode_context + e*prefill_attention (+ f when the step has
-prompt tokens: another code path), weighted to minimise
+prompt tokens: another code path; + g per pass of a small decode batch over the
+weights), weighted to minimise
 relative error (a 12 ms decode step matters as much as a 4 s prefill). About a
 minute on an idle machine.
 """
@@ -44,6 +45,11 @@ DECODE_GRID = ((1, 64), (2, 64), (4, 64), (6, 64), (8, 64), (1, 512), (4, 512))
 MIXED_GRID = ((2, 256), (4, 1024), (6, 2048), (6, 512))  # (decode batch, joining prompt tokens)
 CHUNKED_GRID = ((6, 256),)  # (decode batch, chunk tokens): a 2,048-token prompt in chunks
 DECODE_STEPS = 6
+# Our engine's small-batch GGUF kernels stream the weights once per 4 activation rows
+# (csrc/gguf_matmul.cpp, by_row_tiles) for steps of up to 16 rows (engine/model.py,
+# Linear.max_rows): the staircase the profile's g term prices.
+ENGINE_ROW_TILE = 4
+ENGINE_TILE_MAX_ROWS = 16
 
 
 def _shape(before: dict, seqs) -> StepShape:
@@ -129,14 +135,15 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
         sc.max_num_batched_tokens = budget
     mc = engine.model_config
     dtype_bytes = 2 if engine.config.device.dtype in ("bfloat16", "float16") else 4
-    prof = ProfileLatency.fit(d.samples, model_layers=mc.num_hidden_layers,
+    prof = ProfileLatency.fit(d.samples, model_layers=mc.num_hidden_layers, row_tile=ENGINE_ROW_TILE,
+                              tile_max_rows=ENGINE_TILE_MAX_ROWS,
                               kv_bytes_per_token_=float(mc.kv_bytes_per_token(dtype_bytes)), threads=threads,
                               source=f"pdserve engine, {mc.name}, {engine.config.device.dtype}, "
                                      f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}")
     prof.num_blocks = engine.block_manager.num_blocks
     prof.block_size = engine.block_manager.block_size
     log(f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
-        + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e", "f"), prof.coef)))
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefg", prof.coef)))
     return prof
 
 
@@ -160,8 +167,10 @@ def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
 
 
 def fit_trace(paths: list[str], *, since: float | None = None, until: float | None = None, threads: int = 0,
-              model: str | None = None, source: str = "", log=print) -> ProfileLatency:
-    """A profile from step traces (engine/step_trace.py), steps started in [since, until]."""
+              model: str | None = None, source: str = "", probes: list[list[float]] | None = None,
+              log=print) -> ProfileLatency:
+    """A profile from step traces (engine/step_trace.py), steps started in [since, until];
+    with `drive_grid`'s probes, the request round trip too (`request_rtt_s`)."""
     from pdserve.engine.step_trace import read
 
     samples = []
@@ -171,13 +180,17 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
         raise ValueError(f"{', '.join(paths)}: {len(samples)} traced steps in the window; a fit needs at least 8")
     layers, kv_bytes = _model_shape(model)
     prof = ProfileLatency.fit(samples, model_layers=layers, kv_bytes_per_token_=kv_bytes, threads=threads,
+                              row_tile=ENGINE_ROW_TILE, tile_max_rows=ENGINE_TILE_MAX_ROWS,
                               source=source or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, "
                                                 f"{time.strftime('%Y-%m-%d %H:%M')}")
+    if probes:  # the front engine's trace (the first path) holds the probes' steps
+        prof.request_rtt_s = request_rtt(read(paths[0]), probes)
     # the pool `pdserve serve` allocates by default (--kv-cache-memory-bytes 1 GiB, blocks of 16)
     prof.block_size = 16
     prof.num_blocks = int(DEFAULT_KV_CACHE_BYTES // (kv_bytes * prof.block_size)) if kv_bytes else 0
     log(f"fitted on {len(samples)} served steps: "
-        + ", ".join(f"{k}={v:.3g}" for k, v in zip(("a", "b", "c", "d", "e", "f"), prof.coef)))
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefg", prof.coef))
+        + f"; request round trip {1000 * prof.request_rtt_s:.1f} ms")
     return prof
 
 
@@ -219,8 +232,9 @@ class _Client:
         prompt_tokens = min(prompt_tokens, self.max_prompt or prompt_tokens)
         req = Request(self.tokens.random_ids(self.rng, prompt_tokens), prompt_tokens, max_tokens)
         out = RequestOutput(prompt_len=prompt_tokens)
+        # t0 = 0: start_s is then the send time on the clock the step traces use (CLOCK_MONOTONIC)
         await send(client, self.url, request_body(req, self.model, "/v1/completions", ignore_eos=True,
-                                                  temperature=0.0), out, time.perf_counter(), chat=False)
+                                                  temperature=0.0), out, 0.0, chat=False)
         if out.error:
             raise RuntimeError(f"calibration request ({prompt_tokens} tokens) failed: {out.error}")
         return out
@@ -249,23 +263,60 @@ class _Client:
             raise RuntimeError(f"calibration request failed: {bad[0]}")
 
 
-async def drive_grid(url: str, tokens, log=print) -> None:
-    """Send the served grid to a running server (or router) at `url`."""
+RTT_PROBES = 8  # lone 8-token prompts sent one by one to the idle server, before the grid
+
+
+async def drive_grid(url: str, tokens, log=print, background_streams: int = 0) -> list[list[float]]:
+    """Send the served grid to a running server (or router) at `url`. Returns the round-trip
+    probes: [send, end] of each lone one-token request sent first (see `request_rtt`).
+
+    `background_streams`: that many more streams decode all along (64 tokens in, 48 out,
+    the next sent when one ends), so every step is timed under a serving load: where the
+    router and the client share a core with a worker, relaying tokens slows that worker's
+    steps (8-13% on a prefill worker here)."""
     from pdserve.bench.client import make_client
 
     model, max_model_len = served_model(url)
     c = _Client(url, model, tokens, max_model_len)
     async with make_client(None, 900.0) as client:
         await c.batch(client, 256, 8, 4)  # warm-up, not in the window the caller fits
-        t0 = time.perf_counter()
-        for n in PREFILL_LENGTHS:
-            await c.request(client, n, 1)
-            await c.request(client, n, 1)
-        for batch, ctx in DECODE_GRID:
-            await c.batch(client, ctx, SERVED_DECODE_TOKENS, batch)
-        for batch, prompt in MIXED_GRID + tuple((b, 2048) for b, _ in CHUNKED_GRID):
-            await c.join(client, batch, prompt)
-        log(f"served grid sent in {time.perf_counter() - t0:.1f} s")
+        probes = []
+        for _ in range(RTT_PROBES):
+            out = await c.request(client, 8, 1)
+            probes.append([out.start_s, out.start_s + out.latency_s])
+        stop = asyncio.Event()
+
+        async def stream():
+            while not stop.is_set():
+                await c.request(client, 64, 48)
+
+        background = [asyncio.create_task(stream()) for _ in range(background_streams)]
+        try:
+            t0 = time.perf_counter()
+            for n in PREFILL_LENGTHS:
+                await c.request(client, n, 1)
+                await c.request(client, n, 1)
+            for batch, ctx in DECODE_GRID:
+                await c.batch(client, ctx, SERVED_DECODE_TOKENS, batch)
+            for batch, prompt in MIXED_GRID + tuple((b, 2048) for b, _ in CHUNKED_GRID):
+                await c.join(client, batch, prompt)
+            log(f"served grid sent in {time.perf_counter() - t0:.1f} s"
+                + (f" beside {background_streams} streams" if background_streams else ""))
+        finally:
+            stop.set()
+            await asyncio.gather(*background)
+    return probes
+
+
+def request_rtt(records: list[dict], probes: list[list[float]]) -> float:
+    """The client <-> engine round trip: for each probe (a lone request to an idle server), its
+    time at the client less the engine steps that ran meanwhile; the median."""
+    out = []
+    for s, f in probes:
+        engine = sum(r["t1"] - r["t0"] for r in records if r["t0"] >= s and r["t1"] <= f)
+        if engine > 0:
+            out.append(f - s - engine)
+    return float(sorted(out)[len(out) // 2]) if out else 0.0
 
 
 def calibrate_served(url: str, trace_paths: list[str], *, threads: int = 0, model: str | None = None,
@@ -276,10 +327,10 @@ def calibrate_served(url: str, trace_paths: list[str], *, threads: int = 0, mode
 
     tokens = TokenSource.from_path(model) if model else TokenSource()
     since = time.monotonic()
-    asyncio.run(drive_grid(url, tokens, log))
+    probes = asyncio.run(drive_grid(url, tokens, log))
     until = time.monotonic()
     time.sleep(1.5)  # the trace is flushed once a second
-    return fit_trace(trace_paths, since=since, until=until, threads=threads, model=model, log=log)
+    return fit_trace(trace_paths, since=since, until=until, threads=threads, model=model, probes=probes, log=log)
 
 
 def serve_and_calibrate(threads: int, model: str | None = None, cpu_cores: str | None = None,

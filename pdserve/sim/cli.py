@@ -42,6 +42,8 @@ def add_arguments(p) -> None:
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="early rejection: refuse predicted TTFT misses")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="early rejection: refuse predicted TPOT misses")
     g.add_argument("--kv-watermark", type=float, default=None, help="refuse long requests above this decode KV use")
+    g.add_argument("--client-rtt-ms", type=float, default=None,
+                   help="client <-> engine round trip per request (default: a served profile's own, else 0)")
 
     g = p.add_argument_group("engine (each instance; vLLM's names)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -132,7 +134,10 @@ def _layout(args) -> Layout:
 def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
     sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True, args.long_prefill_token_threshold)
     adm = AdmissionConfig(_s(args.slo_ttft_ms), _s(args.slo_tpot_ms), args.kv_watermark)
-    return build(layout, _hardware(args), sched, block_size=args.block_size,
+    hw = _hardware(args)
+    rtt_s = (args.client_rtt_ms / 1000 if args.client_rtt_ms is not None
+             else hw.profile.request_rtt_s if hw.profile is not None else 0.0)
+    return build(layout, hw, sched, block_size=args.block_size, client_rtt_s=rtt_s,
                  enable_prefix_caching=args.enable_prefix_caching, network_gbps=args.network_gbps,
                  kv_bytes_per_s=args.kv_bytes_per_s, layerwise=args.kv_transfer == "layerwise",
                  transfer_latency_s=args.kv_transfer_latency_ms / 1000, policy=args.policy, admission=adm,

@@ -60,6 +60,11 @@ class ClusterConfig:
     admission: AdmissionConfig | None = None
     max_concurrency: int | None = None
     tag_concurrency: dict[str, int] = field(default_factory=dict)
+    # client <-> engine round trip (HTTP, the server's event loop, a router hop): half delays a
+    # request's arrival at the router, half every token's arrival at the client. A closed-loop
+    # user's next request then reaches a busy engine after the next step has begun and waits it
+    # out, as on a real server. Measured by `pdserve sim --calibrate --served` (request_rtt_s).
+    client_rtt_s: float = 0.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,6 +90,7 @@ class _Gate:
 class Cluster:
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
+        self.send_until_s: float | None = None
         self.loop = EventLoop()
         self.registry = Registry()
         self.index = PrefixIndex()
@@ -113,9 +119,15 @@ class Cluster:
     # ---- running a workload
     def run(self, requests: list[SimRequest], request_rate: float = math.inf, burstiness: float = 1.0, *,
             seed: int = 0, use_trace_times: bool = True, goodput: dict[str, float] | None = None,
-            percentiles=metrics.DEFAULT_PERCENTILES, percentile_metrics=metrics.METRICS) -> dict:
-        """Simulate every request; the result has pdserve bench's fields plus a "sim" section."""
+            percentiles=metrics.DEFAULT_PERCENTILES, percentile_metrics=metrics.METRICS,
+            send_until_s: float | None = None) -> dict:
+        """Simulate every request; the result has pdserve bench's fields plus a "sim" section.
+
+        `send_until_s`, as `pdserve bench`'s: a request without its own arrival time
+        (a closed loop's) whose turn comes later than this is not sent, and the
+        result describes the requests sent (`request_indices`)."""
         wall0 = time.perf_counter()
+        self.send_until_s = send_until_s
         times = arrivals.schedule(requests, request_rate, burstiness, seed=seed, use_trace_times=use_trace_times)
         self.outputs = [RequestOutput(prompt_len=r.prompt_len, tag=r.tag) for r in requests]
         self.gates = {t: _Gate(n) for t, n in self.cfg.tag_concurrency.items()}
@@ -128,10 +140,14 @@ class Cluster:
             _, t = self._live[rid]
             t.error = "never finished: the simulated cluster stalled (decode KV held by reservations)"
             self._done(rid)
-        end = max((o.start_s + o.latency_s for o in self.outputs if o.success), default=0.0)
+        sent = [i for i, o in enumerate(self.outputs) if o.sent]
+        outs = [self.outputs[i] for i in sent]
+        end = max((o.start_s + o.latency_s for o in outs if o.success), default=0.0)
         start = min(times) if times else 0.0
-        res = metrics.result(self.outputs, end - start, percentiles=percentiles,
+        res = metrics.result(outs, end - start, percentiles=percentiles,
                              percentile_metrics=percentile_metrics, goodput=goodput)
+        if len(sent) < len(self.outputs):
+            res.update(request_indices=sent, num_unsent=len(self.outputs) - len(sent))
         wall = time.perf_counter() - wall0
         res["sim"] = self._summary(len(requests), wall)
         return res
@@ -168,10 +184,17 @@ class Cluster:
     def _send(self, r: SimRequest) -> None:
         self.overall.busy += 1
         out = self.outputs[r.rid]
+        if self.send_until_s is not None and r.arrival_s is None and self.loop.now > self.send_until_s:
+            out.sent = False  # a closed loop past its duration: this user stops
+            self.loop.at(self.loop.now, self._release, r)  # an event, not a call: a long queue must not recurse
+            return
         out.start_s = self.loop.now
         timing = Timing(self.loop.now)
         self._live[str(r.rid)] = (r, timing)
-        self._route(r, timing)
+        if self.cfg.client_rtt_s > 0:
+            self.loop.at(self.loop.now + self.cfg.client_rtt_s / 2, self._route, r, timing)
+        else:
+            self._route(r, timing)
 
     def _done(self, rid: str) -> None:
         r, t = self._live.pop(rid)
@@ -179,11 +202,19 @@ class Cluster:
         if t.error:
             out.error = t.error
         else:
+            back = self.cfg.client_rtt_s / 2  # every token reaches the client this much later
             out.success = True
             out.output_tokens = t.tokens
-            out.ttft_s = t.first_s - t.start_s
+            out.ttft_s = t.first_s - t.start_s + back
             out.itl_s = t.itl_s
-            out.latency_s = t.last_s - t.start_s
+            out.latency_s = t.last_s - t.start_s + back
+            if back > 0:  # the user sees the end (and sends the next request) then
+                self.loop.at(self.loop.now + back, self._release, r)
+                return
+        self._release(r)
+
+    def _release(self, r: SimRequest) -> None:
+        """A request's client slots are free: the next one waiting for them goes."""
         self.overall.busy -= 1
         if self.overall.queue:
             self._send(self.overall.queue.popleft())

@@ -79,7 +79,7 @@ def build(layout: Layout, hw: Hardware, sched: SchedulerConfig, *, block_size: i
           enable_prefix_caching: bool = True, network_gbps: float = 400, kv_bytes_per_s: float | None = None,
           layerwise: bool = True, transfer_latency_s: float = 0.0, policy: str = "cache_aware",
           admission: AdmissionConfig | None = None, max_concurrency: int | None = None,
-          tag_concurrency: dict[str, int] | None = None) -> ClusterConfig:
+          tag_concurrency: dict[str, int] | None = None, client_rtt_s: float = 0.0) -> ClusterConfig:
     if layout.mode == "disagg":
         # a decode instance never prefills a long prompt: chunking changes nothing there
         pools = {"prefill": hw.pool(layout.prefill, layout.prefill_tp, block_size, sched),
@@ -93,4 +93,4 @@ def build(layout: Layout, hw: Hardware, sched: SchedulerConfig, *, block_size: i
         pools = {"both": hw.pool(layout.instances, layout.tp, block_size, chunked)}
         transfer = None
     return ClusterConfig(layout.mode, pools, block_size, enable_prefix_caching, transfer, policy, admission,
-                         max_concurrency, dict(tag_concurrency or {}))
+                         max_concurrency, dict(tag_concurrency or {}), client_rtt_s)

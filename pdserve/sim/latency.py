@@ -7,8 +7,9 @@ batch. Both models answer `step_s(shape)`; the simulator needs nothing else.
   a mixed batch, with per-accelerator efficiency factors (the share of peak
   FLOP/s and bandwidth real kernels reach) and a fixed per-step overhead.
 - `ProfileLatency`: t = a + b*prefill_tokens + c*decode_seqs + d*decode_context
-  + e*prefill_attention, least squares over steps of our engine measured on
-  this machine (`pdserve sim --calibrate`, see calibrate.py).
+  + e*prefill_attention (+ f for a step with prompt tokens, + g per pass over
+  the weights of a small decode batch), least squares over steps of our engine
+  measured on this machine (`pdserve sim --calibrate`, see calibrate.py).
 """
 from __future__ import annotations
 
@@ -137,12 +138,32 @@ class RooflineLatency(LatencyModel):
 
 
 FEATURES = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token",
-            "e_s_per_attention_pair", "f_s_per_prefill_step")
+            "e_s_per_attention_pair", "f_s_per_prefill_step", "g_s_per_weight_pass")
 # f: a step with any prompt tokens takes another code path than a decode-only one (our CPU
 # engine: the layer-by-layer Python path on dense fp32 weights instead of one C++ call per
 # layer on the GGUF blocks). With one intercept for both, a 32-token prompt was predicted at
 # 131 ms against 234 ms measured, and a prefill worker's stream of short prompts ran 3x
 # slower than the simulator said. Profiles written before it have five terms (f = 0).
+# g: small-batch kernels that stream the weights once per tile of `row_tile` rows (our GGUF
+# kernels: 4 activation rows a pass, up to `tile_max_rows` rows, csrc/gguf_matmul.cpp) make a
+# decode step a staircase in the batch: served on one core, 4 -> 5 sequences went 40 -> 55 ms
+# while 3 -> 4 went 31 -> 40. g prices each pass (ceil(batch / row_tile)) of a decode-only step
+# of at most tile_max_rows sequences; row_tile 0 (the default, and profiles before it) drops it.
+
+
+FIT_ROUNDS = 4  # the first weighs rows by 1/measured, the rest by 1/predicted
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
+    while True:
+        coef = np.zeros(x.shape[1])
+        sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        coef[active] = sol
+        neg = [i for i, c in zip(active, sol) if c < 0]
+        if not neg:
+            return coef
+        active.remove(min(neg, key=lambda i: coef[i]))
 
 
 @dataclass
@@ -157,10 +178,14 @@ class ProfileLatency(LatencyModel):
     samples: list[dict] = field(default_factory=list)  # what was measured, kept with the fit
     num_blocks: int = 0  # the measured engine's KV pool, a default for simulated instances
     block_size: int = 16
+    row_tile: int = 0  # g's staircase (see FEATURES); 0: no such term
+    tile_max_rows: int = 0
+    # served profiles: the client <-> engine round trip measured with them (ClusterConfig.client_rtt_s)
+    request_rtt_s: float = 0.0
 
     def __post_init__(self):
-        if len(self.coef) == len(FEATURES) - 1:
-            self.coef = list(self.coef) + [0.0]
+        if len(FEATURES) - 2 <= len(self.coef) < len(FEATURES):  # older profiles: the later terms are 0
+            self.coef = list(self.coef) + [0.0] * (len(FEATURES) - len(self.coef))
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"a profile has {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
         self.name = f"profile ({self.source or 'fitted'}, threads={self.threads})"
@@ -169,13 +194,23 @@ class ProfileLatency(LatencyModel):
     def step_s(self, s: StepShape) -> float:
         if s.prefill_tokens + s.decode_seqs == 0:
             return 0.0
-        a, b, c, d, e, f = self._c
+        a, b, c, d, e, f, g = self._c
         return (a + b * s.prefill_tokens + c * s.decode_seqs + d * s.decode_context + e * s.prefill_attention
-                + (f if s.prefill_tokens else 0.0))
+                + (f if s.prefill_tokens else g * self.weight_passes(s.decode_seqs)))
 
     def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
-        a, _, c, d, _, _ = self._c
-        return a + c * batch + d * (context0 + batch * np.arange(k, dtype=np.float64))
+        a, _, c, d, _, _, g = self._c
+        return (a + c * batch + g * self.weight_passes(batch)
+                + d * (context0 + batch * np.arange(k, dtype=np.float64)))
+
+    def weight_passes(self, decode_seqs: int) -> int:
+        """Passes over the weights of a decode-only step of `decode_seqs` sequences (g's count)."""
+        if not self.row_tile or decode_seqs > self.tile_max_rows:
+            return 0
+        return -(-decode_seqs // self.row_tile)
+
+    def features(self, s: StepShape) -> list[float]:
+        return s.features() + [0.0 if s.prefill_tokens else float(self.weight_passes(s.decode_seqs))]
 
     def layers(self) -> int:
         return self.model_layers
@@ -185,21 +220,23 @@ class ProfileLatency(LatencyModel):
 
     @classmethod
     def fit(cls, samples: list[tuple[StepShape, float]], **kw) -> "ProfileLatency":
-        """Least squares on relative error (rows weighted by 1/measured), every coefficient >= 0:
-        a term fitted negative (noise over a short range) is dropped and the rest refitted, so a
-        longer batch is never predicted faster."""
-        x0 = np.array([s.features() for s, _ in samples])
+        """Least squares on relative error, every coefficient >= 0: a term fitted negative (noise
+        over a short range) is dropped and the rest refitted, so a longer batch is never
+        predicted faster.
+
+        Rows are weighted by 1/predicted, refitted a few times (iteratively reweighted): weighting
+        by 1/measured instead favours the steps that ran fast, and on a machine whose steps
+        vary by +-10% that priced served steps 6% low on average."""
+        shape = cls(coef=[0.0] * len(FEATURES), row_tile=kw.get("row_tile", 0), tile_max_rows=kw.get("tile_max_rows", 0))
+        x0 = np.array([shape.features(s) for s, _ in samples])
         y0 = np.array([t for _, t in samples])
-        x, y = x0 / y0[:, None], np.ones_like(y0)
-        active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
-        while True:
-            coef = np.zeros(x.shape[1])
-            sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
-            coef[active] = sol
-            neg = [i for i, c in zip(active, sol) if c < 0]
-            if not neg:
+        scale = y0
+        for _ in range(FIT_ROUNDS):
+            coef = _nonnegative_lstsq(x0 / scale[:, None], y0 / scale)
+            pred = x0 @ coef
+            if not np.all(pred > 0):
                 break
-            active.remove(min(neg, key=lambda i: coef[i]))
+            scale = pred
         rows = [{**asdict(s), "measured_s": t} for s, t in samples]
         return cls(coef=coef.tolist(), samples=rows, **kw)
 
@@ -207,7 +244,9 @@ class ProfileLatency(LatencyModel):
         d = {"kind": "pdserve-sim-profile", "features": list(FEATURES), "coef": self._c,
              "model_layers": self.model_layers, "kv_bytes_per_token": self.kv_bytes_per_token_,
              "threads": self.threads, "source": self.source, "num_blocks": self.num_blocks,
-             "block_size": self.block_size, "samples": self.samples}
+             "block_size": self.block_size, "row_tile": self.row_tile, "tile_max_rows": self.tile_max_rows,
+             "request_rtt_s": self.request_rtt_s,
+             "samples": self.samples}
         with open(path, "w") as f:
             json.dump(d, f, indent=1)
 
@@ -219,7 +258,9 @@ class ProfileLatency(LatencyModel):
             raise ValueError(f"{path}: not a profile written by `pdserve sim --calibrate`")
         return cls(coef=d["coef"], model_layers=d["model_layers"], kv_bytes_per_token_=d["kv_bytes_per_token"],
                    threads=d.get("threads", 0), source=d.get("source", path), samples=d.get("samples", []),
-                   num_blocks=d.get("num_blocks", 0), block_size=d.get("block_size", 16))
+                   num_blocks=d.get("num_blocks", 0), block_size=d.get("block_size", 16),
+                   row_tile=d.get("row_tile", 0), tile_max_rows=d.get("tile_max_rows", 0),
+                   request_rtt_s=d.get("request_rtt_s", 0.0))
 
 
 def roofline_for(model: ModelShape, gpu, tp: int = 1, kv_dtype: str = "bf16", dtype: str = "bf16",

@@ -166,3 +166,24 @@ def test_roofline_pool_holds_what_the_planner_says_fits():
     assert (pool.count, pool.gpus_per_instance) == (8, 4)
     with pytest.raises(ValueError, match="does not fit"):
         Hardware("llama-3-70b", "h100").pool(1, 1, 16, SchedulerConfig())
+
+
+def test_closed_loop_stops_sending_at_send_until_as_the_bench_client_does():
+    """Chat users (no arrival time, 2 at a time) send the next chat when the last ends, until
+    send_until_s; requests with their own arrival time are sent whatever the clock says."""
+    chats = [SimRequest(i, 100, 20, None, "chat", token_ids=[-1 - i] * 100) for i in range(200)]
+    late = SimRequest(200, 100, 5, 30.0, "long", token_ids=[-500] * 100)
+    c = one_pool(tag_concurrency={"chat": 2})
+    res = c.run(chats + [late], send_until_s=5.0)
+    sent = res["request_indices"]
+    assert 200 in sent and res["num_unsent"] == 201 - len(sent) > 0
+    assert res["completed"] == len(sent)
+    starts = dict(zip(sent, res["start_times"]))
+    assert max(t for i, t in starts.items() if i != 200) <= 5.0 and starts[200] == pytest.approx(30.0)
+    # two users, each with one chat in flight at a time, the next sent as the last one ends
+    spans = [(t, t + e) for i, t, e in zip(sent, res["start_times"], res["e2els"]) if i < 200]
+    overlap = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert overlap == 2
+    ends = sorted(b for _, b in spans)
+    assert sum(1 for a, _ in spans if a > 0) == len(spans) - 2  # after the first two, each start is an end
+    assert all(any(abs(a - e) < 1e-9 for e in ends) for a, _ in spans if a > 0)

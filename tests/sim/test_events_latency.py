@@ -111,3 +111,36 @@ def test_calibration_reads_the_step_shape_from_computed_token_counts():
     assert (s.decode_seqs, s.decode_context) == (1, 100)
     assert (s.prefill_tokens, s.prefill_seqs, s.prefill_context) == (256, 1, 256)
     assert s.prefill_attention == chunk_attention(256, 256)
+
+
+def test_profile_fit_is_unbiased_when_steps_are_noisy():
+    """Served steps scatter by +-20% around their mean; weighing rows by 1/measured favoured the
+    fast ones (about -3% here); weighing by 1/predicted prices the sum of the steps right."""
+    rng = np.random.default_rng(7)
+    truth = ProfileLatency([0.01, 2e-3, 6e-3, 5e-6, 0.0, 0.1])
+    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * 100)
+              for p in (0, 0, 0, 64, 512) for b in range(1, 9)] * 60
+    measured = [(s, truth.step_s(s) * rng.uniform(0.8, 1.2)) for s in shapes]
+    fit = ProfileLatency.fit(measured)
+    total = sum(t for _, t in measured)
+    assert sum(fit.step_s(s) for s, _ in measured) / total == pytest.approx(1.0, abs=0.01)
+    decode = [(s, t) for s, t in measured if not s.prefill_tokens]
+    assert sum(fit.step_s(s) for s, _ in decode) / sum(t for _, t in decode) == pytest.approx(1.0, abs=0.015)
+
+
+def test_profile_prices_each_pass_of_a_small_decode_batch_over_the_weights():
+    """Kernels that stream the weights once per 4 rows: a decode step is a staircase in the batch
+    (the g term), fitted back from steps, and the fast path's decode_steps_s agrees with step_s."""
+    truth = ProfileLatency([0.005, 2e-3, 4e-3, 5e-6, 0.0, 0.1, 0.008], row_tile=4, tile_max_rows=16)
+    one = [truth.step_s(StepShape(decode_seqs=b, decode_context=100 * b)) for b in range(1, 10)]
+    steps = np.diff(one)
+    assert steps[3] == pytest.approx(steps[2] + 0.008)  # 4 -> 5 sequences: a second pass
+    assert truth.weight_passes(17) == 0 and truth.weight_passes(16) == 4  # beyond the tiles: no staircase
+    assert truth.step_s(StepShape(prefill_tokens=8, prefill_seqs=1, decode_seqs=3)) == pytest.approx(
+        0.005 + 0.016 + 0.012 + 0.1)  # a step with a prompt takes the other path
+    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * c)
+              for p in (0, 64, 256) for b in range(1, 13) for c in (64, 512)]
+    fit = ProfileLatency.fit([(s, truth.step_s(s)) for s in shapes], row_tile=4, tile_max_rows=16)
+    assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-12)
+    got = fit.decode_steps_s(6, 600, 5)
+    assert np.allclose(got, [fit.step_s(StepShape(decode_seqs=6, decode_context=600 + 6 * i)) for i in range(5)])
