@@ -174,7 +174,9 @@ def parse_args(argv=None):
                    help="git ref whose committed tree the servers run (a clean copy), or 'worktree' for this tree")
     p.add_argument("--table-only", action="store_true", help="print the table of the JSONs in --out-dir")
     p.add_argument("--calibrate-background", type=int, default=0, metavar="N",
-                   help="--calibrate with N more streams decoding all along (e.g. --chat-streams)")
+                   help="--calibrate the pinned config (c) with N more streams decoding all along (e.g. "
+                        "--chat-streams): its router and client share the prefill worker's core, and relaying "
+                        "tokens slows that worker 8-13%%; a collocated server streams in its own process")
     p.add_argument("--calibrate", action="store_true",
                    help="before each config's run, send `pdserve sim --calibrate --served`'s grid through the "
                         "same deployment; its window in the step traces is what sim_vs_engine.py fits")
@@ -274,8 +276,8 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
         load_before = load_str()
         with server, client_cores(cfg):
             warm_up(server.url, tokens)
-            calibration = (calibrate_through(server.url, tokens, args.calibrate_background) if args.calibrate
-                           else None)
+            background = args.calibrate_background if cfg.get("pinned") else 0
+            calibration = calibrate_through(server.url, tokens, background) if args.calibrate else None
             run_since = time.monotonic()
             cpu = TreeCpu(server.pids)
             result = run_benchmark(requests, server.url, tag_concurrency=workload.tag_concurrency(),

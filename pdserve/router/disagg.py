@@ -32,6 +32,16 @@ class WorkerGone(Exception):
     """A worker could not be reached or its stream broke."""
 
 
+class WorkerSlow(WorkerGone):
+    """A call to a worker timed out: the request fails over, but a worker that is busy (one
+    core, a long prefill, the router and a client beside it) is not dead; its heartbeats say."""
+
+
+def _unreachable(w, e: Exception) -> WorkerGone:
+    cls = WorkerSlow if isinstance(e, httpx.TimeoutException) else WorkerGone
+    return cls(f"{w.worker_id}: {type(e).__name__}" + (f": {e}" if str(e) else ""))
+
+
 class _Choice:
     """One engine-level request: accumulates what the workers stream."""
 
@@ -253,9 +263,10 @@ class DisaggEngine:
         body = {"request_id": c.rid, "prompt_token_ids": c.prompt, "params": params_to_json(c.params)}
         try:
             dest = (await self._post(d, "/internal/reserve", {**body, "deadline_s": self.kv_timeout_s}))["kv_destination"]
-        except WorkerGone:
-            self.registry.mark_dead(d.worker_id)
-            raise APIError(503, "the decode worker could not be reached; retry", headers={"Retry-After": "1"})
+        except WorkerGone as e:
+            if not isinstance(e, WorkerSlow):
+                self.registry.mark_dead(d.worker_id)
+            raise APIError(503, f"the decode worker could not be reached ({e}); retry", headers={"Retry-After": "1"})
         if self.kv_mode == "pull" and p.kv_export_address:
             dest["pull"] = True
             try:  # D starts pulling now; P's exporter waits for the transfer to begin
@@ -287,7 +298,9 @@ class DisaggEngine:
         except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError) as e:
             log.warning("request %s: prefill worker %s failed (%s); the decode worker recomputes",
                         c.rid, p.worker_id, e)
-            self.registry.mark_dead(p.worker_id) if isinstance(e, (WorkerGone, httpx.TransportError)) else None
+            if isinstance(e, (WorkerGone, httpx.TransportError)) and not isinstance(
+                    e, (WorkerSlow, httpx.TimeoutException)):
+                self.registry.mark_dead(p.worker_id)
             return None, None  # the decode worker recomputes; its "kv" event is counted below
         first = ev["token_ids"][0]
         c.emit({**ev, "finished": False})
@@ -403,7 +416,7 @@ class DisaggEngine:
             req = self._http.build_request("POST", w.url + path, json=body)
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as e:
-            raise WorkerGone(f"{w.worker_id}: {e}") from None
+            raise _unreachable(w, e) from None
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")
             await resp.aclose()
@@ -414,7 +427,7 @@ class DisaggEngine:
         try:
             resp = await self._http.post(w.url + path, json=body)
         except httpx.TransportError as e:
-            raise WorkerGone(f"{w.worker_id}: {e}") from None
+            raise _unreachable(w, e) from None
         if resp.status_code != 200:
             raise _api_error(resp.status_code, resp.text, resp.headers)
         return resp.json()
