@@ -52,9 +52,19 @@ def nixl_available() -> bool:
     return True
 
 
-def make_agent(prefix: str):
+# NIXL's Python agent starts its progress thread with no pause between polls: one core spun
+# per agent, i.e. both cores of a 2-core host for a sender and a receiver, which starved the
+# TCP copies UCX makes for a WRITE. 20-200 us between polls took 30 layer WRITEs of 92 MB in
+# all from 1.9 to 2.4 GB/s here (0.77x -> 0.97x of a plain socket); small transfers wait at
+# most that much longer. PDSERVE_NIXL_PROGRESS_DELAY_US overrides it (0: NIXL's own spin).
+PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "50"))
+_agent_lock = threading.Lock()
+
+
+def make_agent(prefix: str, progress_delay_us: int = PROGRESS_DELAY_US):
     """A NIXL agent with UCX on host memory. UCX over TCP works on any host; a
-    progress thread keeps small transfers from stalling (FINDINGS.md)."""
+    progress thread keeps small transfers from stalling (FINDINGS.md), polling
+    every `progress_delay_us`."""
     os.environ.setdefault("UCX_TLS", "tcp")
     if not os.path.isdir("/sys/class/infiniband"):
         os.environ.setdefault("UCX_MODULES", "^ib")  # libibverbs without RDMA hardware crashes at exit
@@ -64,8 +74,42 @@ def make_agent(prefix: str):
     # STRICT: the engine thread posts WRITEs while the sender thread polls and releases
     # them; without it (the default when no listener thread runs) the agent is not
     # thread-safe and crashes the process.
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
-                                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+    config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
+                               sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    with _agent_lock, _progress_delay(progress_delay_us):
+        return nixl_agent(name, config)
+
+
+class _progress_delay:
+    """nixl_agent sets its binding config's pthrDelay to 0 and offers no option: while the
+    agent is built, hand it a config class whose pthrDelay is at least `us`. If the
+    binding is not laid out as expected, the agent is built as NIXL builds it."""
+
+    def __init__(self, us: int):
+        self.us, self._api, self._orig = us, None, None
+
+    def __enter__(self):
+        if self.us <= 0:
+            return self
+        try:
+            import nixl_cu12._api as api
+
+            base = api.nixlBind.nixlAgentConfig
+            field = base.pthrDelay
+            us = self.us
+
+            class Config(base):
+                pthrDelay = property(lambda c: field.__get__(c), lambda c, v: field.__set__(c, max(int(v), us)))
+
+            self._api, self._orig = api, base
+            api.nixlBind.nixlAgentConfig = Config
+        except (ImportError, AttributeError, TypeError) as e:
+            log.warning("NIXL progress-thread delay not applied (%s); its thread will spin", e)
+        return self
+
+    def __exit__(self, *exc):
+        if self._api is not None:
+            self._api.nixlBind.nixlAgentConfig = self._orig
 
 
 class NixlKVReceiver(KVReceiverServer):

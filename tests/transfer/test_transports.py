@@ -148,3 +148,23 @@ def test_nixl_write_lands_every_layout(layout):
     finally:
         sender.close()
         rx.close()
+
+
+def test_nixl_agents_are_built_with_a_progress_thread_that_pauses():
+    """NIXL's Python agent asks for a progress thread that never pauses (one core spun per
+    agent); make_agent hands it a config whose pthrDelay cannot go below ours."""
+    nixl = pytest.importorskip("pdserve.transfer.nixl")
+    if not nixl.nixl_available():
+        pytest.skip("nixl-cu12 is not installed")
+    import nixl_cu12._api as api
+
+    original = api.nixlBind.nixlAgentConfig
+    with nixl._progress_delay(75):
+        cfg = api.nixlBind.nixlAgentConfig()
+        cfg.pthrDelay = 0  # what nixl_agent writes
+        assert cfg.pthrDelay == 75 and isinstance(cfg, original)
+    assert api.nixlBind.nixlAgentConfig is original
+    with nixl._progress_delay(0):
+        assert api.nixlBind.nixlAgentConfig is original
+    agent = nixl.make_agent("test-delay", progress_delay_us=75)
+    assert agent.name.startswith("test-delay-")
