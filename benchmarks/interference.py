@@ -284,8 +284,12 @@ def run_config(cfg: dict, requests, workload, args, tokens, server: ServerProces
                                    goodput=_slos(args.goodput), percentiles=[50, 90, 99], ignore_eos=True,
                                    seed=args.seed, progress=True, send_until_s=args.chat_duration)
             result["cpu"] = cpu.stop()
+            run_until = time.monotonic()
+            # the grid again after the run: this shared machine's speed drifts by 5-15% over minutes,
+            # and a profile fitted on both sides of the run brackets it
+            after = calibrate_through(server.url, tokens, background) if args.calibrate else None
             result["step_traces"] = {"paths": traces, "clock": "time.monotonic", "calibration": calibration,
-                                     "run": [run_since, time.monotonic()]}
+                                     "calibration_after": after, "run": [run_since, run_until]}
         result["load_before"], result["load_after"] = load_before, load_str()
     result.update(config=cfg, server_cmds=server.cmds, dataset_name="mixed", source=getattr(args, "source", None),
                   **{f"mixed_{k}": v for k, v in dataclasses.asdict(workload).items()})

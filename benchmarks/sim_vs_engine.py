@@ -128,9 +128,14 @@ def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileL
         return None
     # results written before the probes: the calibration was its bare window
     window, probes = (cal["window"], cal.get("rtt_probes")) if isinstance(cal, dict) else (cal, None)
+    windows = [window]
+    after = st.get("calibration_after")
+    if after:  # the grid was sent again after the run: fit on both sides of it
+        windows.append(after["window"])
+        probes = probes + after.get("rtt_probes", [])
     paths = st["paths"]
-    fit = (lambda role: fit_trace([p for r, p in paths.items() if r.startswith(role)], since=window[0],
-                                  until=window[1], threads=int(cfg["threads"]), probes=probes, log=lambda m: None))
+    fit = (lambda role: fit_trace([p for r, p in paths.items() if r.startswith(role)], windows=windows,
+                                  threads=int(cfg["threads"]), probes=probes, log=lambda m: None))
     if cfg["mode"] == "collocated":
         return fit("both"), None
     return fit("prefill"), fit("decode")

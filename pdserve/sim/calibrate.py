@@ -168,14 +168,15 @@ def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
 
 def fit_trace(paths: list[str], *, since: float | None = None, until: float | None = None, threads: int = 0,
               model: str | None = None, source: str = "", probes: list[list[float]] | None = None,
-              log=print) -> ProfileLatency:
-    """A profile from step traces (engine/step_trace.py), steps started in [since, until];
-    with `drive_grid`'s probes, the request round trip too (`request_rtt_s`)."""
+              windows: list[list[float]] | None = None, log=print) -> ProfileLatency:
+    """A profile from step traces (engine/step_trace.py), steps started in [since, until] (or in
+    any of `windows`); with `drive_grid`'s probes, the request round trip too (`request_rtt_s`)."""
     from pdserve.engine.step_trace import read
 
     samples = []
     for path in paths:
-        samples += trace_samples(read(path, since, until))
+        for lo, hi in windows or [(since, until)]:
+            samples += trace_samples(read(path, lo, hi))
     if len(samples) < 8:
         raise ValueError(f"{', '.join(paths)}: {len(samples)} traced steps in the window; a fit needs at least 8")
     layers, kv_bytes = _model_shape(model)
