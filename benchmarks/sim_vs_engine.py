@@ -47,7 +47,7 @@ from pdserve.sim.calibrate import fit_trace, trace_samples  # noqa: E402
 from pdserve.sim.cluster import Cluster  # noqa: E402
 from pdserve.sim.deploy import Hardware, Layout, build  # noqa: E402
 from pdserve.sim.latency import ProfileLatency  # noqa: E402
-from pdserve.sim.workload import SimRequest  # noqa: E402
+from pdserve.sim.workload import SimRequest, from_workload_json  # noqa: E402
 
 CONTENDED_SHARE = 0.10  # others' share of the machine above which a measured run says little about the engine
 METRICS = (("mean_ttft_ms", 0.10), ("mean_tpot_ms", 0.10), ("p99_ttft_ms", 0.20), ("p99_tpot_ms", 0.20))
@@ -90,19 +90,14 @@ def calibrate(args, threads: int) -> None:
     subprocess.run(cmd, check=True, cwd=REPO)
 
 
-def closed_loop_requests(doc: dict) -> tuple[list[SimRequest], dict[str, int], float | None]:
+def closed_loop_requests(results_dir: str) -> tuple[list[SimRequest], dict[str, int], float | None]:
     """The workload as the client ran it: every request of workload.json in order, chats (no
     arrival time) through `chat_streams` users who each send the next when the last ends,
-    until `chat_duration_s`; the long prompts at their own times."""
+    until `chat_duration_s`; the long prompts at their own times (`pdserve sim --workload-json`'s reading)."""
+    reqs, doc = from_workload_json(os.path.join(results_dir, "workload.json"))
     params = doc.get("params") or {}
-    out = []
-    for i, r in enumerate(doc["requests"]):
-        n = int(r["prompt_tokens"])
-        arrival = r.get("arrival_s")
-        out.append(SimRequest(i, n, int(r["output_tokens"]), None if arrival is None else float(arrival),
-                              r.get("kind", "default"), token_ids=[-1 - i] * n))
     streams = params.get("chat_streams")
-    return out, ({"chat": int(streams)} if streams else {}), params.get("chat_duration_s")
+    return reqs, ({"chat": int(streams)} if streams else {}), params.get("chat_duration_s")
 
 
 def sim_requests(doc: dict, measured: dict) -> list[SimRequest]:
@@ -234,7 +229,7 @@ def main(argv=None) -> int:
         measured = results[name]
         profiles = served.get(name)
         if args.arrivals == "closed-loop":
-            reqs, tags, until = closed_loop_requests(doc)
+            reqs, tags, until = closed_loop_requests(args.results)
             predicted = simulate(args, doc["configs"][name], reqs, goodput, profiles, tags, until)
         else:
             predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles)

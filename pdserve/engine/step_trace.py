@@ -26,6 +26,17 @@ import time
 FLUSH_EVERY_S = 1.0  # a trace read while the server runs is at most this stale
 
 
+def step_rows(sched) -> list[list[int]]:
+    """[tokens computed before, tokens computed in the step, 1 if a decode] per scheduled
+    sequence of a step that has run (the step has already advanced the counts)."""
+    rows = []
+    for s in sched.scheduled:
+        n = s.num_new_tokens
+        done = s.seq.num_computed_tokens - n
+        rows.append([done, n, int(n == 1 and done >= s.seq.num_prompt_tokens)])
+    return rows
+
+
 class StepTraceWriter:
     """Appends step records to `path`; only the engine thread calls `record`."""
 
@@ -37,12 +48,7 @@ class StepTraceWriter:
     def record(self, t0: float, t1: float, sched, idle: bool) -> None:
         if sched is None or not sched.scheduled:
             return
-        seqs = []
-        for s in sched.scheduled:
-            n = s.num_new_tokens
-            done = s.seq.num_computed_tokens - n  # the step has already advanced it
-            seqs.append([done, n, int(n == 1 and done >= s.seq.num_prompt_tokens)])
-        self._f.write(json.dumps({"t0": round(t0, 6), "t1": round(t1, 6), "idle": idle, "seqs": seqs},
+        self._f.write(json.dumps({"t0": round(t0, 6), "t1": round(t1, 6), "idle": idle, "seqs": step_rows(sched)},
                                  separators=(",", ":")) + "\n")
         if t1 - self._flushed > FLUSH_EVERY_S:
             self._f.flush()

@@ -19,6 +19,7 @@ import dataclasses
 import time
 from collections import deque
 
+from pdserve.engine.step_trace import step_rows
 from pdserve.router import conductor
 
 LENGTHS_TOKENS = (16, 64, 256)  # short enough to cost well under a second on a CPU box
@@ -109,8 +110,7 @@ class DecodeStepRecorder:
             if all(x.num_new_tokens == 1 for x in s.scheduled):
                 self.samples.append((len(s.scheduled), sum(x.seq.num_computed_tokens for x in s.scheduled), dt))
             else:
-                self.prefill_samples.append(
-                    ([(x.seq.num_computed_tokens - x.num_new_tokens, x.num_new_tokens) for x in s.scheduled], dt))
+                self.prefill_samples.append(([(done, n) for done, n, _ in step_rows(s)], dt))
             return outputs
 
         engine.step = timed_step

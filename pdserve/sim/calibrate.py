@@ -226,18 +226,22 @@ class _Client:
         self.max_prompt = (max_model_len - SERVED_BACKGROUND_TOKENS - 1) if max_model_len else None
         self.rng = np.random.default_rng(seed)
 
-    async def request(self, client, prompt_tokens: int, max_tokens: int):
-        from pdserve.bench.client import RequestOutput, request_body, send
+    async def _send(self, client, prompt_tokens: int, max_tokens: int, out) -> None:
+        from pdserve.bench.client import request_body, send
         from pdserve.bench.datasets import Request
 
-        prompt_tokens = min(prompt_tokens, self.max_prompt or prompt_tokens)
         req = Request(self.tokens.random_ids(self.rng, prompt_tokens), prompt_tokens, max_tokens)
-        out = RequestOutput(prompt_len=prompt_tokens)
         # t0 = 0: start_s is then the send time on the clock the step traces use (CLOCK_MONOTONIC)
         await send(client, self.url, request_body(req, self.model, "/v1/completions", ignore_eos=True,
                                                   temperature=0.0), out, 0.0, chat=False)
-        if out.error:
-            raise RuntimeError(f"calibration request ({prompt_tokens} tokens) failed: {out.error}")
+
+    async def request(self, client, prompt_tokens: int, max_tokens: int):
+        from pdserve.bench.client import RequestOutput
+
+        prompt_tokens = min(prompt_tokens, self.max_prompt or prompt_tokens)
+        out = RequestOutput(prompt_len=prompt_tokens)
+        await self._send(client, prompt_tokens, max_tokens, out)
+        _raise_if_failed([out])
         return out
 
     async def batch(self, client, prompt_tokens: int, max_tokens: int, n: int):
@@ -245,23 +249,22 @@ class _Client:
 
     async def join(self, client, batch: int, prompt_tokens: int, background_prompt: int = 64) -> None:
         """`batch` streams decoding, then a prompt of `prompt_tokens` arrives among them."""
-        from pdserve.bench.client import RequestOutput, request_body, send
-        from pdserve.bench.datasets import Request
+        from pdserve.bench.client import RequestOutput
 
         outs = [RequestOutput(prompt_len=background_prompt) for _ in range(batch)]
-        tasks = []
-        for out in outs:
-            req = Request(self.tokens.random_ids(self.rng, background_prompt), background_prompt,
-                          SERVED_BACKGROUND_TOKENS)
-            body = request_body(req, self.model, "/v1/completions", ignore_eos=True, temperature=0.0)
-            tasks.append(asyncio.create_task(send(client, self.url, body, out, time.perf_counter(), chat=False)))
+        tasks = [asyncio.create_task(self._send(client, background_prompt, SERVED_BACKGROUND_TOKENS, o))
+                 for o in outs]
         while not all(o.itl_s or o.error for o in outs) and not all(t.done() for t in tasks):
             await asyncio.sleep(0.005)  # every stream has its second token: the batch is decoding
         await self.request(client, prompt_tokens, 1)
         await asyncio.gather(*tasks)
-        bad = [o.error for o in outs if o.error]
-        if bad:
-            raise RuntimeError(f"calibration request failed: {bad[0]}")
+        _raise_if_failed(outs)
+
+
+def _raise_if_failed(outs) -> None:
+    bad = [o for o in outs if o.error]
+    if bad:
+        raise RuntimeError(f"calibration request ({bad[0].prompt_len} tokens) failed: {bad[0].error}")
 
 
 RTT_PROBES = 8  # lone 8-token prompts sent one by one to the idle server, before the grid
