@@ -337,9 +337,8 @@ def calibrate_served(url: str, trace_paths: list[str], *, threads: int = 0, mode
     return fit_trace(trace_paths, since=since, until=until, threads=threads, model=model, probes=probes, log=log)
 
 
-def serve_and_calibrate(threads: int, model: str | None = None, cpu_cores: str | None = None,
-                        extra_flags: tuple[str, ...] = (), log=print, startup_timeout_s: float = 300.0
-                        ) -> ProfileLatency:
+def serve_and_calibrate(threads: int, model: str | None = None, log=print,
+                        startup_timeout_s: float = 300.0) -> ProfileLatency:
     """`pdserve sim --calibrate --served`: start `pdserve serve --mode collocated` on a free
     loopback port with a step trace, calibrate through it, stop it."""
     import httpx
@@ -350,10 +349,8 @@ def serve_and_calibrate(threads: int, model: str | None = None, cpu_cores: str |
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "collocated", "--host", "127.0.0.1",
-               "--port", str(port), "--threads", str(threads), "--step-trace", trace, "--log-level", "warning",
-               *extra_flags] + (["--model", model] if model else [])
-        if cpu_cores:
-            cmd = ["taskset", "-c", cpu_cores] + cmd
+               "--port", str(port), "--threads", str(threads), "--step-trace", trace, "--log-level", "warning"
+               ] + (["--model", model] if model else [])
         url = f"http://127.0.0.1:{port}"
         log("$ " + " ".join(cmd))
         proc = subprocess.Popen(cmd, start_new_session=True)
