@@ -25,6 +25,7 @@ the decode worker keeping the reserved blocks until its lease expires.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -58,6 +59,11 @@ def nixl_available() -> bool:
 # all from 1.9 to 2.4 GB/s here (0.77x -> 0.97x of a plain socket); small transfers wait at
 # most that much longer. PDSERVE_NIXL_PROGRESS_DELAY_US overrides it (0: NIXL's own spin).
 PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "50"))
+# WRITEs a sender keeps posted at once; the rest wait in order. UCX over TCP turns each WRITE
+# into active messages that both progress threads copy: 30 layer WRITEs posted at once moved
+# 2.4 GB/s here, two at a time 2.8 (docs/disaggregation.md). Layer-wise prefill on this CPU
+# produces a layer every few hundred ms, so only eager transfers ever queue. 0: no limit.
+WRITES_IN_FLIGHT = int(os.environ.get("PDSERVE_NIXL_WRITES_IN_FLIGHT", "2"))
 _agent_lock = threading.Lock()
 
 
@@ -155,12 +161,17 @@ class _Remote:
 class NixlKVSender(TcpKVSender):
     """Push through NIXL WRITE; notices, `done` and acknowledgements travel as TCP frames."""
 
-    def __init__(self, retry_window_s: float = 5.0, xfer_timeout_s: float = 30.0):
+    def __init__(self, retry_window_s: float = 5.0, xfer_timeout_s: float = 30.0,
+                 writes_in_flight: int = WRITES_IN_FLIGHT):
         super().__init__("none", retry_window_s)
         self.agent = make_agent("pdserve-kv-tx")
         self.xfer_timeout_s = xfer_timeout_s
+        self.writes_in_flight = writes_in_flight
         self._remotes: dict[str, _Remote] = {}
-        self._pending: dict[int, tuple] = {}  # id(notice header) -> (handle, registration, k, v, state)
+        # id(notice header) -> [handle, registration, k, v, state]; state None: not posted yet
+        self._pending: dict[int, list] = {}
+        self._unposted: collections.deque[int] = collections.deque()  # keys of _pending, in order
+        self._posted = 0
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int], list] = {}  # (address, bytes) -> [registration, users]
         self.nixl_bytes = 0
@@ -205,9 +216,10 @@ class NixlKVSender(TcpKVSender):
         reg = [self._register(k), self._register(v)]
         handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
                                             self.agent.get_xfer_descs(remote, "DRAM"), r.agent)
-        state = self.agent.transfer(handle)
         with self._lock:
-            self._pending[id(header)] = (handle, reg, k, v, state)
+            self._pending[id(header)] = [handle, reg, k, v, None]
+            self._unposted.append(id(header))
+            self._post_unposted()
         t.stats.bytes += 2 * k.numel() * k.element_size()
         self._enqueue(t, header, [])
 
@@ -215,6 +227,9 @@ class NixlKVSender(TcpKVSender):
         """Runs on the sender thread before a notice goes out: the WRITE must have landed."""
         with self._lock:
             pending = self._pending.pop(id(header), None)
+            if pending is not None and pending[4] is None:  # not posted yet: its turn is now
+                self._unposted.remove(id(header))
+                self._post(pending)
         if pending is None:  # not a NIXL notice, or already settled (a resend)
             return header, payload
         handle, reg, k, v, state = pending
@@ -224,7 +239,7 @@ class NixlKVSender(TcpKVSender):
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
             state = self.agent.check_xfer_state(handle)
-        self._release(handle, reg)
+        self._settle(pending)
         if state == "DONE":
             self.nixl_bytes += 2 * k.numel() * k.element_size()
             return header, payload
@@ -235,6 +250,32 @@ class NixlKVSender(TcpKVSender):
         header["dtype"] = str(k.dtype).removeprefix("torch.")
         payload.extend([k, v])
         return header, payload
+
+    def _post(self, entry: list) -> None:
+        """Post one WRITE (with self._lock held)."""
+        try:
+            entry[4] = self.agent.transfer(entry[0])
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own errors; the frame falls back to TCP
+            log.warning("NIXL could not post a WRITE: %s", e)
+            entry[4] = "ERR"
+        self._posted += 1
+
+    def _post_unposted(self) -> None:
+        """Post queued WRITEs, oldest first, while fewer than `writes_in_flight` are out
+        (with self._lock held)."""
+        while self._unposted and (self.writes_in_flight <= 0 or self._posted < self.writes_in_flight):
+            entry = self._pending.get(self._unposted.popleft())
+            if entry is not None:
+                self._post(entry)
+
+    def _settle(self, entry: list) -> None:
+        """A WRITE is over (landed, failed, or its frame will never go): free its slot,
+        post the next, release its handle and registrations."""
+        with self._lock:
+            if entry[4] is not None:
+                self._posted -= 1
+            self._post_unposted()
+        self._release(entry[0], entry[1])
 
     def _register(self, t: torch.Tensor) -> tuple[int, int]:
         """Register a buffer once however many WRITEs use it at a time: NIXL crashes
@@ -271,8 +312,10 @@ class NixlKVSender(TcpKVSender):
         for header, _ in t.frames:
             with self._lock:
                 pending = self._pending.pop(id(header), None)
+                if pending is not None and pending[4] is None:
+                    self._unposted.remove(id(header))
             if pending is not None:
-                self._release(pending[0], pending[1])
+                self._settle(pending)
 
     def abort(self, transfer_id, reason):
         self._forget(self._transfers.get(transfer_id))

@@ -115,16 +115,21 @@ def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
 
 
 
-@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
-def test_nixl_write_lands_every_layout(layout):
+@pytest.mark.parametrize("layout,window", [("consecutive", 2), ("scattered", 2), ("scattered", 1),
+                                           ("consecutive", 0)])
+def test_nixl_write_lands_every_layout(layout, window):
     """NIXL (UCX over TCP on host memory) WRITEs into the reserved slots; the notice
-    frame only follows a completed WRITE."""
+    frame only follows a completed WRITE; no more than `window` WRITEs are posted at
+    once (0: all of them)."""
     pytest.importorskip("nixl_cu12")
     from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
 
     kv = _caches()
     rx = NixlKVReceiver(kv)
-    sender = NixlKVSender()
+    sender = NixlKVSender(writes_in_flight=window)
+    most = []
+    post = sender._post
+    sender._post = lambda entry: (post(entry), most.append(sender._posted))
     try:
         tokens, start = 37, 5
         dest = KVDestination("n1", rx.address, LAYOUTS[layout], BLOCK, start, tokens)
@@ -142,6 +147,7 @@ def test_nixl_write_lands_every_layout(layout):
         sender.wait_for_save("n1", 30)
         assert sender.nixl_bytes == 2 * LAYERS * (tokens - start) * HEADS * DIM * 4
         assert sender.nixl_fallbacks == 0
+        assert len(most) == LAYERS and max(most) <= (window or LAYERS) and sender._posted == 0
         for layer, (k, v) in sent.items():
             assert torch.equal(kv[layer][0].view(-1, HEADS, DIM)[slots], k)
             assert torch.equal(kv[layer][1].view(-1, HEADS, DIM)[slots], v)
