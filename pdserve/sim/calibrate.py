@@ -274,10 +274,11 @@ async def drive_grid(url: str, tokens, log=print, background_streams: int = 0) -
     """Send the served grid to a running server (or router) at `url`. Returns the round-trip
     probes: [send, end] of each lone one-token request sent first (see `request_rtt`).
 
-    `background_streams`: that many more streams decode all along (64 tokens in, 48 out,
-    the next sent when one ends), so every step is timed under a serving load: where the
-    router and the client share a core with a worker, relaying tokens slows that worker's
-    steps (8-13% on a prefill worker here)."""
+    `background_streams`: that many more streams decode (64 tokens in, 48 out, the next
+    sent when one ends) while the grid's prompts are served, so prefill steps are timed
+    under a serving load: where the router and the client share a core with a worker,
+    relaying tokens slows that worker's steps (8-13% on a prefill worker here). The decode
+    batches go alone, at the sizes the grid names."""
     from pdserve.bench.client import make_client
 
     model, max_model_len = served_model(url)
@@ -288,27 +289,40 @@ async def drive_grid(url: str, tokens, log=print, background_streams: int = 0) -
         for _ in range(RTT_PROBES):
             out = await c.request(client, 8, 1)
             probes.append([out.start_s, out.start_s + out.latency_s])
-        stop = asyncio.Event()
+        t0 = time.perf_counter()
 
-        async def stream():
-            while not stop.is_set():
-                await c.request(client, 64, 48)
+        async def beside_background(part) -> None:
+            stop = asyncio.Event()
 
-        background = [asyncio.create_task(stream()) for _ in range(background_streams)]
-        try:
-            t0 = time.perf_counter()
+            async def stream():
+                while not stop.is_set():
+                    await c.request(client, 64, 48)
+
+            background = [asyncio.create_task(stream()) for _ in range(background_streams)]
+            try:
+                await part
+            finally:
+                stop.set()
+                await asyncio.gather(*background)
+
+        async def prefills():
             for n in PREFILL_LENGTHS:
                 await c.request(client, n, 1)
                 await c.request(client, n, 1)
-            for batch, ctx in DECODE_GRID:
-                await c.batch(client, ctx, SERVED_DECODE_TOKENS, batch)
+
+        async def joins():
             for batch, prompt in MIXED_GRID + tuple((b, 2048) for b, _ in CHUNKED_GRID):
                 await c.join(client, batch, prompt)
-            log(f"served grid sent in {time.perf_counter() - t0:.1f} s"
-                + (f" beside {background_streams} streams" if background_streams else ""))
-        finally:
-            stop.set()
-            await asyncio.gather(*background)
+
+        await beside_background(prefills())
+        # decode batches go alone: beside the background streams every batch would be that much
+        # bigger, and a decode pool serving a few users steps 1-3 sequences at a time (the
+        # kernels' weight passes make 1-4 and 5-8 two regimes, so the fit must see both)
+        for batch, ctx in DECODE_GRID:
+            await c.batch(client, ctx, SERVED_DECODE_TOKENS, batch)
+        await beside_background(joins())
+        log(f"served grid sent in {time.perf_counter() - t0:.1f} s"
+            + (f", prompts beside {background_streams} streams" if background_streams else ""))
     return probes
 
 

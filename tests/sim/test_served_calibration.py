@@ -56,9 +56,16 @@ def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, caps
     with ServerProcess("--model", tiny_dir, "--threads", "1", "--max-num-batched-tokens", "256",
                        "--step-trace", str(trace)) as server:
         since = time.monotonic()
-        asyncio.run(drive_grid(server.url, TokenSource.from_path(tiny_dir), log=lambda m: None))
+        asyncio.run(drive_grid(server.url, TokenSource.from_path(tiny_dir), log=lambda m: None,
+                               background_streams=2))
         until = time.monotonic()
     recs = read(str(trace), since, until)
+    # the background streams decode beside the grid's prompts, and stop for its decode batches,
+    # which therefore run at their own sizes: 1 sequence alone for the (1, 64) and (1, 512) batches
+    decode_only = [len(r["seqs"]) for r in recs if r["seqs"] and all(d for _, _, d in r["seqs"])]
+    assert decode_only.count(1) >= 10
+    assert any(sum(d for _, _, d in r["seqs"]) >= 2 and [0, 128, 0] in r["seqs"]
+               for r in recs)  # the grid's 128-token prompt prefilled beside both streams
     # every prompt of the grid was computed, in the server, inside the window (chunked by the budget)
     prefilled = sum(n for r in recs for _, n, decode in r["seqs"] if not decode)
     assert prefilled >= 2 * (32 + 128 + 512 + 999) + 8 * 64
