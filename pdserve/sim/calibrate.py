@@ -19,8 +19,9 @@ clock around `LLMEngine.step`, so sampling and bookkeeping are in it, and its
 `StepShape` is read from the sequences' computed-token counts before and
 after. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
 c*decode_seqs + d*decode_context + e*prefill_attention (+ f when the step has
-prompt tokens: another code path; + g per pass of a small decode batch over the
-weights), weighted to minimise
+prompt tokens: another code path; + g per pass of the tiled kernels over the
+quantized weights in a step of few rows, or h once when a step of more rows
+multiplies the dense weights), weighted to minimise
 relative error (a 12 ms decode step matters as much as a 4 s prefill). About a
 minute on an idle machine.
 """
@@ -143,7 +144,7 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
     prof.num_blocks = engine.block_manager.num_blocks
     prof.block_size = engine.block_manager.block_size
     log(f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
-        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefg", prof.coef)))
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef)))
     return prof
 
 
@@ -190,7 +191,7 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
     prof.block_size = 16
     prof.num_blocks = int(DEFAULT_KV_CACHE_BYTES // (kv_bytes * prof.block_size)) if kv_bytes else 0
     log(f"fitted on {len(samples)} served steps: "
-        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefg", prof.coef))
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef))
         + f"; request round trip {1000 * prof.request_rtt_s:.1f} ms")
     return prof
 

@@ -138,17 +138,20 @@ class RooflineLatency(LatencyModel):
 
 
 FEATURES = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token",
-            "e_s_per_attention_pair", "f_s_per_prefill_step", "g_s_per_weight_pass")
+            "e_s_per_attention_pair", "f_s_per_prefill_step", "g_s_per_weight_pass", "h_s_per_dense_step")
 # f: a step with any prompt tokens takes another code path than a decode-only one (our CPU
-# engine: the layer-by-layer Python path on dense fp32 weights instead of one C++ call per
-# layer on the GGUF blocks). With one intercept for both, a 32-token prompt was predicted at
-# 131 ms against 234 ms measured, and a prefill worker's stream of short prompts ran 3x
-# slower than the simulator said. Profiles written before it have five terms (f = 0).
-# g: small-batch kernels that stream the weights once per tile of `row_tile` rows (our GGUF
-# kernels: 4 activation rows a pass, up to `tile_max_rows` rows, csrc/gguf_matmul.cpp) make a
-# decode step a staircase in the batch: served on one core, 4 -> 5 sequences went 40 -> 55 ms
-# while 3 -> 4 went 31 -> 40. g prices each pass (ceil(batch / row_tile)) of a decode-only step
-# of at most tile_max_rows sequences; row_tile 0 (the default, and profiles before it) drops it.
+# engine: the layer-by-layer Python path instead of one C++ call per layer). With one intercept
+# for both, a 32-token prompt was predicted at 131 ms against 234 ms measured, and a prefill
+# worker's stream of short prompts ran 3x slower than the simulator said. Profiles written
+# before it have five terms (f = 0).
+# g and h: how the matmuls read the weights, by the rows of the step (prompt tokens plus
+# decoding sequences). Up to `tile_max_rows` rows, our GGUF kernels stream the quantized
+# weights once per tile of `row_tile` rows (csrc/gguf_matmul.cpp, engine/model.py Linear):
+# g per pass, ceil(rows / row_tile), a staircase (one core: 4 -> 5 decoding sequences went
+# 40 -> 55 ms while 3 -> 4 went 31 -> 40). Beyond that they multiply the fp32 weights: h, once
+# per step. A prefill worker's 8-token prompts take the first way (81 ms on one core) and its
+# 32-token ones the second (250 ms): with one f for both, a fit that saw both priced the chats'
+# 64-token prompts 15% low. row_tile 0 (the default, and older profiles) drops g and h.
 
 
 FIT_ROUNDS = 4  # the first weighs rows by 1/measured, the rest by 1/predicted
@@ -184,7 +187,7 @@ class ProfileLatency(LatencyModel):
     request_rtt_s: float = 0.0
 
     def __post_init__(self):
-        if len(FEATURES) - 2 <= len(self.coef) < len(FEATURES):  # older profiles: the later terms are 0
+        if 5 <= len(self.coef) < len(FEATURES):  # older profiles: the later terms are 0
             self.coef = list(self.coef) + [0.0] * (len(FEATURES) - len(self.coef))
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"a profile has {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
@@ -194,23 +197,29 @@ class ProfileLatency(LatencyModel):
     def step_s(self, s: StepShape) -> float:
         if s.prefill_tokens + s.decode_seqs == 0:
             return 0.0
-        a, b, c, d, e, f, g = self._c
+        a, b, c, d, e, f, g, h = self._c
+        rows = s.prefill_tokens + s.decode_seqs
         return (a + b * s.prefill_tokens + c * s.decode_seqs + d * s.decode_context + e * s.prefill_attention
-                + (f if s.prefill_tokens else g * self.weight_passes(s.decode_seqs)))
+                + (f if s.prefill_tokens else 0.0) + g * self.weight_passes(rows) + h * self.dense(rows))
 
     def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
-        a, _, c, d, _, _, g = self._c
-        return (a + c * batch + g * self.weight_passes(batch)
+        a, _, c, d, _, _, g, h = self._c
+        return (a + c * batch + g * self.weight_passes(batch) + h * self.dense(batch)
                 + d * (context0 + batch * np.arange(k, dtype=np.float64)))
 
-    def weight_passes(self, decode_seqs: int) -> int:
-        """Passes over the weights of a decode-only step of `decode_seqs` sequences (g's count)."""
-        if not self.row_tile or decode_seqs > self.tile_max_rows:
+    def weight_passes(self, rows: int) -> int:
+        """Passes of the tiled kernels over the weights in a step of `rows` rows (g's count)."""
+        if not self.row_tile or rows > self.tile_max_rows:
             return 0
-        return -(-decode_seqs // self.row_tile)
+        return -(-rows // self.row_tile)
+
+    def dense(self, rows: int) -> int:
+        """1 when a step of `rows` rows multiplies the dense weights instead (h's count)."""
+        return int(bool(self.row_tile) and rows > self.tile_max_rows)
 
     def features(self, s: StepShape) -> list[float]:
-        return s.features() + [0.0 if s.prefill_tokens else float(self.weight_passes(s.decode_seqs))]
+        rows = s.prefill_tokens + s.decode_seqs
+        return s.features() + [float(self.weight_passes(rows)), float(self.dense(rows))]
 
     def layers(self) -> int:
         return self.model_layers

@@ -129,17 +129,22 @@ def test_profile_fit_is_unbiased_when_steps_are_noisy():
 
 
 def test_profile_prices_each_pass_of_a_small_decode_batch_over_the_weights():
-    """Kernels that stream the weights once per 4 rows: a decode step is a staircase in the batch
-    (the g term), fitted back from steps, and the fast path's decode_steps_s agrees with step_s."""
-    truth = ProfileLatency([0.005, 2e-3, 4e-3, 5e-6, 0.0, 0.1, 0.008], row_tile=4, tile_max_rows=16)
+    """Kernels that stream the weights once per 4 rows up to 16 rows, and multiply the dense
+    weights beyond: a step of few rows is a staircase in its rows (the g term), a bigger one pays
+    h once; both fitted back from steps, and the fast path's decode_steps_s agrees with step_s."""
+    truth = ProfileLatency([0.005, 2e-3, 4e-3, 5e-6, 0.0, 0.1, 0.008, 0.05], row_tile=4, tile_max_rows=16)
     one = [truth.step_s(StepShape(decode_seqs=b, decode_context=100 * b)) for b in range(1, 10)]
     steps = np.diff(one)
     assert steps[3] == pytest.approx(steps[2] + 0.008)  # 4 -> 5 sequences: a second pass
     assert truth.weight_passes(17) == 0 and truth.weight_passes(16) == 4  # beyond the tiles: no staircase
+    assert truth.dense(17) == 1 and truth.dense(16) == 0
+    # an 8-token prompt beside 3 decodes is 11 rows: the prompt path, on the tiled kernels (3 passes)
     assert truth.step_s(StepShape(prefill_tokens=8, prefill_seqs=1, decode_seqs=3)) == pytest.approx(
-        0.005 + 0.016 + 0.012 + 0.1)  # a step with a prompt takes the other path
+        0.005 + 0.016 + 0.012 + 0.1 + 3 * 0.008)
+    # 64 tokens: the dense weights
+    assert truth.step_s(StepShape(prefill_tokens=64, prefill_seqs=1)) == pytest.approx(0.005 + 0.128 + 0.1 + 0.05)
     shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * c)
-              for p in (0, 64, 256) for b in range(1, 13) for c in (64, 512)]
+              for p in (0, 8, 64, 256) for b in range(1, 13) for c in (64, 512)]
     fit = ProfileLatency.fit([(s, truth.step_s(s)) for s in shapes], row_tile=4, tile_max_rows=16)
     assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-12)
     got = fit.decode_steps_s(6, 600, 5)
