@@ -12,7 +12,7 @@
 3. TTFT through HTTP, disaggregated (router + P + D processes) vs collocated,
    for the same prompt. Target <= 1.1x.
 
-    .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--rounds 9] [--skip-exposed] [--skip-ttft]
+    .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--rounds 41] [--skip-exposed] [--skip-ttft]
 """
 from __future__ import annotations
 
@@ -349,7 +349,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the exposed-time and TTFT parts")
-    ap.add_argument("--rounds", type=int, default=9, help="bandwidth rounds (one more warms up)")
+    ap.add_argument("--rounds", type=int, default=41, help="bandwidth rounds (one more warms up)")
     ap.add_argument("--skip-exposed", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--threads", type=int, default=1,
