@@ -3,10 +3,14 @@
 `pdserve serve --step-trace FILE` (and `pdserve worker --step-trace FILE`)
 append one JSON line per step:
 
-    {"t0": 812.402113, "t1": 812.449870, "idle": false, "seqs": [[192, 64, 0], [71, 1, 1]]}
+    {"t0": 812.402113, "t1": 812.449870, "cpu": 0.047210, "idle": false, "seqs": [[192, 64, 0], [71, 1, 1]]}
 
 - `t0` / `t1`: `time.monotonic()` around `LLMEngine.step` (one clock for every
   process of the host, so a client and several workers line up);
+- `cpu`: CPU seconds the engine thread itself used in the step
+  (`time.thread_time()`): with one torch thread, a `cpu` well under `t1 - t0`
+  means the step waited for a core (other processes, the server's own event
+  loop), where a longer `cpu` means the work itself was slower;
 - `idle`: the engine thread waited for work before this step (so the time
   since the previous step is not that step's);
 - `seqs`: per scheduled sequence, tokens already computed, tokens computed in
@@ -45,11 +49,14 @@ class StepTraceWriter:
         self._f = open(path, "a", encoding="utf-8")
         self._flushed = time.monotonic()
 
-    def record(self, t0: float, t1: float, sched, idle: bool) -> None:
+    def record(self, t0: float, t1: float, sched, idle: bool, cpu: float | None = None) -> None:
         if sched is None or not sched.scheduled:
             return
-        self._f.write(json.dumps({"t0": round(t0, 6), "t1": round(t1, 6), "idle": idle, "seqs": step_rows(sched)},
-                                 separators=(",", ":")) + "\n")
+        rec = {"t0": round(t0, 6), "t1": round(t1, 6)}
+        if cpu is not None:
+            rec["cpu"] = round(cpu, 6)
+        rec.update(idle=idle, seqs=step_rows(sched))
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         if t1 - self._flushed > FLUSH_EVERY_S:
             self._f.flush()
             self._flushed = t1

@@ -280,10 +280,10 @@ class AsyncEngine:
                 if not self._run_commands(engine, block=idle):
                     break
                 if engine.has_unfinished_requests():
-                    t0 = time.monotonic()
+                    t0, c0 = time.monotonic(), time.thread_time()
                     outputs = engine.step()
                     if trace is not None:
-                        trace.record(t0, time.monotonic(), engine.last_schedule, idle)
+                        trace.record(t0, time.monotonic(), engine.last_schedule, idle, time.thread_time() - c0)
                     self._post(self._deliver, outputs, engine.stats())
         except Exception as e:
             # A failed step leaves the batch in an unknown state: stop, and let /health say so.

@@ -72,6 +72,10 @@ def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, caps
     assert max(sum(n for _, n, _ in r["seqs"]) for r in recs) <= 256
     assert any(len(r["seqs"]) == 8 and all(d for _, _, d in r["seqs"]) for r in recs)  # a decode batch of 8
     assert all(r["t1"] >= r["t0"] for r in recs) and any(not r["idle"] for r in recs)
+    # the engine thread's own CPU time: one torch thread runs the step on it, so it is most of the
+    # step, and never much more than the wall time
+    assert all(0 <= r["cpu"] <= (r["t1"] - r["t0"]) * 1.05 + 2e-3 for r in recs)
+    assert sum(r["cpu"] for r in recs) > 0.3 * sum(r["t1"] - r["t0"] for r in recs)
 
     out = tmp_path / "prof.json"
     assert main(["sim", "--calibrate", "--from-trace", str(trace), "--model", tiny_dir, "--threads", "1",
