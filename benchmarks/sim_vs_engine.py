@@ -129,11 +129,13 @@ def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileL
         windows.append(after["window"])
         probes = probes + after.get("rtt_probes", [])
     paths = st["paths"]
-    fit = (lambda role: fit_trace([p for r, p in paths.items() if r.startswith(role)], windows=windows,
-                                  threads=int(cfg["threads"]), probes=probes, log=lambda m: None))
+    role_paths = (lambda role: [p for r, p in paths.items() if r.startswith(role)])
+    fit = (lambda role, beside=None: fit_trace(role_paths(role), windows=windows, threads=int(cfg["threads"]),
+                                               probes=probes, beside=beside, log=lambda m: None))
     if cfg["mode"] == "collocated":
         return fit("both"), None
-    return fit("prefill"), fit("decode")
+    # the prefill worker as it serves: beside a decoding pool (fit_trace's `beside`)
+    return fit("prefill", role_paths("decode")), fit("decode")
 
 
 def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, dict]:

@@ -154,12 +154,17 @@ def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
     """(shape, seconds) per traced step. A step's time is from its start to the next step's
     start when the engine went straight on (what the streams see between two tokens,
     including the server's work between steps), else its own duration."""
+    return [x for x in _samples_by_record(records) if x is not None]
+
+
+def _samples_by_record(records: list[dict]) -> list[tuple[StepShape, float] | None]:
     out = []
     for i, rec in enumerate(records):
         shape = StepShape()
         for done, n, decode in rec["seqs"]:
             shape.add(int(done), int(n), bool(decode))
         if not shape.tokens:
+            out.append(None)
             continue
         nxt = records[i + 1] if i + 1 < len(records) else None
         dt = (nxt["t0"] if nxt is not None and not nxt.get("idle") else rec["t1"]) - rec["t0"]
@@ -167,17 +172,51 @@ def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
     return out
 
 
+BESIDE_MIN_BUSY = 0.5
+
+
+def _busy_share(records: list[dict], others: list[dict]) -> list[float]:
+    """For each step of `records`, the share of its duration during which `others` (another
+    engine's steps, sorted) were running."""
+    import bisect
+
+    starts = [o["t0"] for o in others]
+    out = []
+    for r in records:
+        a, b = r["t0"], r["t1"]
+        busy = 0.0
+        i = max(bisect.bisect_right(starts, a) - 1, 0)
+        while i < len(others) and others[i]["t0"] < b:
+            busy += max(0.0, min(others[i]["t1"], b) - max(others[i]["t0"], a))
+            i += 1
+        out.append(busy / (b - a) if b > a else 0.0)
+    return out
+
+
 def fit_trace(paths: list[str], *, since: float | None = None, until: float | None = None, threads: int = 0,
               model: str | None = None, source: str = "", probes: list[list[float]] | None = None,
-              windows: list[list[float]] | None = None, log=print) -> ProfileLatency:
+              windows: list[list[float]] | None = None, beside: list[str] | None = None,
+              log=print) -> ProfileLatency:
     """A profile from step traces (engine/step_trace.py), steps started in [since, until] (or in
-    any of `windows`); with `drive_grid`'s probes, the request round trip too (`request_rtt_s`)."""
+    any of `windows`); with `drive_grid`'s probes, the request round trip too (`request_rtt_s`).
+
+    `beside`: traces of the engines that serve alongside (a prefill worker's decode pool on the
+    same host). Only steps during which they were busy at least BESIDE_MIN_BUSY of the time
+    are kept: when a prefill worker is busy in service its decode pool is busy too, and on a
+    shared host a prefill step beside an idle decode worker ran 6-7% faster (memory and the
+    router's relaying); the grid's decode batches leave it idle for a while."""
     from pdserve.engine.step_trace import read
 
     samples = []
     for path in paths:
         for lo, hi in windows or [(since, until)]:
-            samples += trace_samples(read(path, lo, hi))
+            records = read(path, lo, hi)
+            if beside:
+                others = sorted((r for p in beside for r in read(p, lo, hi)), key=lambda r: r["t0"])
+                keep = [share >= BESIDE_MIN_BUSY for share in _busy_share(records, others)]
+                samples += [x for x, k in zip(_samples_by_record(records), keep) if k and x is not None]
+            else:
+                samples += trace_samples(records)
     if len(samples) < 8:
         raise ValueError(f"{', '.join(paths)}: {len(samples)} traced steps in the window; a fit needs at least 8")
     layers, kv_bytes = _model_shape(model)

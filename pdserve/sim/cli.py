@@ -70,6 +70,9 @@ def add_arguments(p) -> None:
                    help="--calibrate through `pdserve serve` (steps timed inside the server, serving costs included)")
     g.add_argument("--from-trace", nargs="+", default=None, metavar="FILE",
                    help="--calibrate from step traces of served runs (`pdserve serve/worker --step-trace`)")
+    g.add_argument("--beside", nargs="+", default=None, metavar="FILE",
+                   help="--from-trace: step traces of the engines that serve alongside (a prefill worker's "
+                        "decode workers); only steps taken while they were busy are fitted")
 
     # the workload and result flags of `pdserve bench`, the very same definitions
     tmp = argparse.ArgumentParser(add_help=False)
@@ -207,7 +210,7 @@ def _calibrate(args) -> int:
     log = (lambda m: print(m, file=sys.stderr))
     try:
         if args.from_trace:
-            prof = fit_trace(args.from_trace, threads=args.threads, model=model, log=log)
+            prof = fit_trace(args.from_trace, threads=args.threads, model=model, beside=args.beside, log=log)
         elif args.served:
             prof = serve_and_calibrate(args.threads, model, log=log)
         else:

@@ -40,6 +40,29 @@ def test_a_step_lasts_until_the_next_one_starts_unless_the_engine_went_idle():
     assert (samples[2][0].decode_seqs, samples[2][0].decode_context) == (2, 121)
 
 
+def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_beside(tmp_path):
+    """fit_trace(beside=...): steps taken while the other engine was idle are left out."""
+    from pdserve.sim.calibrate import _busy_share, fit_trace
+
+    prefill, decode = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    p_recs, d_recs = [], []
+    for i in range(40):  # prompts of 64 tokens; the first 20 alone, the rest beside decoding
+        t0 = 100.0 + i
+        slow = i >= 20
+        p_recs.append({"t0": t0, "t1": t0 + (0.40 if slow else 0.30), "idle": True, "seqs": [[0, 64 + i % 4, 0]]})
+        if slow:
+            d_recs += [{"t0": t0 + k * 0.05, "t1": t0 + k * 0.05 + 0.045, "idle": False, "seqs": [[70, 1, 1]]}
+                       for k in range(10)]
+    _write(prefill, p_recs)
+    _write(decode, d_recs)
+    assert _busy_share(p_recs[19:21], d_recs) == [0.0, pytest.approx(0.9)]
+    alone = fit_trace([str(prefill)], since=0, until=1e9, log=lambda m: None)
+    served = fit_trace([str(prefill)], since=0, until=1e9, beside=[str(decode)], log=lambda m: None)
+    shape = trace_samples(p_recs[:1])[0][0]
+    assert alone.step_s(shape) == pytest.approx(0.35, rel=0.05)  # an average of both kinds
+    assert served.step_s(shape) == pytest.approx(0.40, rel=0.02) and len(served.samples) == 20
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from tests.tiny import write_tiny_model
