@@ -74,6 +74,10 @@ def parse_args(argv=None):
                         "sent when the measured run sent it (a closed loop's send times carry the server's own "
                         "latency, so a faster or slower simulated server meets the wrong concurrency)")
     p.add_argument("--json-out", default=None, help="also write the comparison here")
+    p.add_argument("--by-step-kind", action="store_true",
+                   help="also price each kind of step (decode batch; prompt size, beside how many decodes, "
+                        "cached context or not) in the run and in the calibration windows: where a profile "
+                        "is off, and whether the run's steps ran like the calibration's")
     return p.parse_args(argv)
 
 
@@ -158,6 +162,44 @@ def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, d
         out[role] = {"steps": len(samples), "median_abs_error": float(np.median(np.abs(pred / meas - 1))),
                      "sum_bias": float(pred.sum() / meas.sum() - 1), "measured_s": float(meas.sum())}
     return out
+
+
+def step_kind(shape) -> str:
+    """A label that groups steps the profile should price alike."""
+    if not shape.prefill_tokens:
+        return f"decode {shape.decode_seqs:2d}"
+    size = next((b for b in (16, 64, 128, 256, 512, 1024) if shape.prefill_tokens <= b), 2048)
+    beside = "0" if not shape.decode_seqs else "1-3" if shape.decode_seqs <= 3 else "4-6" \
+        if shape.decode_seqs <= 6 else "7+"
+    return f"prompt <={size:4d} beside {beside:>3} decodes{', cached prefix' if shape.prefill_context else ''}"
+
+
+def step_kinds(measured: dict, profiles: dict[str, ProfileLatency]) -> list[str]:
+    """Lines of a table: per role and kind of step, how the profile prices the run's steps and
+    the calibration's (sum predicted / sum measured - 1)."""
+    st = measured.get("step_traces") or {}
+    windows = {"run": [st["run"]] if st.get("run") else [],
+               "calibration": [c["window"] for c in (st.get("calibration"), st.get("calibration_after"))
+                               if isinstance(c, dict)]}
+    lines = []
+    for role, path in st.get("paths", {}).items():
+        prof = profiles.get(role.split("-")[0])
+        if prof is None or not os.path.exists(path):
+            continue
+        table: dict[str, dict[str, list]] = {}
+        for label, wins in windows.items():
+            for w in wins:
+                for shape, t in trace_samples(read_trace(path, *w)):
+                    table.setdefault(step_kind(shape), {}).setdefault(label, []).append((prof.step_s(shape), t))
+        lines.append(f"   {role}: kind of step | run: steps, median ms, priced | calibration: steps, median ms, priced")
+        for kind in sorted(table):
+            cells = []
+            for label in windows:
+                pairs = np.array(table[kind].get(label, []))
+                cells.append(f"{len(pairs):5d} {1e3 * np.median(pairs[:, 1]):8.1f} "
+                             f"{pairs[:, 0].sum() / pairs[:, 1].sum() - 1:+7.1%}" if len(pairs) else f"{0:5d}" + " " * 17)
+            lines.append(f"     {kind:<45} | {cells[0]} | {cells[1]}")
+    return lines
 
 
 def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict,
@@ -257,6 +299,9 @@ def main(argv=None) -> int:
         print(f"   profiles: {r['profiles']}" + "".join(
             f"; {role}: {f['steps']} steps of the run priced with median |error| {100 * f['median_abs_error']:.1f}%"
             f", total {100 * f['sum_bias']:+.1f}%" for role, f in r["step_fit"].items()))
+        if args.by_step_kind and served.get(name):
+            prof = served[name]
+            print("\n".join(step_kinds(results[name], {"both": prof[0], "prefill": prof[0], "decode": prof[1]})))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -202,7 +202,7 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
 
     `beside`: traces of the engines that serve alongside (a prefill worker's decode pool on the
     same host). Only steps during which they were busy at least BESIDE_MIN_BUSY of the time
-    are kept: when a prefill worker is busy in service its decode pool is busy too, and on a
+    are kept (and steps of few rows, the only samples of the tiled kernels' regime): when a prefill worker is busy in service its decode pool is busy too, and on a
     shared host a prefill step beside an idle decode worker ran 6-7% faster (memory and the
     router's relaying); the grid's decode batches leave it idle for a while."""
     from pdserve.engine.step_trace import read
@@ -213,7 +213,9 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
             records = read(path, lo, hi)
             if beside:
                 others = sorted((r for p in beside for r in read(p, lo, hi)), key=lambda r: r["t0"])
-                keep = [share >= BESIDE_MIN_BUSY for share in _busy_share(records, others)]
+                # steps of few rows (the probes) are the only samples of the tiled kernels' regime: kept
+                keep = [share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= ENGINE_TILE_MAX_ROWS
+                        for r, share in zip(records, _busy_share(records, others))]
                 samples += [x for x, k in zip(_samples_by_record(records), keep) if k and x is not None]
             else:
                 samples += trace_samples(records)

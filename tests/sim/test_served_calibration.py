@@ -41,7 +41,8 @@ def test_a_step_lasts_until_the_next_one_starts_unless_the_engine_went_idle():
 
 
 def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_beside(tmp_path):
-    """fit_trace(beside=...): steps taken while the other engine was idle are left out."""
+    """fit_trace(beside=...): steps taken while the other engine was idle are left out, except
+    steps of few rows."""
     from pdserve.sim.calibrate import _busy_share, fit_trace
 
     prefill, decode = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
@@ -53,6 +54,9 @@ def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_b
         if slow:
             d_recs += [{"t0": t0 + k * 0.05, "t1": t0 + k * 0.05 + 0.045, "idle": False, "seqs": [[70, 1, 1]]}
                        for k in range(10)]
+    # a few 8-token prompts (the tiled kernels' rows) with the decode worker idle: kept all the same,
+    # the only samples of that regime
+    p_recs += [{"t0": 200.0 + i, "t1": 200.08 + i, "idle": True, "seqs": [[0, 8, 0]]} for i in range(3)]
     _write(prefill, p_recs)
     _write(decode, d_recs)
     assert _busy_share(p_recs[19:21], d_recs) == [0.0, pytest.approx(0.9)]
@@ -60,7 +64,8 @@ def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_b
     served = fit_trace([str(prefill)], since=0, until=1e9, beside=[str(decode)], log=lambda m: None)
     shape = trace_samples(p_recs[:1])[0][0]
     assert alone.step_s(shape) == pytest.approx(0.35, rel=0.05)  # an average of both kinds
-    assert served.step_s(shape) == pytest.approx(0.40, rel=0.02) and len(served.samples) == 20
+    assert served.step_s(shape) == pytest.approx(0.40, rel=0.02) and len(served.samples) == 23
+    assert served.step_s(trace_samples(p_recs[-1:])[0][0]) == pytest.approx(0.08, rel=0.05)
 
 
 @pytest.fixture(scope="module")
