@@ -118,13 +118,12 @@ def sim_requests(doc: dict, measured: dict) -> list[SimRequest]:
     return out
 
 
-def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileLatency | None] | None:
-    """Profiles fitted to the steps the deployment itself ran for the served calibration grid
-    (interference.py --calibrate): one for a collocated engine, one per role for (c)."""
-    st = measured.get("step_traces") or {}
+def calibration_windows(st: dict) -> tuple[list[list[float]], list | None]:
+    """The served calibration grid's windows on the step traces (before the run and, when sent
+    again, after it) and its round-trip probes."""
     cal = st.get("calibration")
     if not cal:
-        return None
+        return [], None
     # results written before the probes: the calibration was its bare window
     window, probes = (cal["window"], cal.get("rtt_probes")) if isinstance(cal, dict) else (cal, None)
     windows = [window]
@@ -132,6 +131,16 @@ def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileL
     if after:  # the grid was sent again after the run: fit on both sides of it
         windows.append(after["window"])
         probes = probes + after.get("rtt_probes", [])
+    return windows, probes
+
+
+def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileLatency | None] | None:
+    """Profiles fitted to the steps the deployment itself ran for the served calibration grid
+    (interference.py --calibrate): one for a collocated engine, one per role for (c)."""
+    st = measured.get("step_traces") or {}
+    windows, probes = calibration_windows(st)
+    if not windows:
+        return None
     paths = st["paths"]
     role_paths = (lambda role: [p for r, p in paths.items() if r.startswith(role)])
     fit = (lambda role, beside=None: fit_trace(role_paths(role), windows=windows, threads=int(cfg["threads"]),
@@ -142,6 +151,21 @@ def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileL
     return fit("prefill", role_paths("decode")), fit("decode")
 
 
+def by_role(profiles) -> dict[str, ProfileLatency]:
+    """served_profiles' pair keyed by the roles the step traces are named after."""
+    return {"both": profiles[0], "prefill": profiles[0], "decode": profiles[1]} if profiles else {}
+
+
+def priced_steps(measured: dict, profiles: dict[str, ProfileLatency], windows: list[list[float]]):
+    """Per traced role with a profile: its steps in `windows` as (shape, predicted s, measured s)."""
+    for role, path in (measured.get("step_traces") or {}).get("paths", {}).items():
+        prof = profiles.get(role.split("-")[0])
+        if prof is None or not os.path.exists(path):
+            continue
+        yield role, [(shape, prof.step_s(shape), t) for w in windows
+                     for shape, t in trace_samples(read_trace(path, *w))]
+
+
 def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, dict]:
     """How well each profile prices the steps the measured run itself took (its window of the
     same traces): median |error| and the bias of the summed time. A bias here is the step model;
@@ -150,16 +174,12 @@ def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, d
     if not st.get("run"):
         return {}
     out = {}
-    for role, path in st["paths"].items():
-        prof = profiles.get(role.split("-")[0])
-        if prof is None or not os.path.exists(path):
+    for role, steps in priced_steps(measured, profiles, [st["run"]]):
+        if not steps:
             continue
-        samples = trace_samples(read_trace(path, *st["run"]))
-        if not samples:
-            continue
-        pred = np.array([prof.step_s(shape) for shape, _ in samples])
-        meas = np.array([t for _, t in samples])
-        out[role] = {"steps": len(samples), "median_abs_error": float(np.median(np.abs(pred / meas - 1))),
+        pred = np.array([p for _, p, _ in steps])
+        meas = np.array([t for _, _, t in steps])
+        out[role] = {"steps": len(steps), "median_abs_error": float(np.median(np.abs(pred / meas - 1))),
                      "sum_bias": float(pred.sum() / meas.sum() - 1), "measured_s": float(meas.sum())}
     return out
 
@@ -178,26 +198,22 @@ def step_kinds(measured: dict, profiles: dict[str, ProfileLatency]) -> list[str]
     """Lines of a table: per role and kind of step, how the profile prices the run's steps and
     the calibration's (sum predicted / sum measured - 1)."""
     st = measured.get("step_traces") or {}
-    windows = {"run": [st["run"]] if st.get("run") else [],
-               "calibration": [c["window"] for c in (st.get("calibration"), st.get("calibration_after"))
-                               if isinstance(c, dict)]}
+    windows = {"run": [st["run"]] if st.get("run") else [], "calibration": calibration_windows(st)[0]}
+    tables: dict[str, dict[str, dict[str, list]]] = {}
+    for label, wins in windows.items():
+        for role, steps in priced_steps(measured, profiles, wins):
+            for shape, pred, t in steps:
+                tables.setdefault(role, {}).setdefault(step_kind(shape), {}).setdefault(label, []).append((pred, t))
     lines = []
-    for role, path in st.get("paths", {}).items():
-        prof = profiles.get(role.split("-")[0])
-        if prof is None or not os.path.exists(path):
-            continue
-        table: dict[str, dict[str, list]] = {}
-        for label, wins in windows.items():
-            for w in wins:
-                for shape, t in trace_samples(read_trace(path, *w)):
-                    table.setdefault(step_kind(shape), {}).setdefault(label, []).append((prof.step_s(shape), t))
+    for role, table in tables.items():
         lines.append(f"   {role}: kind of step | run: steps, median ms, priced | calibration: steps, median ms, priced")
         for kind in sorted(table):
             cells = []
             for label in windows:
                 pairs = np.array(table[kind].get(label, []))
                 cells.append(f"{len(pairs):5d} {1e3 * np.median(pairs[:, 1]):8.1f} "
-                             f"{pairs[:, 0].sum() / pairs[:, 1].sum() - 1:+7.1%}" if len(pairs) else f"{0:5d}" + " " * 17)
+                             f"{pairs[:, 0].sum() / pairs[:, 1].sum() - 1:+7.1%}" if len(pairs)
+                             else f"{0:5d}" + " " * 17)
             lines.append(f"     {kind:<45} | {cells[0]} | {cells[1]}")
     return lines
 
@@ -278,8 +294,7 @@ def main(argv=None) -> int:
         else:
             predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles)
         rows = compare(measured, predicted)
-        fits = step_fit(measured, {"both": profiles[0], "prefill": profiles[0], "decode": profiles[1]}
-                        if profiles else {})
+        fits = step_fit(measured, by_role(profiles))
         report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu"),
                         "model": measured.get("model_id"), "requests": len(measured["start_times"]),
                         "predicted_requests": len(predicted["start_times"]),
@@ -300,8 +315,7 @@ def main(argv=None) -> int:
             f"; {role}: {f['steps']} steps of the run priced with median |error| {100 * f['median_abs_error']:.1f}%"
             f", total {100 * f['sum_bias']:+.1f}%" for role, f in r["step_fit"].items()))
         if args.by_step_kind and served.get(name):
-            prof = served[name]
-            print("\n".join(step_kinds(results[name], {"both": prof[0], "prefill": prof[0], "decode": prof[1]})))
+            print("\n".join(step_kinds(results[name], by_role(served[name]))))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -280,9 +280,11 @@ class AsyncEngine:
                 if not self._run_commands(engine, block=idle):
                     break
                 if engine.has_unfinished_requests():
-                    t0, c0 = time.monotonic(), time.thread_time()
-                    outputs = engine.step()
-                    if trace is not None:
+                    if trace is None:
+                        outputs = engine.step()
+                    else:
+                        t0, c0 = time.monotonic(), time.thread_time()
+                        outputs = engine.step()
                         trace.record(t0, time.monotonic(), engine.last_schedule, idle, time.thread_time() - c0)
                     self._post(self._deliver, outputs, engine.stats())
         except Exception as e:

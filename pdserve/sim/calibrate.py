@@ -176,8 +176,8 @@ BESIDE_MIN_BUSY = 0.5
 
 
 def _busy_share(records: list[dict], others: list[dict]) -> list[float]:
-    """For each step of `records`, the share of its duration during which `others` (another
-    engine's steps, sorted) were running."""
+    """For each step of `records`, the share of its duration during which another engine (its
+    steps `others`, in order, one at a time) was running one."""
     import bisect
 
     starts = [o["t0"] for o in others]
@@ -201,10 +201,11 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
     any of `windows`); with `drive_grid`'s probes, the request round trip too (`request_rtt_s`).
 
     `beside`: traces of the engines that serve alongside (a prefill worker's decode pool on the
-    same host). Only steps during which they were busy at least BESIDE_MIN_BUSY of the time
-    are kept (and steps of few rows, the only samples of the tiled kernels' regime): when a prefill worker is busy in service its decode pool is busy too, and on a
-    shared host a prefill step beside an idle decode worker ran 6-7% faster (memory and the
-    router's relaying); the grid's decode batches leave it idle for a while."""
+    same host). Only steps during which the busiest of them ran at least BESIDE_MIN_BUSY of the
+    time are kept, and steps of few rows (the only samples of the tiled kernels' regime): in
+    service a busy prefill worker has a busy decode pool beside it, and on a shared host a
+    prefill step beside an idle decode worker ran 6-7% faster; the grid's decode batches leave
+    it idle for a while."""
     from pdserve.engine.step_trace import read
 
     samples = []
@@ -212,10 +213,10 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
         for lo, hi in windows or [(since, until)]:
             records = read(path, lo, hi)
             if beside:
-                others = sorted((r for p in beside for r in read(p, lo, hi)), key=lambda r: r["t0"])
-                # steps of few rows (the probes) are the only samples of the tiled kernels' regime: kept
+                shares = [_busy_share(records, read(p, lo, hi)) for p in beside]
+                busiest = [max(s) for s in zip(*shares)]
                 keep = [share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= ENGINE_TILE_MAX_ROWS
-                        for r, share in zip(records, _busy_share(records, others))]
+                        for r, share in zip(records, busiest)]
                 samples += [x for x, k in zip(_samples_by_record(records), keep) if k and x is not None]
             else:
                 samples += trace_samples(records)
