@@ -200,7 +200,13 @@ class KVReceiverServer(KVReceiver):
             return {"op": "ack", "tid": tid, "ok": False, "error": "transfer not expected here"} \
                 if op == "done" else None
         if op == "layer":
-            self._land_layer(e, h, payload)
+            if "layers" in h:  # an in-place notice naming several landed layers
+                if not h.get("inplace") or not isinstance(h["layers"], list):
+                    raise wire.FrameError("only an in-place notice may name several layers")
+                for layer in h["layers"]:
+                    self._land_layer(e, dict(h, layer=layer), None)
+            else:
+                self._land_layer(e, h, payload)
             return None
         if op == "done":
             missing = [i for i in range(e.num_layers) if not e.layer_complete(i)]

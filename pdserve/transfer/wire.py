@@ -27,12 +27,17 @@ class FrameError(ConnectionError):
 def send_frame(sock: socket.socket, header: dict, payload: list[torch.Tensor] = ()) -> int:
     """Send one frame; payload tensors go out as their raw bytes (no extra copy)."""
     views = [memoryview(t.contiguous().view(torch.uint8).numpy()) for t in payload]
-    header = dict(header, nbytes=sum(v.nbytes for v in views))
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
+    nbytes = sum(v.nbytes for v in views)
+    sock.sendall(header_bytes(header, nbytes))
     for v in views:
         sock.sendall(v)
-    return header["nbytes"]
+    return nbytes
+
+
+def header_bytes(header: dict, nbytes: int = 0) -> bytes:
+    """A frame's length-prefixed header; `nbytes` of payload follow it on the wire."""
+    raw = json.dumps(dict(header, nbytes=nbytes), separators=(",", ":")).encode()
+    return _LEN.pack(len(raw)) + raw
 
 
 def recv_exact(sock: socket.socket, buf: memoryview) -> None:

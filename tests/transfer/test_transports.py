@@ -4,6 +4,7 @@ a few fragments, or scattered blocks (received into staging, then scattered)."""
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 
 import pytest
@@ -174,3 +175,71 @@ def test_nixl_agents_are_built_with_a_progress_thread_that_pauses():
         assert api.nixlBind.nixlAgentConfig is original
     agent = nixl.make_agent("test-delay", progress_delay_us=75)
     assert agent.name.startswith("test-delay-")
+
+
+@pytest.fixture
+def shm_paths(tmp_path):
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    paths = [os.path.join(base, f"pdserve-test-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
+    yield paths
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def _shm_transfer(paths, sender, between_layers=None):
+    """One 30-token transfer over shared memory; returns (sender stats, frames before done)."""
+    kv = _caches(paths)
+    rx = KVReceiverServer(kv, scheme="shm")
+    tokens = 30
+    dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, tokens, shm_paths=paths,
+                         shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
+    rx.expect(dest, destination_slots(dest, 0, tokens), LAYERS, deadline_s=30)
+    sender.begin(dest, LAYERS)
+    sent = []
+    for layer in range(LAYERS):
+        if between_layers:
+            between_layers(layer)
+        k, v = torch.randn(tokens, HEADS, DIM), torch.randn(tokens, HEADS, DIM)
+        sent.append((k, v))
+        sender.save_layer("t1", layer, 0, k, v)
+    frames = len(sender._transfers["t1"].frames)
+    sender.finish("t1")
+    rx.wait_for_all("t1", 30)
+    stats = sender.wait_for_save("t1", 30)
+    s = destination_slots(dest, 0, tokens)
+    for layer, (k, v) in enumerate(sent):
+        assert torch.equal(kv[layer][0].view(-1, HEADS, DIM)[s], k)
+        assert torch.equal(kv[layer][1].view(-1, HEADS, DIM)[s], v)
+    sender.close()
+    rx.close()
+    return stats, frames
+
+
+def test_shm_notices_sent_inline_survive_a_broken_connection(shm_paths):
+    """The shared-memory sender writes layer notices from the caller's thread while the
+    sender thread is idle; a connection that breaks under it sends the notice through
+    the thread instead, which reconnects and resends, and the transfer still completes."""
+    import time
+
+    sender = ShmKVSender(notice_gap_s=0)  # a notice per layer
+
+    def between(layer):
+        deadline = time.monotonic() + 10
+        while sender._queued and time.monotonic() < deadline:  # the thread drains, as between layers
+            time.sleep(0.01)                                    # a prefill apart
+        if layer == 1:  # the connection breaks between two inline notices
+            sender._socks[next(iter(sender._socks))].shutdown(socket.SHUT_RDWR)
+
+    stats, frames = _shm_transfer(shm_paths, sender, between)
+    assert frames == LAYERS
+    assert sender.inline_frames >= 2  # the last layer's notice and the done frame
+    assert stats.retries >= 1 and stats.layers == LAYERS
+
+
+def test_shm_notices_of_a_burst_name_several_layers(shm_paths):
+    """Layers landing faster than the notice gap wait for one notice that names them all."""
+    sender = ShmKVSender(notice_gap_s=60)
+    stats, frames = _shm_transfer(shm_paths, sender)
+    assert frames == 1  # layer 0 alone; the others go with the done frame's notice
+    assert stats.layers == LAYERS and stats.retries == 0
