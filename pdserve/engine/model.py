@@ -16,6 +16,9 @@ from pdserve.config import ModelConfig
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 
 
+Q8_MAX_K = 8192  # widest input the int8-activation kernel takes (gguf_matmul.cpp, kMaxNb blocks of 32)
+
+
 class Linear(nn.Linear):
     """nn.Linear that multiplies GGUF quantized blocks directly for a few fp32 rows.
 
@@ -45,6 +48,9 @@ class Linear(nn.Linear):
             return False
         self.qtype = blocks[0][0]
         self.qweight = torch.cat([raw for _, raw in blocks], dim=0).contiguous()
+        # the int8 kernel keeps a row's block scales on the stack: K up to Q8_MAX_K; a wider
+        # product (a big model's down_proj) stays on the fp32-activation kernel
+        int8_activations = int8_activations and self.in_features <= Q8_MAX_K
         if int8_activations:
             self.qweight = kernel.q8_repack(self.qweight, self.qtype, self.in_features)
         self.int8_activations = int8_activations
@@ -116,6 +122,8 @@ class DecoderLayer(nn.Module):
         """Build the one-call C++ decode layer if all four products run on GGUF blocks."""
         lins = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         if any(lin.qweight is None for lin in lins) or not hasattr(kernel, "DecodeLayer"):
+            return False
+        if len({lin.int8_activations for lin in lins}) > 1:  # the C++ layer takes one mode for all four
             return False
         bias = self.qkv_proj.bias.detach() if self.qkv_proj.bias is not None else None
         self.fused = kernel.DecodeLayer(

@@ -134,11 +134,11 @@ def test_embedded_model_uses_its_gguf_blocks(real_model_path):
     assert llm.engine.runner.num_quantized_linears == 121
 
 
-def _quantized_layer(qtype: str, bias: bool, int8: bool = False):
+def _quantized_layer(qtype: str, bias: bool, int8: bool = False, intermediate_size: int = 96):
     from pdserve.config import ModelConfig
     from pdserve.engine.model import DecoderLayer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=96, num_hidden_layers=1,
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=intermediate_size, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
     layer = DecoderLayer(cfg, 0)
     torch.manual_seed(1)  # the norms' weights and the bias below: the same layer every run
@@ -155,7 +155,7 @@ def _quantized_layer(qtype: str, bias: bool, int8: bool = False):
     with torch.no_grad():
         layer.input_layernorm.weight.uniform_(0.5, 1.5)
         layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
-    assert layer.make_fused(kernels, cfg)
+    layer.make_fused(kernels, cfg)
     return cfg, layer
 
 
@@ -170,6 +170,7 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     from pdserve.engine.model import rope_inv_freq
 
     cfg, layer = _quantized_layer(qtype, bias, int8)
+    assert layer.fused is not None
     g = torch.Generator().manual_seed(batch)
     bs, nb = 4, 6
     kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
@@ -197,6 +198,32 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][0], ref_caches[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][1], ref_caches[0][1], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_int8_mode_keeps_products_wider_than_its_kernel_on_fp32_activations():
+    """A big model's down_proj (K > 8192: Llama-2-7B's is 11008) cannot take the int8
+    kernel: int8 mode keeps that product on the fp32-activation kernel instead of failing
+    at load, and the layer then runs layer by layer (the fused layer takes one mode)."""
+    from pdserve.engine.model import Q8_MAX_K, Linear
+
+    k = Q8_MAX_K + 32
+    w = np.random.default_rng(3).standard_normal((8, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType.Q4_1
+    raw = gguf.quants.quantize(w, t)
+    wide, narrow = Linear(k, 8, bias=False), Linear(Q8_MAX_K, 8, bias=False)
+    assert wide.set_quantized([(int(t), torch.from_numpy(raw))], kernels, int8_activations=True)
+    assert not wide.int8_activations
+    x = torch.randn(2, k)
+    torch.testing.assert_close(wide(x), kernels.gguf_matmul(x, torch.from_numpy(raw), int(t), k))
+    raw_n = gguf.quants.quantize(w[:, :Q8_MAX_K].copy(), t)
+    assert narrow.set_quantized([(int(t), torch.from_numpy(raw_n))], kernels, int8_activations=True)
+    assert narrow.int8_activations  # the widest the kernel takes still gets it
+
+    cfg, layer = _quantized_layer("Q4_1", False, int8=True, intermediate_size=k)
+    assert layer.fused is None and not layer.down_proj.int8_activations and layer.gate_up_proj.int8_activations
+    h = torch.randn(3, k)
+    torch.testing.assert_close(layer.down_proj(h), h @ layer.down_proj.weight.T, rtol=1e-4, atol=1e-3)
 
 
 @needs_kernels
