@@ -189,6 +189,8 @@ class LLMEngine:
             return False
         seq.finish_reason = FinishReason.ABORT
         self._reserved.pop(request_id, None)
+        if self.bridge is not None:  # a prefill cut short: its KV transfer ends here too
+            self.bridge.abort(request_id, "the request was aborted on the prefill worker")
         self._finish(seq)
         return True
 

@@ -26,6 +26,13 @@ class PrefillBridge:
         self.sent_upto[seq_id] = dest.start_token
         self.sender.begin(dest, self.num_layers)
 
+    def abort(self, seq_id: str, reason: str) -> None:
+        """The request ended before its prompt did: drop its transfer on both sides."""
+        dest = self.dests.pop(seq_id, None)
+        self.sent_upto.pop(seq_id, None)
+        if dest is not None:
+            self.sender.abort(dest.transfer_id, reason)
+
     def _ranges(self, scheduled, block_manager, block_size, final_only: bool):
         """(dest, token_start, P-side slots) of what each transferring request sends now."""
         out = []

@@ -85,6 +85,11 @@ class KVSender(abc.ABC):
         """Block until the receiver acknowledged the whole transfer; raise KVTransferError."""
 
     @abc.abstractmethod
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """Give up a transfer (its request was aborted): frames not sent yet are dropped and
+        the receiver is told, so it frees the blocks it reserved now, not at its deadline."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 

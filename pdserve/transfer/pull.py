@@ -27,6 +27,7 @@ class PullKVExporter(KVSender):
         self.wait_for_begin_s = wait_for_begin_s
         self.lease_s = lease_s
         self._transfers: dict[str, _Outgoing] = {}
+        self._aborted: dict[str, str] = {}  # transfer id -> why, for pulls that come after
         self._cv = threading.Condition()
         self._listener = socket.create_server((host, port))
         self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
@@ -65,6 +66,17 @@ class PullKVExporter(KVSender):
             self._transfers.pop(transfer_id, None)
         return settle(t, ok, f"{transfer_id}: nobody pulled the KV within {timeout_s}s")
 
+    def abort(self, transfer_id, reason):
+        with self._cv:
+            t = self._transfers.pop(transfer_id, None)
+            if t is not None:
+                t.error, t.finished = f"aborted: {reason}", True
+                # a pull that comes later learns why (the oldest reasons go first)
+                self._aborted[transfer_id] = t.error
+                while len(self._aborted) > 1024:
+                    self._aborted.pop(next(iter(self._aborted)))
+                self._cv.notify_all()
+
     def close(self):
         self._closed = True
         self._listener.close()
@@ -80,9 +92,11 @@ class PullKVExporter(KVSender):
             tid = str(h.get("tid"))
             t = self._await_transfer(tid)
             if t is None:
-                wire.send_frame(sock, {"op": "abort", "tid": tid, "reason": "no such transfer here"})
+                reason = self._aborted.get(tid, "no such transfer here")
+                wire.send_frame(sock, {"op": "abort", "tid": tid, "reason": reason})
                 return
-            self._stream(sock, t)
+            if not self._stream(sock, t):
+                return  # aborted: the puller was told
             ack = wire.recv_header(sock)
             if ack and ack.get("op") == "ack" and ack.get("ok"):
                 t.acked.set()
@@ -98,21 +112,25 @@ class PullKVExporter(KVSender):
         """The pull may arrive before the prefill request that begins the transfer."""
         deadline = time.monotonic() + self.wait_for_begin_s
         with self._cv:
-            while tid not in self._transfers:
+            while tid not in self._transfers and tid not in self._aborted:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cv.wait(left)
-            return self._transfers[tid]
+            return self._transfers.get(tid)
 
-    def _stream(self, sock: socket.socket, t: _Outgoing) -> None:
+    def _stream(self, sock: socket.socket, t: _Outgoing) -> bool:
+        """Send the transfer's frames as they come, then `done`; False if it was aborted."""
         sent = 0
         while True:
             with self._cv:
                 while sent == len(t.frames) and not t.finished:
                     self._cv.wait(1.0)
                 batch = t.frames[sent:]
-                finished = t.finished
+                finished, error = t.finished, t.error
+            if error:
+                wire.send_frame(sock, {"op": "abort", "tid": t.dest.transfer_id, "reason": error})
+                return False
             for header, payload in batch:
                 n = wire.send_frame(sock, header, payload)
                 t.stats.bytes += n
@@ -121,4 +139,4 @@ class PullKVExporter(KVSender):
             sent += len(batch)
             if finished and sent == len(t.frames):
                 wire.send_frame(sock, {"op": "done", "tid": t.dest.transfer_id})
-                return
+                return True

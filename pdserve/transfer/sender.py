@@ -114,7 +114,7 @@ class TcpKVSender(KVSender):
     def finish(self, transfer_id):
         t = self._transfers[transfer_id]
         t.finished = True
-        self._put((transfer_id, {"op": "done", "tid": transfer_id}, []))
+        self._put((t, {"op": "done", "tid": transfer_id}, []))
 
     def wait_for_save(self, transfer_id, timeout_s):
         t = self._transfers[transfer_id]
@@ -125,7 +125,7 @@ class TcpKVSender(KVSender):
     def abort(self, transfer_id: str, reason: str) -> None:
         t = self._transfers.pop(transfer_id, None)
         if t is not None:
-            self._put((transfer_id, {"op": "abort", "tid": transfer_id, "reason": reason}, []))
+            self._put((t, {"op": "abort", "tid": transfer_id, "reason": reason}, []))
 
     def close(self):
         self._closed = True
@@ -136,7 +136,7 @@ class TcpKVSender(KVSender):
     # ---- internals
     def _enqueue(self, t: _Outgoing, header: dict, payload: list[torch.Tensor]) -> None:
         t.frames.append((header, payload))
-        self._put((header["tid"], header, payload))
+        self._put((t, header, payload))
 
     def _put(self, item: tuple) -> None:
         with self._count_lock:
@@ -150,9 +150,10 @@ class TcpKVSender(KVSender):
                 return
             with self._send_lock:
                 try:
-                    tid, header, payload = item
-                    t = self._transfers.get(tid)
-                    if t is not None and t.dest.address is not None:
+                    t, header, payload = item
+                    # frames of a transfer already settled or dropped are moot; its abort is not
+                    live = self._transfers.get(t.dest.transfer_id) is t or header["op"] == "abort"
+                    if live and t.dest.address is not None:
                         self._send_with_retry(t, header, payload)
                 finally:
                     with self._count_lock:
@@ -340,7 +341,7 @@ class ShmKVSender(TcpKVSender):
 
     def _send(self, t: _Outgoing, header: dict) -> None:
         if not self._send_now(t, header):
-            self._put((t.dest.transfer_id, header, []))
+            self._put((t, header, []))
 
 
 def destination_slots(dest: KVDestination, start: int, n: int) -> torch.Tensor:
@@ -406,6 +407,11 @@ class AutoKVSender(KVSender):
     def wait_for_save(self, transfer_id, timeout_s):
         s = self._by_tid.pop(transfer_id)
         return s.wait_for_save(transfer_id, timeout_s)
+
+    def abort(self, transfer_id, reason):
+        s = self._by_tid.pop(transfer_id, None)
+        if s is not None:
+            s.abort(transfer_id, reason)
 
     @property
     def total_bytes(self) -> int:

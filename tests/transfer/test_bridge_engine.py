@@ -195,3 +195,36 @@ def test_receiver_converts_kv_dtype_and_block_size(tiny_model_dir, reference):
         p.block_manager.seqs.pop("probe", None)
     rx.close()
     assert p_table is None  # P freed its blocks once the first token was out
+
+
+def test_prefill_aborted_mid_prompt_ends_its_transfer(tiny_model_dir, reference):
+    """A prompt aborted on the prefill worker between two of its chunks: the bridge drops
+    the transfer, the decode side hears it at once and frees its reservation, and both
+    engines are back to all blocks free."""
+    import time
+
+    from pdserve.transfer.connector import KVTransferError
+
+    _, tok = reference
+    p, d = make(tiny_model_dir, max_num_batched_tokens=8), make(tiny_model_dir)  # 8-token chunks
+    receiver = KVReceiverServer(d.runner.kv_caches)
+    p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers)
+    try:
+        ids = tok.encode(PROMPTS[2])
+        params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+        dest = d.reserve_for_transfer("r", ids, params, receiver, deadline_s=60)
+        p.add_request("r", ids, SamplingParams(temperature=0, max_tokens=1), kv_destination=dest)
+        p.step()  # the first chunk's layers are on their way
+        assert p.has_unfinished_requests()
+        assert p.abort_request("r")
+        assert not p.bridge.dests
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match="aborted on the prefill worker"):
+            receiver.wait_for_all("r", 30)
+        assert time.monotonic() - t0 < 10
+        d.abort_request("r")  # what the decode worker does with a failed transfer
+    finally:
+        receiver.close()
+        p.bridge.sender.close()
+    assert p.num_free_blocks == p.block_manager.num_blocks
+    assert d.num_free_blocks == d.block_manager.num_blocks

@@ -12,6 +12,7 @@ import torch
 
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination
+from pdserve.transfer.pull import PullKVExporter
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender, destination_slots, map_shared_cache
 
@@ -243,3 +244,32 @@ def test_shm_notices_of_a_burst_name_several_layers(shm_paths):
     stats, frames = _shm_transfer(shm_paths, sender)
     assert frames == 1  # layer 0 alone; the others go with the done frame's notice
     assert stats.layers == LAYERS and stats.retries == 0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "pull"])
+def test_sender_abort_reaches_the_receiver(transport, shm_paths):
+    """A transfer the prefill side gives up on is failed on the decode side at once (its
+    blocks can be freed), not held until the receiver's deadline."""
+    import time
+
+    from pdserve.transfer.connector import KVTransferError
+
+    paths = shm_paths if transport == "shm" else []
+    kv = _caches(paths)
+    rx = KVReceiverServer(kv, scheme="shm" if paths else "tcp")
+    sender = {"shm": ShmKVSender, "tcp": TcpKVSender, "pull": PullKVExporter}[transport]()
+    dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, pull=transport == "pull",
+                         shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+                         shm_dtype="float32" if paths else "")
+    rx.expect(dest, destination_slots(dest, 0, 30), LAYERS, deadline_s=60)
+    if transport == "pull":
+        rx.pull(sender.address, "t1")
+    sender.begin(dest, LAYERS)
+    sender.save_layer("t1", 0, 0, torch.randn(30, HEADS, DIM), torch.randn(30, HEADS, DIM))
+    sender.abort("t1", "the request was cancelled")
+    t0 = time.monotonic()
+    with pytest.raises(KVTransferError, match="aborted: the request was cancelled"):
+        rx.wait_for_all("t1", 30)
+    assert time.monotonic() - t0 < 10
+    sender.close()
+    rx.close()
