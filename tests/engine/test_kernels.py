@@ -236,3 +236,23 @@ def test_fused_decode_gives_the_same_tokens_as_layer_by_layer(real_model_path):
     fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     model.fused_ready = False
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
+
+
+@needs_kernels
+def test_greedy_tokens_do_not_depend_on_the_thread_count(real_model_path):
+    """The kernels split rows, heads and context pieces over the pool's threads; each
+    output is still summed in one order, so greedy tokens must not change with the
+    thread count (3 on this 2-core CI: helpers get descheduled mid-loop). The long
+    prompt runs the dense path and attention split into context pieces."""
+    prompts = ["What is the capital of France? Answer in one sentence.", "1, 2, 3, 4,",
+               "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 40]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    old = torch.get_num_threads()
+    try:
+        outs = {}
+        for threads in (1, 2, 3):
+            llm = LLM(dtype="float32", threads=threads)
+            outs[threads] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert outs[2] == outs[1] and outs[3] == outs[1]
+    finally:
+        torch.set_num_threads(old)
