@@ -56,7 +56,9 @@ ENGINE_MAX_NUM_SEQS = 64  # SchedulerConfig's default, what the servers ran with
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", required=True, help="interference.py --out-dir (workload.json + <config>.json)")
+    p.add_argument("--results", required=True, nargs="+",
+                   help="interference.py --out-dir (workload.json + <config>.json); several: each compared, "
+                        "then the medians over runs and the engine's own run-to-run spread (see `across`)")
     p.add_argument("--configs", default=None, help="comma-separated subset (default: every result present)")
     p.add_argument("--profile-dir", default=None, help="where sim-profile-threads<N>.json live (default: --results)")
     p.add_argument("--calibrate", action="store_true", help="(re)measure the profiles first, under --lock")
@@ -81,13 +83,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def profile_path(args, threads: int) -> str:
-    return os.path.join(args.profile_dir or args.results, f"sim-profile-threads{threads}.json")
+def profile_path(args, threads: int, results_dir: str) -> str:
+    return os.path.join(args.profile_dir or results_dir, f"sim-profile-threads{threads}.json")
 
 
-def calibrate(args, threads: int) -> None:
+def calibrate(args, threads: int, results_dir: str) -> None:
     cmd = [sys.executable, "-m", "pdserve.cli", "sim", "--calibrate", "--threads", str(threads),
-           "--profile", profile_path(args, threads)]
+           "--profile", profile_path(args, threads, results_dir)]
     if args.lock:
         cmd = ["flock", args.lock] + cmd
     print("$ " + " ".join(cmd), flush=True)
@@ -220,8 +222,9 @@ def step_kinds(measured: dict, profiles: dict[str, ProfileLatency]) -> list[str]
 
 def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict,
              profiles: tuple[ProfileLatency, ProfileLatency | None] | None = None,
-             tag_concurrency: dict[str, int] | None = None, send_until_s: float | None = None) -> dict:
-    prof, dprof = profiles or (ProfileLatency.load(profile_path(args, int(cfg["threads"]))), None)
+             tag_concurrency: dict[str, int] | None = None, send_until_s: float | None = None,
+             results_dir: str = "") -> dict:
+    prof, dprof = profiles or (ProfileLatency.load(profile_path(args, int(cfg["threads"]), results_dir)), None)
     sched = SchedulerConfig(int(cfg["max_num_batched_tokens"]), int(cfg.get("max_num_seqs", ENGINE_MAX_NUM_SEQS)),
                             bool(cfg["enable_chunked_prefill"]), int(cfg.get("chunk_size_tokens") or 0))
     if cfg["mode"] == "collocated":
@@ -259,15 +262,16 @@ def format_rows(name: str, rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    with open(os.path.join(args.results, "workload.json")) as f:
+def compare_dir(args, results_dir: str, out=print) -> tuple[dict, dict, dict] | None:
+    """One result directory: (report per config, the results, their served profiles);
+    the table goes to `out`. None when a config lacks the calibration `--profiles served` needs."""
+    with open(os.path.join(results_dir, "workload.json")) as f:
         doc = json.load(f)
     names = args.configs.split(",") if args.configs else [
-        n for n in doc["configs"] if os.path.exists(os.path.join(args.results, f"{n}.json"))]
+        n for n in doc["configs"] if os.path.exists(os.path.join(results_dir, f"{n}.json"))]
     results = {}
     for name in names:
-        with open(os.path.join(args.results, f"{name}.json")) as f:
+        with open(os.path.join(results_dir, f"{name}.json")) as f:
             results[name] = json.load(f)
     served = {}
     if args.profiles != "engine":
@@ -276,23 +280,24 @@ def main(argv=None) -> int:
             if served[name] is None and args.profiles == "served":
                 print(f"{name}: no calibration window in its step traces (run interference.py --calibrate)",
                       file=sys.stderr)
-                return 2
+                return None
     threads = sorted({int(doc["configs"][n]["threads"]) for n in names if not served.get(n)})
     for t in threads:
-        if args.calibrate or not os.path.exists(profile_path(args, t)):
-            calibrate(args, t)
+        if args.calibrate or not os.path.exists(profile_path(args, t, results_dir)):
+            calibrate(args, t, results_dir)
     goodput = doc.get("params", {}).get("goodput_slos_ms") or {}
-    print("| config | requests | metric | measured | predicted | error | target | within |")
-    print("|---|---|---|---|---|---|---|---|")
+    out("| config | requests | metric | measured | predicted | error | target | within |")
+    out("|---|---|---|---|---|---|---|---|")
     report = {}
     for name in names:
         measured = results[name]
         profiles = served.get(name)
         if args.arrivals == "closed-loop":
-            reqs, tags, until = closed_loop_requests(args.results)
-            predicted = simulate(args, doc["configs"][name], reqs, goodput, profiles, tags, until)
+            reqs, tags, until = closed_loop_requests(results_dir)
+            predicted = simulate(args, doc["configs"][name], reqs, goodput, profiles, tags, until, results_dir)
         else:
-            predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles)
+            predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles,
+                                 results_dir=results_dir)
         rows = compare(measured, predicted)
         fits = step_fit(measured, by_role(profiles))
         report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu"),
@@ -301,7 +306,63 @@ def main(argv=None) -> int:
                         "profiles": "served" if profiles else "engine", "step_fit": fits,
                         "coef": {role: p.coef for role, p in zip(("prefill_or_both", "decode"), profiles or ())
                                  if p is not None}}
-        print(format_rows(name, rows), flush=True)
+        out(format_rows(name, rows))
+    return report, results, served
+
+
+def across(reports: dict[str, dict]) -> list[str]:
+    """Several runs of the same experiment: how often the simulator is within target per run;
+    whether the median prediction over runs is within target of the median measurement; and
+    the engine against itself: taking the median of the measured runs as the prediction, how
+    many metrics of each run are within target (what run-to-run spread alone allows)."""
+    lines = ["| run | simulator within target | engine's median of runs within target of this run |",
+             "|---|---|---|"]
+    cells: dict[tuple, dict[str, dict]] = {}  # (config, scope, metric) -> run -> row
+    for run, report in reports.items():
+        for name, rep in report.items():
+            for r in rep["rows"]:
+                cells.setdefault((name, r["scope"], r["metric"]), {})[run] = r
+    own = {run: [0, 0] for run in reports}
+    pooled = []
+    for (name, scope, metric), by_run in cells.items():
+        measured = [r["measured"] for r in by_run.values() if r["measured"]]
+        predicted = [r["predicted"] for r in by_run.values() if r["predicted"] is not None]
+        target = next(iter(by_run.values()))["target"]
+        med = float(np.median(measured))
+        for run, r in by_run.items():
+            own[run][0] += abs(r["measured"] / med - 1) <= target
+            own[run][1] += 1
+        err = float(np.median(predicted)) / med - 1
+        pooled.append(f"| {name} | {scope} | {metric} | {len(measured)} | {med:.1f} "
+                      f"({min(measured) / med - 1:+.0%}..{max(measured) / med - 1:+.0%}) | "
+                      f"{float(np.median(predicted)):.1f} | {100 * err:+.1f}% | ±{100 * target:.0f}% | "
+                      f"{'yes' if abs(err) <= target else 'no'} |")
+    for run, report in reports.items():
+        rows = [r for rep in report.values() for r in rep["rows"]]
+        lines.append(f"| {run} | {sum(r['ok'] for r in rows)} / {len(rows)} | {own[run][0]} / {own[run][1]} |")
+    lines += ["", "| config | requests | metric | runs | measured: median (range over runs) | predicted: median "
+                  "| error | target | within |", "|---|---|---|---|---|---|---|---|---|"] + pooled
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if len(args.results) > 1:
+        reports = {}
+        for d in args.results:
+            got = compare_dir(args, d, out=lambda line: None)
+            if got is None:
+                return 2
+            reports[d] = got[0]
+        print("\n".join(across(reports)))
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(reports, f, indent=1)
+        return 0
+    got = compare_dir(args, args.results[0], out=lambda line: print(line, flush=True))
+    if got is None:
+        return 2
+    report, results, served = got
     for name, r in report.items():
         cpu = {k: v for k, v in (r["cpu"] or {}).items() if not isinstance(v, list)}
         share = cpu.get("others_share_of_machine")
