@@ -114,8 +114,9 @@ def receiver_child(spec: str) -> None:
             if cmd["op"] == "expect":
                 dest = KVDestination.from_json(cmd["dest"])
                 rx.expect(dest, torch.arange(dest.start_token, dest.num_tokens), LAYERS, deadline_s=60)
-                if dest.pull:
-                    rx.pull(cmd["pull_from"], dest.transfer_id)
+                if dest.pull:  # as a decode worker does at reservation, before the prefill starts: the
+                    # connection is not timed (nor is the plain socket's)
+                    rx.pull(cmd["pull_from"], dest.transfer_id).wait(10)
             elif cmd["op"] == "done":
                 rx.wait_for_all(cmd["tid"], 60)
                 rx.cancel(cmd["tid"])

@@ -108,19 +108,26 @@ class KVReceiverServer(KVReceiver):
             pass
 
     # ---- pull: we open the connection and ask for the transfer
-    def pull(self, address: str, transfer_id: str) -> None:
+    def pull(self, address: str, transfer_id: str) -> threading.Event:
+        """Connect to the exporter at `address` and read the transfer as it is produced, in
+        a thread of its own. Returns an event set once the request is out (or has failed)."""
         host, port = address.split("://", 1)[1].rsplit(":", 1)
+        requested = threading.Event()
 
         def run():
             try:
                 sock = socket.create_connection((host, int(port)), timeout=10)
                 sock.settimeout(None)
                 wire.send_frame(sock, {"op": "pull", "tid": transfer_id})
+                requested.set()
                 self._serve(sock)
             except OSError as e:
                 self._fail(transfer_id, f"pull from {address} failed: {e}")
+            finally:
+                requested.set()
 
         threading.Thread(target=run, name=f"kv-pull-{transfer_id}", daemon=True).start()
+        return requested
 
     # ---- internals
     def _get(self, transfer_id) -> _Expected:
