@@ -227,7 +227,10 @@ class KVReceiverServer(KVReceiver):
         raise wire.FrameError(f"unknown op {op!r}")
 
     def _check_range(self, e: _Expected, h: dict) -> tuple[int, int, int, int]:
-        layer, start, n = int(h["layer"]), int(h["start"]), int(h["n"])
+        try:
+            layer, start, n = int(h["layer"]), int(h["start"]), int(h["n"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise wire.FrameError(f"layer frame without a valid layer/start/n: {err!r}") from None
         lo = start - e.dest.start_token
         if not (0 <= layer < e.num_layers and 0 <= lo and lo + n <= e.tokens):
             raise wire.FrameError(f"frame for layer {layer} tokens {start}+{n} is outside the transfer")

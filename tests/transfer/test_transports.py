@@ -188,10 +188,10 @@ def shm_paths(tmp_path):
             os.unlink(p)
 
 
-def _shm_transfer(paths, sender, between_layers=None):
+def _shm_transfer(paths, sender, between_layers=None, rx=None, kv=None):
     """One 30-token transfer over shared memory; returns (sender stats, frames before done)."""
-    kv = _caches(paths)
-    rx = KVReceiverServer(kv, scheme="shm")
+    kv = kv or _caches(paths)
+    rx = rx or KVReceiverServer(kv, scheme="shm")
     tokens = 30
     dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, tokens, shm_paths=paths,
                          shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
@@ -273,3 +273,26 @@ def test_sender_abort_reaches_the_receiver(transport, shm_paths):
     assert time.monotonic() - t0 < 10
     sender.close()
     rx.close()
+
+
+def test_malformed_notices_close_their_connection_only(shm_paths):
+    """A notice naming several layers must be in place and name valid layers; a peer that
+    sends anything else loses its connection, and a transfer on another connection lands."""
+    import socket as socketlib
+
+    kv = _caches(shm_paths)
+    rx = KVReceiverServer(kv, scheme="shm")
+    dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, shm_paths=shm_paths,
+                         shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
+    rx.expect(dest, destination_slots(dest, 0, 30), LAYERS, deadline_s=30)
+    host, port = rx.address.split("://")[1].rsplit(":", 1)
+    for bad in ({"op": "layer", "tid": "t1", "start": 0, "n": 30, "layers": [0, 1]},  # not in place
+                {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": ["x"]},
+                {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": [LAYERS]}):
+        with socketlib.create_connection((host, int(port))) as s:
+            wire.send_frame(s, bad)
+            s.settimeout(10)
+            assert s.recv(1) == b""  # the receiver closed this connection
+    assert not rx.is_complete("t1")
+    stats, _ = _shm_transfer(shm_paths, ShmKVSender(notice_gap_s=60), rx=rx, kv=kv)
+    assert stats.layers == LAYERS
