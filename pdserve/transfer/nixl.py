@@ -15,7 +15,9 @@ Flow (control messages are the TCP frames of `wire`, JSON headers, never pickle)
    plus the base address of every layer's K and V cache.
 3. `save_layer` registers the K/V tensors it was handed (tens of microseconds),
    posts one WRITE whose descriptors are the destination's runs of consecutive
-   slots, and returns; the sender thread waits for the WRITE to complete, then
+   slots (or, when `PDSERVE_NIXL_WRITES_IN_FLIGHT` transfers are already out,
+   queues it: the layers queued meanwhile post together as one transfer), and
+   returns; the sender thread waits for the WRITE to complete, then
    sends the layer's notice frame (`inplace`), so the receiver never counts a
    layer before its bytes are there. A WRITE that fails is resent as an
    ordinary TCP frame with the bytes in it.
@@ -59,10 +61,11 @@ def nixl_available() -> bool:
 # all from 1.9 to 2.4 GB/s here (0.77x -> 0.97x of a plain socket); small transfers wait at
 # most that much longer. PDSERVE_NIXL_PROGRESS_DELAY_US overrides it (0: NIXL's own spin).
 PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "50"))
-# WRITEs a sender keeps posted at once; the rest wait in order. UCX over TCP turns each WRITE
-# into active messages that both progress threads copy: 30 layer WRITEs posted at once moved
-# 2.4 GB/s here, two at a time 2.8 (docs/disaggregation.md). Layer-wise prefill on this CPU
-# produces a layer every few hundred ms, so only eager transfers ever queue. 0: no limit.
+# Transfers a sender keeps posted at once; the layers saved meanwhile wait, and go together as
+# one transfer when a slot frees. UCX over TCP turns each WRITE into active messages that both
+# progress threads copy: 30 layer WRITEs posted at once moved 2.4 GB/s here, two at a time 2.8
+# (docs/disaggregation.md). Layer-wise prefill on this CPU produces a layer every 10 ms or more,
+# so mostly eager transfers queue. 0: no limit (every layer posted alone, at once).
 WRITES_IN_FLIGHT = int(os.environ.get("PDSERVE_NIXL_WRITES_IN_FLIGHT", "2"))
 _agent_lock = threading.Lock()
 
@@ -158,6 +161,22 @@ class _Remote:
         self.layers = [tuple(x) for x in header["layers"]]  # (K address, V address, bytes each)
 
 
+class _Write:
+    """One layer's WRITE: its descriptors, source tensors and registrations, and the
+    posted transfer that carries it (None until posted)."""
+
+    def __init__(self, agent: str, local: list, remote: list, k, v, reg: list):
+        self.agent, self.local, self.remote, self.k, self.v, self.reg = agent, local, remote, k, v, reg
+        self.xfer: _Xfer | None = None
+
+
+class _Xfer:
+    """One posted NIXL transfer, carrying the WRITEs of one or more layers."""
+
+    def __init__(self, handle, state, members: int):
+        self.handle, self.state, self.left = handle, state, members
+
+
 class NixlKVSender(TcpKVSender):
     """Push through NIXL WRITE; notices, `done` and acknowledgements travel as TCP frames."""
 
@@ -168,14 +187,14 @@ class NixlKVSender(TcpKVSender):
         self.xfer_timeout_s = xfer_timeout_s
         self.writes_in_flight = writes_in_flight
         self._remotes: dict[str, _Remote] = {}
-        # id(notice header) -> [handle, registration, k, v, state]; state None: not posted yet
-        self._pending: dict[int, list] = {}
+        self._pending: dict[int, _Write] = {}  # id(notice header) -> its layer's WRITE
         self._unposted: collections.deque[int] = collections.deque()  # keys of _pending, in order
-        self._posted = 0
+        self._posted = 0  # transfers in flight
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int], list] = {}  # (address, bytes) -> [registration, users]
         self.nixl_bytes = 0
         self.nixl_fallbacks = 0
+        self.nixl_transfers = 0  # posted; fewer than layers when queued layers went together
 
     def begin(self, dest, num_layers):
         if dest.address not in self._remotes:
@@ -213,11 +232,9 @@ class NixlKVSender(TcpKVSender):
                 local.append((src.data_ptr() + off * row, m * row, 0))
                 remote.append((base + first * row, m * row, 0))
         header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": n, "inplace": True}
-        reg = [self._register(k), self._register(v)]
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
-                                            self.agent.get_xfer_descs(remote, "DRAM"), r.agent)
+        w = _Write(r.agent, local, remote, k, v, [self._register(k), self._register(v)])
         with self._lock:
-            self._pending[id(header)] = [handle, reg, k, v, None]
+            self._pending[id(header)] = w
             self._unposted.append(id(header))
             self._post_unposted()
         t.stats.bytes += 2 * k.numel() * k.element_size()
@@ -226,56 +243,90 @@ class NixlKVSender(TcpKVSender):
     def _ready(self, header, payload):
         """Runs on the sender thread before a notice goes out: the WRITE must have landed."""
         with self._lock:
-            pending = self._pending.pop(id(header), None)
-            if pending is not None and pending[4] is None:  # not posted yet: its turn is now
-                self._unposted.remove(id(header))
-                self._post(pending)
-        if pending is None:  # not a NIXL notice, or already settled (a resend)
+            w = self._pending.get(id(header))
+            while w is not None and w.xfer is None and id(header) in self._unposted:  # its turn is now
+                self._post_batch(through=id(header))
+            self._pending.pop(id(header), None)
+        if w is None:  # not a NIXL notice, or already settled (a resend)
             return header, payload
-        handle, reg, k, v, state = pending
+        x = w.xfer or _Xfer(None, "ERR", 0)
         deadline = time.monotonic() + self.xfer_timeout_s
         delay = 1e-5
-        while state == "PROC" and time.monotonic() < deadline:
+        while x.state == "PROC" and time.monotonic() < deadline:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
-            state = self.agent.check_xfer_state(handle)
-        self._settle(pending)
+            x.state = self.agent.check_xfer_state(x.handle)  # shared by the layers it carries
+        state = x.state
+        self._settle(w)
         if state == "DONE":
-            self.nixl_bytes += 2 * k.numel() * k.element_size()
+            self.nixl_bytes += 2 * w.k.numel() * w.k.element_size()
             return header, payload
         # the WRITE failed or hung: from now on this frame carries its bytes over TCP
         log.warning("NIXL write of %s layer %s ended %s; sending it over TCP", header["tid"], header["layer"], state)
         self.nixl_fallbacks += 1
         header.pop("inplace", None)
-        header["dtype"] = str(k.dtype).removeprefix("torch.")
-        payload.extend([k, v])
+        header["dtype"] = str(w.k.dtype).removeprefix("torch.")
+        payload.extend([w.k, w.v])
         return header, payload
 
-    def _post(self, entry: list) -> None:
-        """Post one WRITE (with self._lock held)."""
+    def _post_batch(self, through: int | None = None) -> None:
+        """Post the queued WRITEs, oldest first, as one transfer (with self._lock held): those
+        for the same decode worker as the oldest, up to the key `through` if given. An eager
+        burst queues layers behind the first two, and one transfer for them moves the bytes
+        faster than one each (docs/disaggregation.md, session 7)."""
+        batch: list[_Write] = []
+        while self._unposted:
+            key = self._unposted[0]
+            w = self._pending.get(key)
+            if w is None:  # forgotten since it was queued
+                self._unposted.popleft()
+                continue
+            if batch and w.agent != batch[0].agent:
+                break
+            self._unposted.popleft()
+            batch.append(w)
+            if key == through:
+                break
+        if not batch:
+            return
+        x = _Xfer(None, "ERR", len(batch))
         try:
-            entry[4] = self.agent.transfer(entry[0])
-        except Exception as e:  # noqa: BLE001 - NIXL raises its own errors; the frame falls back to TCP
+            x.handle = self.agent.initialize_xfer(
+                "WRITE", self.agent.get_xfer_descs([d for w in batch for d in w.local], "DRAM"),
+                self.agent.get_xfer_descs([d for w in batch for d in w.remote], "DRAM"), batch[0].agent)
+            x.state = self.agent.transfer(x.handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own errors; the frames fall back to TCP
             log.warning("NIXL could not post a WRITE: %s", e)
-            entry[4] = "ERR"
+            x.state = "ERR"
+        for w in batch:
+            w.xfer = x
         self._posted += 1
+        self.nixl_transfers += 1
 
     def _post_unposted(self) -> None:
-        """Post queued WRITEs, oldest first, while fewer than `writes_in_flight` are out
-        (with self._lock held)."""
+        """Post queued WRITEs while fewer than `writes_in_flight` transfers are out (with
+        self._lock held)."""
         while self._unposted and (self.writes_in_flight <= 0 or self._posted < self.writes_in_flight):
-            entry = self._pending.get(self._unposted.popleft())
-            if entry is not None:
-                self._post(entry)
+            self._post_batch()
 
-    def _settle(self, entry: list) -> None:
-        """A WRITE is over (landed, failed, or its frame will never go): free its slot,
-        post the next, release its handle and registrations."""
+    def _settle(self, w: _Write) -> None:
+        """A layer's WRITE is over (landed, failed, or its frame will never go): its transfer's
+        slot frees with its last layer, the next queued ones post, registrations go."""
+        done = None
         with self._lock:
-            if entry[4] is not None:
-                self._posted -= 1
+            x = w.xfer
+            if x is not None:
+                x.left -= 1
+                if x.left == 0:
+                    self._posted -= 1
+                    done = x
             self._post_unposted()
-        self._release(entry[0], entry[1])
+        if done is not None and done.handle is not None:
+            try:
+                done.handle.release()
+            except Exception:  # noqa: BLE001 - a handle still in flight cannot be released
+                pass
+        self._release(w.reg)
 
     def _register(self, t: torch.Tensor) -> tuple[int, int]:
         """Register a buffer once however many WRITEs use it at a time: NIXL crashes
@@ -288,11 +339,8 @@ class NixlKVSender(TcpKVSender):
             entry[1] += 1
         return key
 
-    def _release(self, handle, keys) -> None:
-        try:
-            handle.release()
-        except Exception:  # noqa: BLE001 - a handle still in flight cannot be released
-            pass
+    def _release(self, keys) -> None:
+        """Drop one use of each registration; the last use deregisters."""
         for key in keys:
             with self._lock:
                 entry = self._regs[key]
@@ -311,11 +359,11 @@ class NixlKVSender(TcpKVSender):
             return
         for header, _ in t.frames:
             with self._lock:
-                pending = self._pending.pop(id(header), None)
-                if pending is not None and pending[4] is None:
+                w = self._pending.pop(id(header), None)
+                if w is not None and w.xfer is None:
                     self._unposted.remove(id(header))
-            if pending is not None:
-                self._settle(pending)
+            if w is not None:
+                self._settle(w)
 
     def abort(self, transfer_id, reason):
         self._forget(self._transfers.get(transfer_id))

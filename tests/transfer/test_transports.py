@@ -130,8 +130,8 @@ def test_nixl_write_lands_every_layout(layout, window):
     rx = NixlKVReceiver(kv)
     sender = NixlKVSender(writes_in_flight=window)
     most = []
-    post = sender._post
-    sender._post = lambda entry: (post(entry), most.append(sender._posted))
+    post = sender._post_batch
+    sender._post_batch = lambda through=None: (post(through), most.append(sender._posted))
     try:
         tokens, start = 37, 5
         dest = KVDestination("n1", rx.address, LAYOUTS[layout], BLOCK, start, tokens)
@@ -149,8 +149,40 @@ def test_nixl_write_lands_every_layout(layout, window):
         sender.wait_for_save("n1", 30)
         assert sender.nixl_bytes == 2 * LAYERS * (tokens - start) * HEADS * DIM * 4
         assert sender.nixl_fallbacks == 0
-        assert len(most) == LAYERS and max(most) <= (window or LAYERS) and sender._posted == 0
+        assert max(most) <= (window or LAYERS) and sender._posted == 0 and sender.nixl_transfers <= LAYERS
         for layer, (k, v) in sent.items():
+            assert torch.equal(kv[layer][0].view(-1, HEADS, DIM)[slots], k)
+            assert torch.equal(kv[layer][1].view(-1, HEADS, DIM)[slots], v)
+    finally:
+        sender.close()
+        rx.close()
+
+
+def test_nixl_posts_queued_layers_as_one_transfer():
+    """With one transfer in flight, the layers saved while it flies are posted together
+    as one transfer when it lands; every layer still lands and is noticed."""
+    pytest.importorskip("nixl_cu12")
+    from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
+
+    kv = _caches()
+    rx = NixlKVReceiver(kv)
+    sender = NixlKVSender(writes_in_flight=1)
+    try:
+        dest = KVDestination("n1", rx.address, LAYOUTS["fragmented"], BLOCK, 0, 30)
+        slots = destination_slots(dest, 0, 30)
+        rx.expect(dest, slots, LAYERS, deadline_s=30)
+        sender.begin(dest, LAYERS)
+        sent = [(torch.randn(30, HEADS, DIM), torch.randn(30, HEADS, DIM)) for _ in range(LAYERS)]
+        with sender._send_lock:  # the sender thread cannot settle layer 0 before all are saved
+            for layer, (k, v) in enumerate(sent):
+                sender.save_layer("n1", layer, 0, k, v)
+            assert sender.nixl_transfers == 1 and len(sender._unposted) == LAYERS - 1
+        sender.finish("n1")
+        rx.wait_for_all("n1", 30)
+        sender.wait_for_save("n1", 30)
+        assert sender.nixl_transfers == 2 and sender.nixl_fallbacks == 0 and sender._posted == 0
+        assert sender.nixl_bytes == 2 * LAYERS * 30 * HEADS * DIM * 4
+        for layer, (k, v) in enumerate(sent):
             assert torch.equal(kv[layer][0].view(-1, HEADS, DIM)[slots], k)
             assert torch.equal(kv[layer][1].view(-1, HEADS, DIM)[slots], v)
     finally:
