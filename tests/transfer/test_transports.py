@@ -52,49 +52,52 @@ def _caches(paths=None):
     return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)]
 
 
+@pytest.fixture
+def shm_paths(tmp_path):
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    paths = [os.path.join(base, f"pdserve-test-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
+    yield paths
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_transport_lands_every_layout(layout, transport, tmp_path):
-    paths = []
-    if transport == "shm":
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-        paths = [os.path.join(base, f"pdserve-test-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
-    try:
-        kv = _caches(paths)
-        rx = KVReceiverServer(kv, scheme=transport)
-        sender = ShmKVSender() if transport == "shm" else TcpKVSender()
-        tokens, start = 37, 5  # the receiver already holds tokens [0, 5): incremental
-        dest = KVDestination("t1", rx.address, LAYOUTS[layout], BLOCK, start, tokens,
-                             shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
-                             shm_dtype="float32" if paths else "")
-        slots = destination_slots(dest, start, tokens - start)
-        rx.expect(dest, slots, LAYERS, deadline_s=30)
-        sent = {}
-        sender.begin(dest, LAYERS)
-        for layer in range(LAYERS):
-            for lo, hi in ((start, 20), (20, tokens)):  # two chunks per layer, as chunked prefill sends
-                k, v = torch.randn(hi - lo, HEADS, DIM), torch.randn(hi - lo, HEADS, DIM)
-                sent[layer, lo] = (k, v)
-                sender.save_layer("t1", layer, lo, k, v)
-        sender.finish("t1")
-        rx.wait_for_all("t1", 30)
-        sender.wait_for_save("t1", 30)
-        for (layer, lo), (k, v) in sent.items():
-            s = slots[lo - start: lo - start + k.shape[0]]
-            k_cache, v_cache = kv[layer]
-            assert torch.equal(k_cache.view(-1, HEADS, DIM)[s], k), (layer, lo)
-            assert torch.equal(v_cache.view(-1, HEADS, DIM)[s], v), (layer, lo)
-        # nothing outside the reserved slots was touched
-        mask = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
-        mask[slots] = False
-        for k_cache, v_cache in kv:
-            assert k_cache.view(-1, HEADS, DIM)[mask].abs().sum() == 0
-            assert v_cache.view(-1, HEADS, DIM)[mask].abs().sum() == 0
-        sender.close()
-        rx.close()
-    finally:
-        for p in paths:
-            os.unlink(p)
+def test_transport_lands_every_layout(layout, transport, shm_paths):
+    paths = shm_paths if transport == "shm" else []
+    kv = _caches(paths)
+    rx = KVReceiverServer(kv, scheme=transport)
+    sender = ShmKVSender() if transport == "shm" else TcpKVSender()
+    tokens, start = 37, 5  # the receiver already holds tokens [0, 5): incremental
+    dest = KVDestination("t1", rx.address, LAYOUTS[layout], BLOCK, start, tokens,
+                         shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+                         shm_dtype="float32" if paths else "")
+    slots = destination_slots(dest, start, tokens - start)
+    rx.expect(dest, slots, LAYERS, deadline_s=30)
+    sent = {}
+    sender.begin(dest, LAYERS)
+    for layer in range(LAYERS):
+        for lo, hi in ((start, 20), (20, tokens)):  # two chunks per layer, as chunked prefill sends
+            k, v = torch.randn(hi - lo, HEADS, DIM), torch.randn(hi - lo, HEADS, DIM)
+            sent[layer, lo] = (k, v)
+            sender.save_layer("t1", layer, lo, k, v)
+    sender.finish("t1")
+    rx.wait_for_all("t1", 30)
+    sender.wait_for_save("t1", 30)
+    for (layer, lo), (k, v) in sent.items():
+        s = slots[lo - start: lo - start + k.shape[0]]
+        k_cache, v_cache = kv[layer]
+        assert torch.equal(k_cache.view(-1, HEADS, DIM)[s], k), (layer, lo)
+        assert torch.equal(v_cache.view(-1, HEADS, DIM)[s], v), (layer, lo)
+    # nothing outside the reserved slots was touched
+    mask = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
+    mask[slots] = False
+    for k_cache, v_cache in kv:
+        assert k_cache.view(-1, HEADS, DIM)[mask].abs().sum() == 0
+        assert v_cache.view(-1, HEADS, DIM)[mask].abs().sum() == 0
+    sender.close()
+    rx.close()
 
 
 def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
@@ -208,16 +211,6 @@ def test_nixl_agents_are_built_with_a_progress_thread_that_pauses():
         assert api.nixlBind.nixlAgentConfig is original
     agent = nixl.make_agent("test-delay", progress_delay_us=75)
     assert agent.name.startswith("test-delay-")
-
-
-@pytest.fixture
-def shm_paths(tmp_path):
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-    paths = [os.path.join(base, f"pdserve-test-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
-    yield paths
-    for p in paths:
-        if os.path.exists(p):
-            os.unlink(p)
 
 
 def _shm_transfer(paths, sender, between_layers=None, rx=None, kv=None):
