@@ -30,12 +30,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ helpers
 
+from pdserve import auth  # noqa: E402
 from pdserve.transfer.connector import KVDestination  # noqa: E402
 from pdserve.transfer.pull import PullKVExporter  # noqa: E402
 from pdserve.transfer.receiver import KVReceiverServer  # noqa: E402
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender  # noqa: E402
 
 LAYERS, HEADS, DIM = 30, 3, 64  # SmolLM2-135M's KV shape
+SECRET = auth.new_token().encode()  # this run's cluster secret; receiver processes get it in their environment
 
 
 def caches(num_blocks: int, block: int, shm_dir: str | None = None):
@@ -71,7 +73,8 @@ class ReceiverProcess:
 
         spec = json.dumps({"kind": kind, "num_blocks": num_blocks, "block": block, "paths": shm_paths})
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver-child", spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, **{auth.TOKEN_ENV: SECRET.decode()}))
         self.address = self._read()
 
     def _read(self) -> str:
@@ -93,6 +96,7 @@ class ReceiverProcess:
 def receiver_child(spec: str) -> None:
     torch.set_num_threads(1)
     cfg = json.loads(spec)
+    secret = os.environ[auth.TOKEN_ENV].encode()
     shape = [cfg["num_blocks"], cfg["block"], HEADS, DIM]
     if cfg["paths"]:
         from pdserve.transfer.sender import map_shared_cache
@@ -104,9 +108,9 @@ def receiver_child(spec: str) -> None:
     if cfg["kind"] == "nixl":
         from pdserve.transfer.nixl import NixlKVReceiver
 
-        rx = NixlKVReceiver(kv)
+        rx = NixlKVReceiver(kv, secret=secret)
     else:
-        rx = KVReceiverServer(kv, scheme=cfg["kind"])
+        rx = KVReceiverServer(kv, scheme=cfg["kind"], secret=secret)
     print(rx.address, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -243,13 +247,14 @@ def bandwidth(tokens: int, rounds: int) -> dict:
     # and would take CPU from the others' copies
     try:
         shm_rx = ReceiverProcess("shm", nb, block, shm_paths)
-        shm_tx = ShmKVSender()  # maps the decode cache once, as a prefill worker does
+        shm_tx = ShmKVSender(secret=SECRET)  # maps the decode cache once, as a prefill worker does
         closers += [shm_rx, shm_tx]
         measure({"shm": (lambda: _time(lambda: shm_dst.copy_(src)),
                          lambda i: one_transfer(shm_tx, shm_rx, tokens, block, f"s{i}", shm_paths))})
         close_all()
         sock = RawSocket(nbytes, per_layer // 2)
-        tcp_rx, tcp_tx, exp = ReceiverProcess("tcp", nb, block, []), TcpKVSender(), PullKVExporter()
+        tcp_rx, tcp_tx, exp = (ReceiverProcess("tcp", nb, block, []), TcpKVSender(secret=SECRET),
+                               PullKVExporter(secret=SECRET))
         closers += [sock, tcp_rx, tcp_tx, exp]
         measure({"tcp push": (sock.once, lambda i: one_transfer(tcp_tx, tcp_rx, tokens, block, f"t{i}", [])),
                  "tcp pull": (sock.once, lambda i: one_transfer(exp, tcp_rx, tokens, block, f"p{i}", [],
@@ -258,7 +263,7 @@ def bandwidth(tokens: int, rounds: int) -> dict:
             closers.remove(x)
             x.close()
         if nixl_available():  # UCX over TCP on this host: its raw limit is the plain socket
-            nx_rx, nx = ReceiverProcess("nixl", nb, block, []), NixlKVSender()
+            nx_rx, nx = ReceiverProcess("nixl", nb, block, []), NixlKVSender(secret=SECRET)
             closers += [nx_rx, nx]
             measure({"nixl write": (sock.once, lambda i: one_transfer(nx, nx_rx, tokens, block, f"n{i}", []))})
         else:
@@ -276,11 +281,12 @@ def exposed(tokens: int, reps: int) -> dict:
 
     p = LLM(dtype="float32", max_num_batched_tokens=4096).engine
     d = LLM(dtype="float32", max_num_batched_tokens=4096, enable_prefix_caching=False).engine
-    rx = KVReceiverServer(d.runner.kv_caches)
+    rx = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
     params = SamplingParams(temperature=0, max_tokens=1)
     out = {}
     for mode in ("layerwise", "eager"):
-        p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers, layerwise=mode == "layerwise")
+        p.bridge = PrefillBridge(TcpKVSender(secret=SECRET), p.model_config.num_hidden_layers,
+                                 layerwise=mode == "layerwise")
         samples = []
         for i in range(reps):
             ids = torch.randint(100, 40000, (tokens,), generator=torch.Generator().manual_seed(i)).tolist()

@@ -46,7 +46,11 @@ class ModelRunner:
                               for _ in range(model_config.num_hidden_layers)]
 
     def _shared_caches(self, directory: str, num_layers: int):
-        """KV tensors backed by files [k0, v0, k1, v1, ...], removed when this process exits."""
+        """KV tensors backed by files [k0, v0, k1, v1, ...], removed when this process exits.
+
+        Each file is made here, new (O_EXCL: never one someone else left in the shared
+        directory, nor a link) and mode 0600: only this user's processes (a prefill worker
+        of the same deployment) can map users' KV; torch then sizes and maps it."""
         import atexit
         import os
         import uuid
@@ -61,6 +65,7 @@ class ModelRunner:
             pair = []
             for kind in ("k", "v"):
                 path = os.path.join(directory, f"{tag}-{layer}{kind}")
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
                 self.kv_shm_paths.append(path)
                 pair.append(torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.kv_shape))
             caches.append(tuple(pair))

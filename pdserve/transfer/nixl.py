@@ -37,6 +37,7 @@ import uuid
 
 import torch
 
+from pdserve import auth
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVTransferError
 from pdserve.transfer.receiver import KVReceiverServer
@@ -67,6 +68,9 @@ PROGRESS_DELAY_US = int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", "50"))
 # (docs/disaggregation.md). Layer-wise prefill on this CPU produces a layer every 10 ms or more,
 # so mostly eager transfers queue. 0: no limit (every layer posted alone, at once).
 WRITES_IN_FLIGHT = int(os.environ.get("PDSERVE_NIXL_WRITES_IN_FLIGHT", "2"))
+# An agent's metadata (its UCX addresses and the registered cache's keys) is a few KiB;
+# a receiver's answer larger than this is refused unread.
+MAX_METADATA_BYTES = 16 << 20
 _agent_lock = threading.Lock()
 
 
@@ -124,14 +128,15 @@ class _progress_delay:
 class NixlKVReceiver(KVReceiverServer):
     """A KV receiver whose cache is also a NIXL WRITE target (and still takes TCP frames)."""
 
-    def __init__(self, kv_caches, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, kv_caches, host: str = "127.0.0.1", port: int = 0, *, secret: bytes):
+        wire.require_secret(secret)  # before the agent: a bad secret must not leave one behind
         tensors = [t for pair in kv_caches for t in pair]
         if not all(t.is_contiguous() for t in tensors):
             raise ValueError("NIXL needs contiguous KV cache tensors")
         self.agent = make_agent("pdserve-kv-rx")
         self._registered = self.agent.register_memory(tensors)
         self._metadata = self.agent.get_agent_metadata()
-        super().__init__(kv_caches, host, port, scheme="nixl")
+        super().__init__(kv_caches, host, port, scheme="nixl", secret=secret)
 
     def _on_frame(self, h: dict, payload):
         if h.get("op") == "nixl_md":
@@ -181,8 +186,8 @@ class NixlKVSender(TcpKVSender):
     """Push through NIXL WRITE; notices, `done` and acknowledgements travel as TCP frames."""
 
     def __init__(self, retry_window_s: float = 5.0, xfer_timeout_s: float = 30.0,
-                 writes_in_flight: int = WRITES_IN_FLIGHT):
-        super().__init__("none", retry_window_s)
+                 writes_in_flight: int = WRITES_IN_FLIGHT, *, secret: bytes):
+        super().__init__("none", retry_window_s, secret=secret)
         self.agent = make_agent("pdserve-kv-tx")
         self.xfer_timeout_s = xfer_timeout_s
         self.writes_in_flight = writes_in_flight
@@ -204,12 +209,15 @@ class NixlKVSender(TcpKVSender):
     def _fetch_remote(self, address: str) -> _Remote:
         try:
             with socket.create_connection(_host_port(address), timeout=10) as s:
+                auth.kv_connect(s, self.secret)
                 wire.send_frame(s, {"op": "nixl_md"})
-                h = wire.recv_header(s)
+                h = wire.recv_header(s, max_payload=MAX_METADATA_BYTES)
                 if not h or h.get("op") != "nixl_md":
-                    raise KVTransferError(f"{address} did not answer with NIXL metadata: {h}")
+                    raise KVTransferError(f"{address} did not answer with NIXL metadata: {str(h)[:200]}")
                 md = bytearray(h["nbytes"])
                 wire.recv_exact(s, memoryview(md))
+        except auth.AuthError as e:
+            raise KVTransferError(f"the KV receiver at {address} refused our cluster token: {e}") from e
         except (OSError, wire.FrameError) as e:
             raise KVTransferError(f"NIXL metadata from {address}: {e}") from e
         name = self.agent.add_remote_agent(bytes(md))

@@ -5,6 +5,10 @@ transfer, and reads the same frames a push would send, layer by layer as
 the prefill produces them; its acknowledgement comes back on that
 connection. Useful when the decode side should control when bytes move
 (admission under memory pressure, seed 000 §3.2).
+
+Only a peer that passed the cluster handshake may pull, and only a transfer
+this worker has begun (or begins within `wait_for_begin_s`); its request and
+acknowledgement frames carry no payload.
 """
 from __future__ import annotations
 
@@ -15,25 +19,29 @@ import time
 
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVSender
-from pdserve.transfer.sender import _Outgoing, settle
+from pdserve.transfer.sender import _Outgoing, abandon, settle
 
 log = logging.getLogger("pdserve.transfer")
 
 
 class PullKVExporter(KVSender):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, wire_mode: str = "none",
-                 wait_for_begin_s: float = 10.0, lease_s: float = 120.0):
+                 wait_for_begin_s: float = 10.0, lease_s: float = 120.0, *, secret: bytes):
         self.wire_mode = wire_mode
         self.wait_for_begin_s = wait_for_begin_s
         self.lease_s = lease_s
         self._transfers: dict[str, _Outgoing] = {}
         self._aborted: dict[str, str] = {}  # transfer id -> why, for pulls that come after
         self._cv = threading.Condition()
-        self._listener = socket.create_server((host, port))
-        self.address = f"tcp://{host}:{self._listener.getsockname()[1]}"
+        self._listener = wire.KVListener(host, port, secret, self._serve, "kv-export")
+        self.address = f"tcp://{host}:{self._listener.port}"
         self._closed = False
         self.total_bytes = 0
-        wire.serve_connections(self._listener, self._serve, "kv-export")
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections closed because the peer failed the cluster handshake."""
+        return self._listener.refused
 
     # ---- contract
     def begin(self, dest, num_layers):
@@ -80,15 +88,20 @@ class PullKVExporter(KVSender):
     def close(self):
         self._closed = True
         self._listener.close()
+        with self._cv:
+            abandon(self._transfers)
+            self._cv.notify_all()  # pulls in progress send the puller an abort
 
     # ---- serving pulls
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tid = None
         try:
-            h = wire.recv_header(sock)
-            if not h or h.get("op") != "pull":
+            h = wire.recv_header(sock, max_payload=0)
+            if h is None:
                 return
+            if h.get("op") != "pull":
+                raise wire.FrameError(f"expected a pull request, got {str(h)[:100]}")
             tid = str(h.get("tid"))
             t = self._await_transfer(tid)
             if t is None:
@@ -97,13 +110,15 @@ class PullKVExporter(KVSender):
                 return
             if not self._stream(sock, t):
                 return  # aborted: the puller was told
-            ack = wire.recv_header(sock)
+            ack = wire.recv_header(sock, max_payload=0)
             if ack and ack.get("op") == "ack" and ack.get("ok"):
                 t.acked.set()
             else:
                 t.error = f"{tid}: puller refused: {ack}"
                 t.acked.set()
-        except (OSError, wire.FrameError) as e:
+        except wire.FrameError as e:
+            log.warning("closing the KV pull connection from %s: bad frame: %s", wire.peer_name(sock), e)
+        except OSError as e:
             log.info("pull of %s broke: %s", tid, e)  # the puller may come back and pull again
         finally:
             sock.close()

@@ -1,9 +1,12 @@
 """Decode side of the KV bridge: a TCP endpoint that lands KV frames in reserved slots.
 
 Pushed transfers arrive on connections the prefill worker opens; pulled ones on
-a connection this side opens (`pull`). Both are read by the same frame loop.
+a connection this side opens (`pull`). Both are read by the same frame loop,
+and only after the cluster handshake (`pdserve.auth`) passed both ways.
 A frame for a transfer we do not expect (unknown, cancelled, expired) is read
-and dropped: it can never land in blocks someone else owns now.
+through a small fixed buffer and dropped: it can never land in blocks someone
+else owns now, nor make us allocate its size. A layer frame must carry exactly
+the K and V of its tokens; any other frame carries no payload.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve import auth
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVReceiver, KVTransferError, TransferStats
 
@@ -44,16 +48,21 @@ class _Expected:
 
 class KVReceiverServer(KVReceiver):
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], host: str = "127.0.0.1",
-                 port: int = 0, scheme: str = "tcp"):
+                 port: int = 0, scheme: str = "tcp", *, secret: bytes):
         self.kv_caches = kv_caches
+        self.secret = wire.require_secret(secret)
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
         self._finished: list[str] = []
         self._failed: list[tuple[str, str]] = []
-        self._listener = socket.create_server((host, port))
-        self.address = f"{scheme}://{host}:{self._listener.getsockname()[1]}"
+        self._listener = wire.KVListener(host, port, secret, self._serve, "kv-recv")
+        self.address = f"{scheme}://{host}:{self._listener.port}"
         self._closed = False
-        wire.serve_connections(self._listener, self._serve, "kv-recv")
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections closed because the peer failed the cluster handshake."""
+        return self._listener.refused
 
     # ---- contract
     def expect(self, dest, slots, num_layers, deadline_s):
@@ -102,10 +111,7 @@ class KVReceiverServer(KVReceiver):
 
     def close(self):
         self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        self._listener.close()
 
     # ---- pull: we open the connection and ask for the transfer
     def pull(self, address: str, transfer_id: str) -> threading.Event:
@@ -117,10 +123,17 @@ class KVReceiverServer(KVReceiver):
         def run():
             try:
                 sock = socket.create_connection((host, int(port)), timeout=10)
+                try:
+                    auth.kv_connect(sock, self.secret)
+                except OSError:
+                    sock.close()
+                    raise
                 sock.settimeout(None)
                 wire.send_frame(sock, {"op": "pull", "tid": transfer_id})
                 requested.set()
                 self._serve(sock)
+            except auth.AuthError as e:
+                self._fail(transfer_id, f"the KV exporter at {address} refused our cluster token: {e}")
             except OSError as e:
                 self._fail(transfer_id, f"pull from {address} failed: {e}")
             finally:
@@ -161,6 +174,7 @@ class KVReceiverServer(KVReceiver):
         staging = [wire.StagingBuffer(), wire.StagingBuffer()]
         landing = [None, None]
         pool = ThreadPoolExecutor(1, thread_name_prefix="kv-land")
+        peer = wire.peer_name(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         i = 0
         try:
@@ -168,12 +182,16 @@ class KVReceiverServer(KVReceiver):
                 header = wire.recv_header(sock)
                 if header is None:
                     return
-                if header.get("op") == "layer" and header["nbytes"]:
-                    target = self._direct_target(header)
-                    if target is not None:  # raw KV into few slot runs: straight into the cache
-                        for view in target[1]:
+                if header["nbytes"]:
+                    admitted = self._admit(header)
+                    if admitted is None:  # no such transfer (any more): drop the bytes unkept
+                        wire.discard(sock, header["nbytes"])
+                        continue
+                    e, views = admitted[0], self._direct_views(*admitted, header)
+                    if views is not None:  # raw KV into few slot runs: straight into the cache
+                        for view in views:
                             wire.recv_exact(sock, memoryview(view.view(torch.uint8).numpy()).cast("B"))
-                        self._mark_landed(target[0], header)
+                        self._mark_landed(e, header)
                         continue
                     if landing[i] is not None:
                         landing[i].result()  # this buffer's previous frame has landed
@@ -181,18 +199,20 @@ class KVReceiverServer(KVReceiver):
                     landing[i] = pool.submit(self._on_frame, header, payload)
                     i ^= 1
                     continue
-                payload = staging[i].receive(sock, header["nbytes"]) if header["nbytes"] else None
                 for f in landing:  # frames before a "done" must have landed before it counts
                     if f is not None:
                         f.result()
-                reply = self._on_frame(header, payload)
+                reply = self._on_frame(header, None)
                 if isinstance(reply, tuple):  # (header, payload tensors)
                     wire.send_frame(sock, *reply)
                 elif reply is not None:
                     wire.send_frame(sock, reply)
-        except (OSError, wire.FrameError) as e:
+        except wire.FrameError as err:
+            # a peer that breaks the protocol loses this connection; a sender retries on a new one
+            log.warning("closing the KV connection with %s: bad frame: %s", peer, err)
+        except OSError as err:
             # The sender retries on a new connection; the deadline fails what never comes.
-            log.info("KV connection closed: %s", e)
+            log.info("KV connection with %s closed: %s", peer, err)
         finally:
             pool.shutdown(wait=True)
             sock.close()
@@ -216,6 +236,8 @@ class KVReceiverServer(KVReceiver):
                 self._land_layer(e, h, payload)
             return None
         if op == "done":
+            if e.done.is_set():  # a sender that reconnected says it again: once is counted
+                return {"op": "ack", "tid": tid, "ok": True}
             missing = [i for i in range(e.num_layers) if not e.layer_complete(i)]
             if missing:
                 return {"op": "ack", "tid": tid, "ok": False, "missing_layers": missing}
@@ -230,37 +252,48 @@ class KVReceiverServer(KVReceiver):
         try:
             layer, start, n = int(h["layer"]), int(h["start"]), int(h["n"])
         except (KeyError, TypeError, ValueError) as err:
-            raise wire.FrameError(f"layer frame without a valid layer/start/n: {err!r}") from None
+            raise wire.FrameError(f"layer frame without a valid layer/start/n: {str(err)[:100]}") from None
         lo = start - e.dest.start_token
-        if not (0 <= layer < e.num_layers and 0 <= lo and lo + n <= e.tokens):
+        if not (0 <= layer < e.num_layers and 0 <= lo and 0 <= n and lo + n <= e.tokens):
             raise wire.FrameError(f"frame for layer {layer} tokens {start}+{n} is outside the transfer")
         return layer, start, n, lo
 
-    def _direct_target(self, h: dict) -> tuple[_Expected, list[torch.Tensor]] | None:
-        """Where a raw (uncompressed, same dtype) layer frame can be received in place:
-        the K runs then the V runs of the reserved slots, when they are few. None ->
-        take the staging path (compressed, converted, scattered or unexpected frames)."""
+    def _admit(self, h: dict) -> tuple[_Expected, int, int, int] | None:
+        """(transfer, layer, n, lo) of a frame with a payload, once its size is checked
+        against what that transfer can hold; None when the transfer is not expected here."""
+        if h.get("op") != "layer" or h.get("inplace"):
+            raise wire.FrameError(f"a {str(h.get('op'))[:40]!r} frame carries no payload")
         e = self._expected.get(h.get("tid"))
-        if e is None or e.error or h.get("scaled") or h.get("inplace"):
+        if e is None or e.error:
             return None
         layer, _, n, lo = self._check_range(e, h)
+        want = wire.layer_frame_bytes(h, n, tuple(self.kv_caches[layer][0].shape[-2:]))
+        if h["nbytes"] != want:
+            raise wire.FrameError(f"layer frame of {h['nbytes']} bytes for {n} tokens (K and V are {want})")
+        return e, layer, n, lo
+
+    def _direct_views(self, e: _Expected, layer: int, n: int, lo: int, h: dict) -> list[torch.Tensor] | None:
+        """Where an admitted raw (uncompressed, same dtype) layer frame can be received in
+        place: the K runs then the V runs of the reserved slots, when they are few. None ->
+        take the staging path (compressed, converted or scattered frames)."""
+        if h.get("scaled"):
+            return None
         k_cache, v_cache = self.kv_caches[layer]
         if h.get("dtype") != str(k_cache.dtype).removeprefix("torch."):
             return None
         row = tuple(k_cache.shape[-2:])
-        if h["nbytes"] != 2 * n * row[0] * row[1] * k_cache.element_size():
-            raise wire.FrameError(f"layer frame of {h['nbytes']} bytes does not hold {n} tokens of K and V")
         runs = e.runs.get((lo, n))
         if runs is None:  # every layer of a chunk lands in the same slots: split them once
             runs = e.runs[(lo, n)] = wire.slot_runs(e.slots[lo:lo + n])
         if not wire.few_runs(runs, n):
             return None
-        views = [c.view(-1, *row)[first:first + m] for c in (k_cache, v_cache) for _, first, m in runs]
-        return e, views
+        return [c.view(-1, *row)[first:first + m] for c in (k_cache, v_cache) for _, first, m in runs]
 
     def _land_layer(self, e: _Expected, h: dict, payload) -> None:
         layer, start, n, lo = self._check_range(e, h)
-        if not h.get("inplace"):
+        if not h.get("inplace") and n:
+            if payload is None:
+                raise wire.FrameError(f"layer frame for {n} tokens without their K and V")
             k_cache, v_cache = self.kv_caches[layer]
             shape = (n,) + tuple(k_cache.shape[-2:])
             k, off = wire.decode(payload, h, shape, 0)

@@ -4,20 +4,24 @@ serve pulls.
 `save_layer` only queues: a sender thread does the socket work, so the next
 layer's compute overlaps this layer's transfer (layer-wise pipelining). Sent
 layers are kept until the receiver acknowledges the whole transfer, so a
-connection cut at layer k is healed by reconnecting and resending; the
-receiver ignores what it already holds.
+connection cut at layer k (or closed by the receiver, which drops a connection
+that sends it a bad frame) is healed by reconnecting and resending; the
+receiver ignores what it already holds. Every connection opens with the
+cluster handshake (`pdserve.auth.kv_connect`) before a byte of KV goes out.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from pdserve import auth
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
 
@@ -34,6 +38,8 @@ class _Outgoing:
     stats: TransferStats = field(default_factory=TransferStats)
     held: list = field(default_factory=list)  # (start, n, layer) landed in place, notice not sent yet
     noticed_s: float = 0.0  # when the last notice of landed layers went
+    sock: socket.socket | None = None  # the connection its frames last went on
+    lost: int = 0  # connections that broke under it
 
 
 def layers_in(header: dict) -> int:
@@ -51,36 +57,68 @@ def settle(t: _Outgoing, acked: bool, timeout_message: str) -> TransferStats:
     return t.stats
 
 
+def abandon(transfers: dict[str, _Outgoing]) -> None:
+    """A closing sender's unacknowledged transfers fail now: whoever waits for one
+    (`wait_for_save`) wakes instead of sleeping out its timeout, and a puller is told."""
+    for tid, t in list(transfers.items()):
+        if not t.acked.is_set():
+            t.error = t.error or f"{tid}: the KV sender closed before the receiver acknowledged the transfer"
+            t.finished = True
+            t.acked.set()
+
+
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.split("://", 1)[1].rsplit(":", 1)
     return host, int(port)
 
 
+# A transfer whose connection breaks more often than this fails (its decode worker
+# recomputes): a receiver that refuses a frame refuses it again when it is resent.
+MAX_LOST_CONNECTIONS = 3
+SENDER_FAULTS = ("cut_at_layer", "stall_at_layer", "exit_at_layer", "corrupt_at_layer")
+WORKER_FAULTS = ("delay_prefill",)
+# What `corrupt_at_layer` sends: a length-prefixed header that is not JSON (not even UTF-8)
+_GARBAGE = b"{corrupt: \xff\xfe injected by PDSERVE_KV_FAULT}"
+_GARBAGE_FRAME = struct.pack("!I", len(_GARBAGE)) + _GARBAGE
+
+
 def parse_faults(spec: str | None) -> dict[str, tuple[int, float]]:
-    """Fault injection for tests of the failure paths, from $PDSERVE_KV_FAULT:
-    `cut_at_layer=K` (drop the connection once before layer K), `stall_at_layer=K:S`
-    (sleep S seconds before layer K), `exit_at_layer=K` (the process dies there);
-    the worker reads `delay_prefill=0:S` (its first prefill starts S seconds late)."""
+    """Fault injection for tests of the failure paths and the chaos benchmark, from
+    $PDSERVE_KV_FAULT or `inject_fault`, each firing once: `cut_at_layer=K` (drop the
+    connection before layer K), `stall_at_layer=K:S` (sleep S seconds before layer K),
+    `exit_at_layer=K` (the process dies there), `corrupt_at_layer=K` (a frame header of
+    garbage before layer K: the receiver drops the connection, the sender resends on a
+    new one); the worker reads `delay_prefill=0:S` (its first prefill starts S seconds
+    late). ValueError for anything else."""
     out = {}
     for item in filter(None, (spec or "").split(",")):
         name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in SENDER_FAULTS + WORKER_FAULTS:
+            raise ValueError(f"unknown fault {name!r}; one of {', '.join(SENDER_FAULTS + WORKER_FAULTS)}")
         layer, _, arg = value.partition(":")
-        out[name.strip()] = (int(layer), float(arg or 0))
+        out[name] = (int(layer), float(arg or 0))
     return out
+
+
+def _sender_faults(spec: str | None) -> dict[str, tuple[int, float]]:
+    return {k: v for k, v in parse_faults(spec).items() if k in SENDER_FAULTS}
 
 
 class TcpKVSender(KVSender):
     """Push: connect to the decode worker's receiver and send frames."""
 
-    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0, lease_s: float = 120.0):
+    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0, lease_s: float = 120.0, *,
+                 secret: bytes):
         import os
 
         if wire_mode not in wire.WIRE_MODES:
             raise ValueError(f"wire mode must be one of {wire.WIRE_MODES}")
+        self.secret = wire.require_secret(secret)
         self.wire_mode = wire_mode
         self.retry_window_s = retry_window_s
         self.lease_s = lease_s  # a transfer nobody waits for is dropped after this
-        self.faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
+        self.faults = _sender_faults(os.environ.get("PDSERVE_KV_FAULT"))
         self._transfers: dict[str, _Outgoing] = {}
         self._socks: dict[str, socket.socket] = {}
         self._q: queue.Queue = queue.Queue()
@@ -130,8 +168,19 @@ class TcpKVSender(KVSender):
     def close(self):
         self._closed = True
         self._q.put(None)
+        abandon(self._transfers)  # their queued frames will not go now
         for s in self._socks.values():
             s.close()
+
+    def inject_fault(self, spec: str) -> None:
+        """Arm faults at run time (the chaos benchmark, through the worker's fault route):
+        the sender faults of `parse_faults`, merged into those armed. ValueError for a bad
+        spec or a fault that is not the sender's."""
+        faults = parse_faults(spec)
+        other = set(faults) - set(SENDER_FAULTS)
+        if other:
+            raise ValueError(f"not a KV sender fault: {', '.join(sorted(other))}")
+        self.faults.update(faults)
 
     # ---- internals
     def _enqueue(self, t: _Outgoing, header: dict, payload: list[torch.Tensor]) -> None:
@@ -151,8 +200,9 @@ class TcpKVSender(KVSender):
             with self._send_lock:
                 try:
                     t, header, payload = item
-                    # frames of a transfer already settled or dropped are moot; its abort is not
-                    live = self._transfers.get(t.dest.transfer_id) is t or header["op"] == "abort"
+                    # frames of a transfer already settled, failed or dropped are moot; its abort is not
+                    live = (self._transfers.get(t.dest.transfer_id) is t and t.error is None
+                            or header["op"] == "abort")
                     if live and t.dest.address is not None:
                         self._send_with_retry(t, header, payload)
                 finally:
@@ -172,7 +222,7 @@ class TcpKVSender(KVSender):
                 if self._queued:
                     return False
             sock = self._socks.get(t.dest.address)
-            if sock is None:
+            if sock is None or (t.sock is not None and t.sock is not sock):  # a new one: resend first
                 return False
             raw = wire.header_bytes(header)
             try:
@@ -182,40 +232,56 @@ class TcpKVSender(KVSender):
             if n < len(raw):  # half a frame went: drop the connection; the thread sends it whole on a new one
                 self._drop(t.dest.address)
                 return False
+            t.sock = sock
             t.stats.layers += layers_in(header)
             self.inline_frames += 1
             return True
         finally:
             self._send_lock.release()
 
-    def _inject(self, header: dict, address: str) -> None:
+    def _armed(self, name: str, layer: int) -> tuple[int, float] | None:
+        """The fault `name` if it is armed for `layer`; it fires once, so it is disarmed."""
+        fault = self.faults.get(name)
+        if fault is None or fault[0] != layer:
+            return None
+        return self.faults.pop(name, fault)
+
+    def _inject(self, header: dict, sock: socket.socket) -> None:
         layer = header.get("layer", -1)
-        if "stall_at_layer" in self.faults and self.faults["stall_at_layer"][0] == layer:
-            time.sleep(self.faults.pop("stall_at_layer")[1])
-        if "cut_at_layer" in self.faults and self.faults["cut_at_layer"][0] == layer:
-            del self.faults["cut_at_layer"]
-            self._socks[address].shutdown(socket.SHUT_RDWR)
-        if "exit_at_layer" in self.faults and self.faults["exit_at_layer"][0] == layer:
+        stall = self._armed("stall_at_layer", layer)
+        if stall:
+            time.sleep(stall[1])
+        if self._armed("cut_at_layer", layer):
+            sock.shutdown(socket.SHUT_RDWR)
+        if self._armed("corrupt_at_layer", layer):
+            log.warning("fault: a corrupt frame header to %s before layer %s", wire.peer_name(sock), layer)
+            sock.sendall(_GARBAGE_FRAME)
+        if self._armed("exit_at_layer", layer):
             import os
 
             os._exit(17)
 
     def _send_with_retry(self, t: _Outgoing, header: dict, payload) -> None:
         deadline = time.monotonic() + self.retry_window_s
-        resend = False
         while True:
             try:
                 sock = self._sock(t.dest.address)
                 if self.faults:
-                    self._inject(header, t.dest.address)
-                if resend:  # a new connection: the receiver may lack what went before
+                    self._inject(header, sock)
+                if t.sock is not None and t.sock is not sock and header["op"] != "abort":
+                    # a new connection: the receiver may lack what went on the old one
                     for h, p in t.frames:
                         if h is not header:
                             self.total_bytes += wire.send_frame(sock, *self._ready(h, p))
                 n = wire.send_frame(sock, *self._ready(header, payload))
+                t.sock = sock
                 self.total_bytes += n
                 t.stats.bytes += n
                 t.stats.layers += layers_in(header)
+                return
+            except auth.AuthError as e:  # retrying cannot help: fail the transfer now
+                t.error = f"{header['tid']}: the KV receiver at {t.dest.address} refused our cluster token ({e})"
+                t.acked.set()
                 return
             except OSError as e:
                 self._drop(t.dest.address)
@@ -223,7 +289,6 @@ class TcpKVSender(KVSender):
                     t.error = f"{header['tid']}: sending to {t.dest.address} failed: {e}"
                     t.acked.set()
                     return
-                resend = True
                 t.stats.retries += 1
                 self.total_retries += 1
                 time.sleep(0.05)
@@ -247,6 +312,11 @@ class TcpKVSender(KVSender):
         s = self._socks.get(address)
         if s is None:
             s = socket.create_connection(_host_port(address), timeout=5)
+            try:
+                auth.kv_connect(s, self.secret)
+            except OSError:
+                s.close()
+                raise
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks[address] = s
@@ -256,17 +326,54 @@ class TcpKVSender(KVSender):
     def _drop(self, address: str) -> None:
         s = self._socks.pop(address, None)
         if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes its ack reader, which close() alone does not
+            except OSError:
+                pass
             s.close()
 
     def _read_acks(self, sock: socket.socket, address: str) -> None:
         try:
             while True:
-                h = wire.recv_header(sock)
+                h = wire.recv_header(sock, max_payload=0)  # acks carry no payload
                 if h is None:
-                    return
+                    break
                 self._on_ack(h)
-        except (OSError, wire.FrameError):
-            return
+        except wire.FrameError as e:
+            log.warning("bad frame from the KV receiver at %s: %s; reconnecting", address, e)
+            try:  # nobody reads this connection now: a send blocked on it must fail, not wait
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        except OSError:
+            pass
+        self._lost(sock, address)
+
+    def _lost(self, sock: socket.socket, address: str) -> None:
+        """A connection ended (the receiver refused a frame or restarted, or a send on it
+        failed): what went on it may not have landed. Transfers that used it resend
+        everything on their next frame, which goes on a new connection; those whose `done`
+        already went get it queued again, to carry the resend."""
+        with self._send_lock:
+            if self._closed:
+                return
+            found = self._socks.get(address) is sock  # else the sender thread dropped it, and counted
+            if found:
+                log.info("the KV receiver at %s closed our connection; resending on a new one", address)
+                self._drop(address)
+        for t in list(self._transfers.values()):
+            if t.sock is not sock or t.acked.is_set():
+                continue
+            t.lost += 1
+            if t.lost > MAX_LOST_CONNECTIONS:  # it refuses what we resend: give up, D recomputes
+                t.error = f"{t.dest.transfer_id}: the connection to the KV receiver at {address} broke {t.lost} times"
+                t.acked.set()
+                continue
+            if found:
+                t.stats.retries += 1
+                self.total_retries += 1
+            if t.finished:
+                self._put((t, {"op": "done", "tid": t.dest.transfer_id}, []))
 
     def _on_ack(self, h: dict) -> None:
         t = self._transfers.get(h.get("tid"))
@@ -294,8 +401,8 @@ class ShmKVSender(TcpKVSender):
     more for long prompts) still notifies layer by layer; an eager burst of 30
     layers in 10 ms sends 3 notices instead of 30 (0.62x -> 0.83x of memcpy)."""
 
-    def __init__(self, retry_window_s: float = 5.0, notice_gap_s: float = 0.005):
-        super().__init__("none", retry_window_s)
+    def __init__(self, retry_window_s: float = 5.0, notice_gap_s: float = 0.005, *, secret: bytes):
+        super().__init__("none", retry_window_s, secret=secret)
         self.notice_gap_s = notice_gap_s
         self._maps: dict[str, list[torch.Tensor]] = {}
 
@@ -363,9 +470,12 @@ class AutoKVSender(KVSender):
     """Shared memory when the destination's cache files are visible from here, TCP otherwise."""
 
     def __init__(self, wire_mode: str = "none", allow_shm: bool = True, retry_window_s: float = 5.0,
-                 exporter=None):
-        self.tcp = TcpKVSender(wire_mode, retry_window_s)
-        self.shm = ShmKVSender(retry_window_s) if allow_shm else None
+                 exporter=None, *, secret: bytes):
+        self.secret = wire.require_secret(secret)
+        self.tcp = TcpKVSender(wire_mode, retry_window_s, secret=secret)
+        self.shm = ShmKVSender(retry_window_s, secret=secret) if allow_shm else None
+        if self.shm is not None:  # one set of faults: each fires once, whichever transport sends
+            self.shm.faults = self.tcp.faults
         self.exporter = exporter  # PullKVExporter for destinations that pull
         self.wire_mode = wire_mode
         self.retry_window_s = retry_window_s
@@ -390,7 +500,8 @@ class AutoKVSender(KVSender):
                     log.warning("NIXL is not importable here: KV for nixl:// receivers goes over TCP")
                     self._nixl_missing = True
                     return self.tcp
-                self.nixl = NixlKVSender(self.retry_window_s)
+                self.nixl = NixlKVSender(self.retry_window_s, secret=self.secret)
+                self.nixl.faults = self.tcp.faults
             return self.nixl
         return self.tcp
 
@@ -412,6 +523,15 @@ class AutoKVSender(KVSender):
         s = self._by_tid.pop(transfer_id, None)
         if s is not None:
             s.abort(transfer_id, reason)
+
+    def inject_fault(self, spec: str) -> None:
+        """`TcpKVSender.inject_fault`, for whichever transport sends next."""
+        self.tcp.inject_fault(spec)
+
+    @property
+    def refused_connections(self) -> int:
+        """Pulls refused for failing the cluster handshake (the only connections we accept)."""
+        return self.exporter.refused_connections if self.exporter is not None else 0
 
     @property
     def total_bytes(self) -> int:

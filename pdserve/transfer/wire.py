@@ -1,20 +1,42 @@
 """Frames on a KV socket, and KV compression for the wire.
 
-A frame is a 4-byte big-endian header length, a JSON header, then
-`header["nbytes"]` bytes of raw tensor data. The receiver reads the payload
-with `recv_into` straight into a reusable buffer. No pickle, ever: a peer can
-only make us parse JSON and copy bytes into slots we reserved.
+A KV connection opens with the cluster handshake (`pdserve.auth.kv_accept` /
+`kv_connect`): nothing of an unauthenticated peer is ever parsed. Then frames:
+a 4-byte big-endian header length, a JSON header, then `header["nbytes"]`
+bytes of raw tensor data. The receiver reads the payload with `recv_into`
+straight into a reusable buffer. No pickle, ever: a peer can only make us
+parse JSON and copy bytes into slots we reserved.
+
+Bounds: headers are at most `MAX_HEADER_BYTES`, payloads at most
+`MAX_FRAME_BYTES` (each reader passes a tighter bound where it knows one), and
+a layer frame's payload must be exactly the K and V of its tokens
+(`layer_frame_bytes`), so a header cannot make a reader allocate more than the
+transfer it names can hold.
 """
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
+import threading
+import time
 
 import torch
 
+from pdserve import auth
+
+log = logging.getLogger("pdserve.transfer")
+
 _LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 16
+# No frame is larger: one layer of one chunk. A 128k-token prompt of a 70B model (8 KV heads
+# of 128, bf16) is 512 MiB per layer frame, float32 1 GiB.
+MAX_FRAME_BYTES = 1 << 31
+# Threads an unauthenticated peer can hold at once, each for at most the handshake timeout;
+# the accept loop waits for a free one (a legitimate handshake takes one round trip).
+MAX_PENDING_HANDSHAKES = 64
+_DISCARD_CHUNK = 1 << 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
 WIRE_MODES = ("none", "int8", "fp8")
@@ -22,6 +44,13 @@ WIRE_MODES = ("none", "int8", "fp8")
 
 class FrameError(ConnectionError):
     pass
+
+
+def require_secret(secret: bytes) -> bytes:
+    """Every KV endpoint needs the cluster secret: fail at construction, not at first use."""
+    if not isinstance(secret, bytes) or len(secret) < auth.MIN_SECRET_BYTES:
+        raise ValueError(f"a KV endpoint needs the cluster secret (bytes, at least {auth.MIN_SECRET_BYTES})")
+    return secret
 
 
 def send_frame(sock: socket.socket, header: dict, payload: list[torch.Tensor] = ()) -> int:
@@ -49,8 +78,15 @@ def recv_exact(sock: socket.socket, buf: memoryview) -> None:
         got += n
 
 
-def recv_header(sock: socket.socket) -> dict | None:
-    """Next frame's header, or None when the peer closed cleanly between frames."""
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def recv_header(sock: socket.socket, max_payload: int = MAX_FRAME_BYTES) -> dict | None:
+    """Next frame's header, or None when the peer closed cleanly between frames.
+
+    The header is an object whose `nbytes` (0 when absent) is at most `max_payload`,
+    and whose `op` and `tid`, when present, are strings."""
     first = sock.recv(_LEN.size, socket.MSG_WAITALL)
     if not first:
         return None
@@ -62,31 +98,94 @@ def recv_header(sock: socket.socket) -> dict | None:
     raw = bytearray(n)
     recv_exact(sock, memoryview(raw))
     try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise FrameError(f"frame header is not JSON: {e}") from e
-    if not isinstance(header, dict) or not isinstance(header.get("nbytes", 0), int):
-        raise FrameError("frame header must be an object with an integer nbytes")
+        header = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:  # deep nesting overflows the decoder's stack
+        raise FrameError(f"frame header is not JSON: {str(e)[:200]}") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header must be a JSON object")
+    nbytes = header.setdefault("nbytes", 0)
+    if type(nbytes) is not int or not 0 <= nbytes <= max_payload:  # bool is an int: not here
+        raise FrameError(f"frame payload of {str(nbytes)[:40]} bytes (at most {max_payload} allowed here)")
+    if not all(isinstance(header.get(k, ""), str) for k in ("op", "tid")):
+        raise FrameError("frame op and tid must be strings")
     return header
 
 
-def serve_connections(listener: socket.socket, handler, name: str) -> None:
-    """Accept connections until the listener closes; each gets `handler(sock)` in its own thread."""
-    import threading
+def discard(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop a payload nobody will keep (its transfer is unknown here, cancelled or
+    failed), through a small fixed buffer: its size costs time, never memory."""
+    scratch = memoryview(bytearray(min(nbytes, _DISCARD_CHUNK)))
+    while nbytes:
+        n = sock.recv_into(scratch[:nbytes])
+        if n == 0:
+            raise FrameError("peer closed the connection mid-frame")
+        nbytes -= n
 
-    def loop():
+
+def peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
+
+
+class KVListener:
+    """A listening socket whose connections each get a thread that runs the cluster
+    handshake and, only if the peer passed it, `handler(sock)`. A refused connection is
+    closed, logged with the peer's address, and counted in `refused`."""
+
+    def __init__(self, host: str, port: int, secret: bytes, handler, name: str):
+        self.secret = require_secret(secret)
+        self.refused = 0
+        self._handler, self._name = handler, name
+        self._sock = socket.create_server((host, port))
+        self.port = self._sock.getsockname()[1]
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._count_lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
         while True:
+            self._pending.acquire()
             try:
-                sock, _ = listener.accept()
-            except OSError:  # closed: we are shutting down
-                return
-            threading.Thread(target=handler, args=(sock,), name=name, daemon=True).start()
+                sock, addr = self._sock.accept()
+            except OSError as e:
+                self._pending.release()
+                if self._closed:
+                    return
+                # out of descriptors under a flood of connections, or one reset before we took
+                # it: keep listening
+                log.warning("accepting a KV connection failed: %s", e)
+                time.sleep(0.05)
+                continue
+            threading.Thread(target=self._authenticated, args=(sock, addr), name=self._name, daemon=True).start()
 
-    threading.Thread(target=loop, name=f"{name}-accept", daemon=True).start()
+    def _authenticated(self, sock: socket.socket, addr) -> None:
+        try:
+            auth.kv_accept(sock, self.secret)
+        except OSError as e:  # AuthError, or the peer reset the connection
+            log.warning("refused KV connection from %s:%s: %s", addr[0], addr[1], e)
+            with self._count_lock:
+                self.refused += 1
+            sock.close()
+            return
+        finally:
+            self._pending.release()
+        self._handler(sock)
 
 
 class StagingBuffer:
-    """A growable byte buffer that payloads are received into, reused across frames."""
+    """A growable byte buffer that payloads are received into, reused across frames.
+    Callers bound `nbytes` first (`layer_frame_bytes`): it grows to what it is asked."""
 
     def __init__(self):
         self._buf = torch.empty(0, dtype=torch.uint8)
@@ -97,6 +196,23 @@ class StagingBuffer:
         view = self._buf[:nbytes]
         recv_exact(sock, memoryview(view.numpy()))
         return view
+
+
+def frame_dtype(header: dict) -> torch.dtype:
+    dtype = DTYPES.get(header["dtype"]) if isinstance(header.get("dtype"), str) else None
+    if dtype is None:
+        raise FrameError(f"unknown dtype {str(header.get('dtype'))[:40]!r} in frame")
+    return dtype
+
+
+def layer_frame_bytes(header: dict, n: int, row: tuple[int, int]) -> int:
+    """The payload a layer frame must carry: K and V of `n` tokens of `row` (heads, dim)
+    in the frame's wire dtype, plus a float32 scale per token and head each when scaled."""
+    heads, dim = row
+    per_token = heads * dim * frame_dtype(header).itemsize
+    if header.get("scaled"):
+        per_token += heads * 4
+    return 2 * n * per_token
 
 
 # ---------------------------------------------------------------- slots
@@ -158,9 +274,7 @@ def encode(x: torch.Tensor, mode: str) -> tuple[list[torch.Tensor], dict]:
 
 def decode(raw: torch.Tensor, header: dict, shape: tuple[int, ...], offset: int) -> tuple[torch.Tensor, int]:
     """Rebuild one tensor of `shape` from `raw` at `offset`; returns it and the next offset."""
-    dtype = DTYPES.get(header.get("dtype"))
-    if dtype is None:
-        raise FrameError(f"unknown dtype {header.get('dtype')!r} in frame")
+    dtype = frame_dtype(header)
     n = 1
     for s in shape:
         n *= s

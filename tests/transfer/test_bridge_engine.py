@@ -13,6 +13,7 @@ from pdserve.transfer.bridge import PrefillBridge
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
+SECRET = b"test-secret-0123456789"  # the cluster secret of both engines' KV endpoints
 PROMPTS = ["hello world, this is a prompt", "x",
            "a much longer prompt that spans a good number of kv blocks of four tokens each " * 2]
 MAX = 10
@@ -58,8 +59,8 @@ def reference(tiny_model_dir):
 def test_tcp_push_matches_collocated(tiny_model_dir, reference, layerwise, wire_mode):
     ref, tok = reference
     p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8)  # different block sizes
-    receiver = KVReceiverServer(d.runner.kv_caches)
-    p.bridge = PrefillBridge(TcpKVSender(wire_mode), p.model_config.num_hidden_layers, layerwise)
+    receiver = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(TcpKVSender(wire_mode, secret=SECRET), p.model_config.num_hidden_layers, layerwise)
     try:
         # the repeat: P caches a longer prefix (blocks of 4) than D (blocks of 8); D must still get the gap
         for i, prompt in enumerate(PROMPTS + PROMPTS[2:]):
@@ -74,8 +75,8 @@ def test_tcp_push_matches_collocated(tiny_model_dir, reference, layerwise, wire_
 def test_incremental_transfer_sends_only_missing_blocks(tiny_model_dir, reference):
     ref, tok = reference
     p, d = make(tiny_model_dir), make(tiny_model_dir)
-    receiver = KVReceiverServer(d.runner.kv_caches)
-    p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers)
+    receiver = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(TcpKVSender(secret=SECRET), p.model_config.num_hidden_layers)
     ids = tok.encode(PROMPTS[2])
     assert disaggregated(p, d, receiver, ids, rid="first") == ref[PROMPTS[2]]
     sent_first = p.bridge.sender.total_bytes
@@ -92,8 +93,8 @@ def test_shm_push_matches_collocated(tiny_model_dir, reference, layerwise):
     p = make(tiny_model_dir)
     d = make(tiny_model_dir, kv_cache_shm_dir="/dev/shm")
     assert d.runner.kv_shm_paths
-    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm")
-    p.bridge = PrefillBridge(ShmKVSender(), p.model_config.num_hidden_layers, layerwise)
+    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm", secret=SECRET)
+    p.bridge = PrefillBridge(ShmKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise)
     try:
         for i, prompt in enumerate(PROMPTS):
             assert disaggregated(p, d, receiver, tok.encode(prompt), layerwise, rid=f"s{i}") == ref[prompt]
@@ -109,8 +110,8 @@ def test_nixl_push_matches_collocated(tiny_model_dir, reference):
 
     ref, tok = reference
     p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8)
-    receiver = NixlKVReceiver(d.runner.kv_caches)
-    p.bridge = PrefillBridge(NixlKVSender(), p.model_config.num_hidden_layers, layerwise=True)
+    receiver = NixlKVReceiver(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(NixlKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise=True)
     try:
         for i, prompt in enumerate(PROMPTS + PROMPTS[2:]):
             assert disaggregated(p, d, receiver, tok.encode(prompt), rid=f"n{i}") == ref[prompt]
@@ -126,8 +127,8 @@ def test_compressed_wire_agreement(tiny_model_dir, reference, wire_mode):
     """Lossy KV on the wire: states the measured agreement instead of asserting equality."""
     ref, tok = reference
     p, d = make(tiny_model_dir), make(tiny_model_dir)
-    receiver = KVReceiverServer(d.runner.kv_caches)
-    p.bridge = PrefillBridge(TcpKVSender(wire_mode), p.model_config.num_hidden_layers)
+    receiver = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(TcpKVSender(wire_mode, secret=SECRET), p.model_config.num_hidden_layers)
     agree = total = 0
     for i, prompt in enumerate(PROMPTS):
         got = disaggregated(p, d, receiver, tok.encode(prompt), rid=f"c{i}")
@@ -145,8 +146,8 @@ def test_pull_matches_collocated(tiny_model_dir, reference, layerwise):
 
     ref, tok = reference
     p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8)
-    exporter = PullKVExporter()
-    receiver = KVReceiverServer(d.runner.kv_caches)
+    exporter = PullKVExporter(secret=SECRET)
+    receiver = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
     p.bridge = PrefillBridge(exporter, p.model_config.num_hidden_layers, layerwise)
     params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     try:
@@ -171,8 +172,8 @@ def test_receiver_converts_kv_dtype_and_block_size(tiny_model_dir, reference):
     K/V converted to bfloat16, token for token."""
     ref, tok = reference
     p, d = make(tiny_model_dir), make(tiny_model_dir, block_size=8, dtype="bfloat16")
-    rx = KVReceiverServer(d.runner.kv_caches)
-    p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers)
+    rx = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(TcpKVSender(secret=SECRET), p.model_config.num_hidden_layers)
     ids = tok.encode(PROMPTS[2])
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     dest = d.reserve_for_transfer("dt", ids, params, rx, deadline_s=30)
@@ -207,8 +208,8 @@ def test_prefill_aborted_mid_prompt_ends_its_transfer(tiny_model_dir, reference)
 
     _, tok = reference
     p, d = make(tiny_model_dir, max_num_batched_tokens=8), make(tiny_model_dir)  # 8-token chunks
-    receiver = KVReceiverServer(d.runner.kv_caches)
-    p.bridge = PrefillBridge(TcpKVSender(), p.model_config.num_hidden_layers)
+    receiver = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(TcpKVSender(secret=SECRET), p.model_config.num_hidden_layers)
     try:
         ids = tok.encode(PROMPTS[2])
         params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)

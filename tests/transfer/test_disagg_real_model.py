@@ -9,6 +9,8 @@ from pdserve.transfer.pull import PullKVExporter
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
+SECRET = b"real-model-test-secret-0123"
+
 LENGTHS = (10, 3000)
 MAX = 8
 
@@ -66,10 +68,10 @@ def test_every_transport_matches_collocated(engines, prompts, reference, transpo
     p, d = engines
     exporter = None
     if transport == "pull":
-        exporter = sender = PullKVExporter()
+        exporter = sender = PullKVExporter(secret=SECRET)
     else:
-        sender = TcpKVSender() if transport == "tcp" else ShmKVSender()
-    rx = KVReceiverServer(d.runner.kv_caches, scheme="shm" if transport == "shm" else "tcp")
+        sender = TcpKVSender(secret=SECRET) if transport == "tcp" else ShmKVSender(secret=SECRET)
+    rx = KVReceiverServer(d.runner.kv_caches, scheme="shm" if transport == "shm" else "tcp", secret=SECRET)
     p.bridge = PrefillBridge(sender, p.model_config.num_hidden_layers, layerwise)
     try:
         for i, ids in enumerate(prompts):
@@ -85,8 +87,8 @@ def test_every_transport_matches_collocated(engines, prompts, reference, transpo
 
 def test_incremental_with_a_cached_prefix(engines, prompts, reference):
     p, d = engines
-    sender = TcpKVSender()
-    rx = KVReceiverServer(d.runner.kv_caches)
+    sender = TcpKVSender(secret=SECRET)
+    rx = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
     p.bridge = PrefillBridge(sender, p.model_config.num_hidden_layers)
     ids = prompts[1]
     assert _run(p, d, rx, ids, "inc-a") == reference[1]

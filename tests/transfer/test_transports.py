@@ -10,6 +10,7 @@ import uuid
 import pytest
 import torch
 
+from pdserve import auth
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination
 from pdserve.transfer.pull import PullKVExporter
@@ -17,6 +18,7 @@ from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender, destination_slots, map_shared_cache
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 24, 4, 2, 8
+SECRET = b"test-secret-0123456789"  # the cluster secret every KV endpoint here shares
 
 
 def test_slot_runs():
@@ -67,8 +69,8 @@ def shm_paths(tmp_path):
 def test_transport_lands_every_layout(layout, transport, shm_paths):
     paths = shm_paths if transport == "shm" else []
     kv = _caches(paths)
-    rx = KVReceiverServer(kv, scheme=transport)
-    sender = ShmKVSender() if transport == "shm" else TcpKVSender()
+    rx = KVReceiverServer(kv, scheme=transport, secret=SECRET)
+    sender = ShmKVSender(secret=SECRET) if transport == "shm" else TcpKVSender(secret=SECRET)
     tokens, start = 37, 5  # the receiver already holds tokens [0, 5): incremental
     dest = KVDestination("t1", rx.address, LAYOUTS[layout], BLOCK, start, tokens,
                          shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
@@ -130,8 +132,8 @@ def test_nixl_write_lands_every_layout(layout, window):
     from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
 
     kv = _caches()
-    rx = NixlKVReceiver(kv)
-    sender = NixlKVSender(writes_in_flight=window)
+    rx = NixlKVReceiver(kv, secret=SECRET)
+    sender = NixlKVSender(writes_in_flight=window, secret=SECRET)
     most = []
     post = sender._post_batch
     sender._post_batch = lambda through=None: (post(through), most.append(sender._posted))
@@ -168,8 +170,8 @@ def test_nixl_posts_queued_layers_as_one_transfer():
     from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
 
     kv = _caches()
-    rx = NixlKVReceiver(kv)
-    sender = NixlKVSender(writes_in_flight=1)
+    rx = NixlKVReceiver(kv, secret=SECRET)
+    sender = NixlKVSender(writes_in_flight=1, secret=SECRET)
     try:
         dest = KVDestination("n1", rx.address, LAYOUTS["fragmented"], BLOCK, 0, 30)
         slots = destination_slots(dest, 0, 30)
@@ -216,7 +218,7 @@ def test_nixl_agents_are_built_with_a_progress_thread_that_pauses():
 def _shm_transfer(paths, sender, between_layers=None, rx=None, kv=None):
     """One 30-token transfer over shared memory; returns (sender stats, frames before done)."""
     kv = kv or _caches(paths)
-    rx = rx or KVReceiverServer(kv, scheme="shm")
+    rx = rx or KVReceiverServer(kv, scheme="shm", secret=SECRET)
     tokens = 30
     dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, tokens, shm_paths=paths,
                          shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
@@ -248,7 +250,7 @@ def test_shm_notices_sent_inline_survive_a_broken_connection(shm_paths):
     the thread instead, which reconnects and resends, and the transfer still completes."""
     import time
 
-    sender = ShmKVSender(notice_gap_s=0)  # a notice per layer
+    sender = ShmKVSender(notice_gap_s=0, secret=SECRET)  # a notice per layer
 
     def between(layer):
         deadline = time.monotonic() + 10
@@ -265,7 +267,7 @@ def test_shm_notices_sent_inline_survive_a_broken_connection(shm_paths):
 
 def test_shm_notices_of_a_burst_name_several_layers(shm_paths):
     """Layers landing faster than the notice gap wait for one notice that names them all."""
-    sender = ShmKVSender(notice_gap_s=60)
+    sender = ShmKVSender(notice_gap_s=60, secret=SECRET)
     stats, frames = _shm_transfer(shm_paths, sender)
     assert frames == 1  # layer 0 alone; the others go with the done frame's notice
     assert stats.layers == LAYERS and stats.retries == 0
@@ -281,8 +283,8 @@ def test_sender_abort_reaches_the_receiver(transport, shm_paths):
 
     paths = shm_paths if transport == "shm" else []
     kv = _caches(paths)
-    rx = KVReceiverServer(kv, scheme="shm" if paths else "tcp")
-    sender = {"shm": ShmKVSender, "tcp": TcpKVSender, "pull": PullKVExporter}[transport]()
+    rx = KVReceiverServer(kv, scheme="shm" if paths else "tcp", secret=SECRET)
+    sender = {"shm": ShmKVSender, "tcp": TcpKVSender, "pull": PullKVExporter}[transport](secret=SECRET)
     dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, pull=transport == "pull",
                          shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
                          shm_dtype="float32" if paths else "")
@@ -306,7 +308,7 @@ def test_malformed_notices_close_their_connection_only(shm_paths):
     import socket as socketlib
 
     kv = _caches(shm_paths)
-    rx = KVReceiverServer(kv, scheme="shm")
+    rx = KVReceiverServer(kv, scheme="shm", secret=SECRET)
     dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, shm_paths=shm_paths,
                          shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
     rx.expect(dest, destination_slots(dest, 0, 30), LAYERS, deadline_s=30)
@@ -315,9 +317,10 @@ def test_malformed_notices_close_their_connection_only(shm_paths):
                 {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": ["x"]},
                 {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": [LAYERS]}):
         with socketlib.create_connection((host, int(port))) as s:
+            auth.kv_connect(s, SECRET)
             wire.send_frame(s, bad)
             s.settimeout(10)
             assert s.recv(1) == b""  # the receiver closed this connection
     assert not rx.is_complete("t1")
-    stats, _ = _shm_transfer(shm_paths, ShmKVSender(notice_gap_s=60), rx=rx, kv=kv)
+    stats, _ = _shm_transfer(shm_paths, ShmKVSender(notice_gap_s=60, secret=SECRET), rx=rx, kv=kv)
     assert stats.layers == LAYERS
