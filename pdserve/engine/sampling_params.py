@@ -3,6 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Bounds on what a caller may ask for. Each stop string is searched for after
+# every token and held back from streams while it could still complete, and each
+# stop id is checked per token: their counts and lengths are per-token work.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+# The sampler puts top_k in an int64 tensor and seeds a torch.Generator, which
+# accepts [-2^63, 2^64); a value outside would fail the whole batch's step.
+MAX_TOP_K = (1 << 31) - 1
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
 
 class InvalidRequest(ValueError):
     """A request the engine refuses: the message names the parameter at fault."""
@@ -10,6 +22,11 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def _bad(cond: bool, param: str, message: str) -> None:
+    if cond:
+        raise InvalidRequest(message, param)
 
 
 @dataclass
@@ -42,22 +59,33 @@ class SamplingParams:
         self._check()
 
     def _check(self):
-        def bad(cond, param, msg):
-            if cond:
-                raise InvalidRequest(msg, param)
+        _bad(self.n < 1, "n", "n must be at least 1")
+        _bad(self.temperature < 0, "temperature", "temperature must be >= 0")
+        _bad(not 0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]")
+        _bad(not -1 <= self.top_k <= MAX_TOP_K, "top_k", f"top_k must be -1 (off) or in [1, {MAX_TOP_K}]")
+        _bad(not 0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]")
+        _bad(self.repetition_penalty <= 0, "repetition_penalty", "repetition_penalty must be > 0")
+        _bad(not -2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
+        _bad(not -2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        _bad(self.max_tokens is not None and self.max_tokens < 1, "max_tokens", "max_tokens must be at least 1")
+        _bad(self.min_tokens < 0, "min_tokens", "min_tokens must be >= 0")
+        _bad(self.max_tokens is not None and self.min_tokens > self.max_tokens, "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _bad(self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX, "seed",
+            f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
+        _bad(self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+            f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        self._check_stops()
 
-        bad(self.n < 1, "n", "n must be at least 1")
-        bad(self.temperature < 0, "temperature", "temperature must be >= 0")
-        bad(not 0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]")
-        bad(self.top_k < -1, "top_k", "top_k must be -1 (off) or >= 1")
-        bad(not 0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]")
-        bad(self.repetition_penalty <= 0, "repetition_penalty", "repetition_penalty must be > 0")
-        bad(not -2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]")
-        bad(not -2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
-        bad(self.max_tokens is not None and self.max_tokens < 1, "max_tokens", "max_tokens must be at least 1")
-        bad(self.min_tokens < 0, "min_tokens", "min_tokens must be >= 0")
-        bad(self.logprobs is not None and not 0 <= self.logprobs <= 20, "logprobs",
-            "logprobs must be between 0 and 20")
+    def _check_stops(self):
+        _bad(len(self.stop) > MAX_STOP_STRINGS, "stop",
+            f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        longest = max(map(len, self.stop), default=0)
+        _bad(longest > MAX_STOP_STRING_CHARS, "stop",
+            f"a stop string of {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed")
+        _bad(len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS, "stop_token_ids",
+            f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        _bad(any(t < 0 for t in self.stop_token_ids), "stop_token_ids", "stop token ids must be >= 0")
 
     @property
     def greedy(self) -> bool:

@@ -41,41 +41,63 @@ class SchedulerOutput:
 
 
 class WaitingQueue:
-    """FCFS, or ordered by (priority, arrival) under the priority policy."""
+    """FCFS, or ordered by (priority, arrival) under the priority policy.
+
+    Removal is lazy: an aborted sequence's heap entry is marked dead and dropped
+    when it reaches the top, so removing k of n waiting sequences costs
+    O(k log n), not O(k n): one API request may fan out into hundreds of
+    sequences, and its client may leave before any of them starts.
+    """
 
     def __init__(self, by_priority: bool):
         self.by_priority = by_priority
-        self._heap: list[tuple] = []
+        self._heap: list[list] = []  # [key..., order, seq]; seq is None once removed
+        self._entries: dict[int, list] = {}  # id(seq) -> its live heap entry
         self._count = itertools.count()
 
-    def _key(self, seq: Sequence, front: bool):
+    def _entry(self, seq: Sequence, front: bool) -> list:
+        # `order` is unique, so comparisons never reach the sequence (or a dead None)
         order = -next(self._count) if front else next(self._count)
         if self.by_priority:
-            return (seq.priority, seq.arrival_time, order, seq)
-        return (order, 0, 0, seq)
+            return [seq.priority, seq.arrival_time, order, seq]
+        return [order, 0, 0, seq]
 
     def push(self, seq: Sequence, front: bool = False) -> None:
-        heapq.heappush(self._heap, self._key(seq, front))
+        entry = self._entry(seq, front)
+        self._entries[id(seq)] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _drop_dead_top(self) -> None:
+        while self._heap and self._heap[0][-1] is None:
+            heapq.heappop(self._heap)
 
     def peek(self) -> Sequence:
+        self._drop_dead_top()
         return self._heap[0][-1]
 
     def pop(self) -> Sequence:
-        return heapq.heappop(self._heap)[-1]
+        self._drop_dead_top()
+        seq = heapq.heappop(self._heap)[-1]
+        del self._entries[id(seq)]
+        return seq
 
     def remove(self, seq: Sequence) -> bool:
-        for i, item in enumerate(self._heap):
-            if item[-1] is seq:
-                self._heap.pop(i)
-                heapq.heapify(self._heap)
-                return True
-        return False
+        entry = self._entries.pop(id(seq), None)
+        if entry is None:
+            return False
+        entry[-1] = None
+        # Rebuild once the dead outnumber the living, so memory follows the live
+        # count; the O(n) rebuild is paid for by the n removals before it.
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [e for e in self._heap if e[-1] is not None]
+            heapq.heapify(self._heap)
+        return True
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries)
 
     def __iter__(self):
-        return (item[-1] for item in sorted(self._heap))
+        return (entry[-1] for entry in sorted(self._entries.values()))
 
 
 class Scheduler:
@@ -168,8 +190,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq.status is Status.RUNNING:
+            # by identity: Sequence is a dataclass, and == compares every field
+            del self.running[next(i for i, s in enumerate(self.running) if s is seq)]
         else:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)

@@ -33,6 +33,9 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
+    # prompts x n: each is an engine sequence that waits, runs and is aborted on its own
+    max_seqs_per_request: int = 256
+    metrics_require_key: bool = False  # /metrics behind api_key too
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -42,18 +45,45 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app)
     install_handlers(app)
     api = _Api(engine, settings)
     app.state.api = api
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"],
+                      openapi_extra=_json_body(P.CompletionRequest))
+    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"],
+                      openapi_extra=_json_body(P.ChatCompletionRequest))
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
-    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_json_body(P.TokenizeRequest))
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     return app
+
+
+# Handlers read their bodies by hand (size limit first, then strict parsing), so
+# FastAPI cannot see them: the schema names the pydantic models they parse into.
+_BODY_MODELS = (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest)
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _json_body(model) -> dict:
+    ref = _SCHEMA_REF.format(model=model.__name__)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document plus the JSON schemas of the request bodies (for clients and fuzzers)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS], ref_template=_SCHEMA_REF)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 class _Api:
@@ -117,9 +147,23 @@ class _Api:
             self._token_text = TokenText(self._core().tokenizer)
         return self._token_text
 
+    def _check_request(self, req, prompts: list[str | list[int]]) -> None:
+        """The checks that need the server's settings or the model: fan-out and vocabulary."""
+        num_seqs, limit = len(prompts) * req.n, self.settings.max_seqs_per_request
+        if num_seqs > limit:
+            raise bad_request(f"this request asks for {num_seqs} sequences ({len(prompts)} prompts x n={req.n}); "
+                              f"the limit is max_seqs_per_request={limit}", "n" if req.n > 1 else "prompt",
+                              code="too_many_sequences")
+        vocab_size = self._core().model_config.vocab_size
+        P.check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
+        for p in prompts:
+            if not isinstance(p, str):  # before echo decodes them: the tokenizer fails on unknown ids
+                P.check_token_ids(p, vocab_size, "prompt")
+
     # ---- generation
     async def completions(self, request: Request):
         req: P.CompletionRequest = await self._parse(request, P.CompletionRequest)
+        self._check_request(req, req.prompts())
         prompts = [await self._encode(p) if isinstance(p, str) else p for p in req.prompts()]
         params = req.sampling_params(req.max_tokens, req.logprobs)
         echo = None
@@ -134,6 +178,7 @@ class _Api:
     async def chat(self, request: Request):
         req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
         text = self._chat_prompt(req.conversation(), req.add_generation_prompt)
+        self._check_request(req, [text])
         prompt = await self._encode(text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, req.engine_logprobs())
@@ -225,6 +270,8 @@ class _Api:
         return body
 
     async def metrics(self, request: Request):
+        if self.settings.metrics_require_key:
+            self._check_key(request)
         m = self.engine.metrics
         return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
 

@@ -159,11 +159,7 @@ class AsyncEngine:
             raise APIError(503, "the server is shutting down")
         if self.engine is None:
             raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
-        if not admit(self._num_waiting, self.max_waiting_requests):
-            self.metrics.rejected.inc()
-            wait_s = retry_after_s(self._num_waiting, self._starts.rate_per_s(time.monotonic()))
-            raise APIError(429, f"{self._num_waiting} requests are already waiting; retry in {wait_s}s",
-                           code="queue_full", headers={"Retry-After": str(wait_s)})
+        self._admit(len(inputs))
         arrival_s = time.monotonic()
         group = RequestGroup(self, request_id or f"req-{next(self._ids)}", len(inputs), arrival_s)
         for sub in group.subs:
@@ -171,6 +167,23 @@ class AsyncEngine:
         self._num_waiting += len(inputs)
         self._cmds.put(("add", group, [(s.rid, inp, priority, arrival_s) for s, inp in zip(group.subs, inputs)]))
         return group
+
+    def _admit(self, num: int) -> None:
+        """Refuse a group of `num` sequences that would take the queue past its limit.
+
+        The limit counts sequences, not API requests: one request fans out into
+        prompts x n of them, and each waits and is aborted on its own."""
+        limit = self.max_waiting_requests
+        if num > limit:  # no amount of waiting lets it in: say so instead of "retry"
+            raise APIError(400, f"this request needs {num} sequences, but at most {limit} may wait in this "
+                                f"engine (max_waiting_requests={limit})", code="request_too_large")
+        # the group is admitted whole or not at all, as if its sequences arrived one by one
+        if not admit(self._num_waiting + num - 1, limit):
+            self.metrics.rejected.inc()
+            wait_s = retry_after_s(self._num_waiting, self._starts.rate_per_s(time.monotonic()))
+            raise APIError(429, f"{self._num_waiting} sequences are already waiting and this request adds {num}; "
+                                f"the limit is max_waiting_requests={limit}; retry in {wait_s}s",
+                           code="queue_full", headers={"Retry-After": str(wait_s)})
 
     def attach(self, request_id: str, num: int) -> RequestGroup:
         """A group for engine requests created by a `call` (e.g. a decode that resumes

@@ -9,16 +9,16 @@ would hit every request in the batch.
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams
 from pdserve.server.errors import APIError, bad_request, from_validation_errors
 
 MAX_N = 128
-MAX_LOGPROBS = 20
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+_PRIORITY_MIN, _PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # an int64, wherever it travels
 
 
 class _Strict(BaseModel):
@@ -39,7 +39,7 @@ class _SamplingFields(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -54,13 +54,16 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=_PRIORITY_MIN, le=_PRIORITY_MAX)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            # choice j is seeded with seed + j, which must still be a valid seed
+            raise bad_request(f"seed + n - 1 must be at most {SEED_MAX}", "seed")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; n is handled by the caller (one engine request per choice)."""
@@ -175,18 +178,67 @@ class TokenizeRequest(_Strict):
             raise bad_request("give exactly one of prompt and messages", "prompt")
 
 
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """Token ids outside the vocabulary: refused here, before a tokenizer or the engine sees them."""
+    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+        raise bad_request(f"{param}: token ids must be in [0, {vocab_size})", param)
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_body(raw: bytes, model_cls: type[_Strict]):
-    """Bytes of a request body -> a validated model, or an APIError 400 naming the fault."""
+# An escaped high surrogate not followed by a low one, or a low one not after a
+# high one: the only way a lone surrogate gets into a strictly decoded body (a
+# pair, as json.dumps writes emoji, is one character). Cheap to look for; the
+# walk that finds which field holds it is not.
+_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                                    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_at(data) -> str | None:
+    """Dotted path ("messages.0.content") of a string that is not valid Unicode, or of the
+    object with such a key (never the key itself: it could not be sent back); else None."""
+    stack = [("", data)]
+    while stack:  # not recursive: the body may be nested as deep as the parser allows
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return path
+        elif isinstance(v, (dict, list)):
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return path
+                stack.append((f"{path}.{k}" if path else str(k), x))
+    return None
+
+
+def _load_json(raw: bytes):
+    """Bytes of a request body -> JSON data, or an APIError 400 naming the fault."""
     try:
+        # Strict UTF-8 (RFC 8259): json.loads on bytes would let encoded surrogates through.
+        text = raw.decode("utf-8-sig")
         # NaN and Infinity are not JSON; Python's parser would accept them and they
         # would reach the sampler as non-finite temperatures.
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    # A lone surrogate ("\ud800") is valid JSON but not Unicode: the tokenizer and
+    # every UTF-8 encoder downstream would fail on it.
+    if _LONE_SURROGATE_ESCAPE.search(text) and (at := _lone_surrogate_at(data)) is not None:
+        where = f"{at}: " if at else ""
+        raise bad_request(f"{where}a string holds a lone UTF-16 surrogate, which is not valid Unicode",
+                          param=at or None)
+    return data
+
+
+def parse_body(raw: bytes, model_cls: type[_Strict]):
+    """Bytes of a request body -> a validated model, or an APIError 400 naming the fault."""
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     try:

@@ -84,11 +84,25 @@ def test_bad_requests_are_named_and_leak_nothing(tiny_llm, prompt, params, param
     assert tiny_llm.generate("still fine", GREEDY)[0].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"n": 0},
-                                {"logprobs": 50}])
-def test_bad_sampling_params(kw):
-    with pytest.raises(InvalidRequest):
+@pytest.mark.parametrize("kw, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    # these used to pass and then fail the whole batch's step (int64 tensor, torch.Generator seed)
+    ({"top_k": 2 ** 80}, "top_k"), ({"seed": 2 ** 64}, "seed"), ({"seed": -(2 ** 63) - 1}, "seed"),
+    ({"stop": ["x"] * 100_000}, "stop"), ({"stop": "x" * 500_000}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+])
+def test_bad_sampling_params(kw, param):
+    with pytest.raises(InvalidRequest) as e:
         SamplingParams(**kw)
+    assert e.value.param == param
+
+
+def test_sampling_params_at_their_bounds():
+    p = SamplingParams(min_tokens=4, max_tokens=4, top_k=2 ** 31 - 1, seed=2 ** 64 - 1, stop=["x" * 1024] * 64,
+                       stop_token_ids=list(range(64)))
+    assert len(p.stop) == 64 and SamplingParams(min_tokens=100, max_tokens=None).min_tokens == 100
 
 
 def test_unknown_model_path():
@@ -125,6 +139,21 @@ def test_abort_of_a_waiting_request(tiny_llm):
     eng = tiny_llm.engine
     eng.add_request("w", "waiting prompt", GREEDY)
     assert eng.abort_request("w")
+    assert_idle(tiny_llm)
+
+
+def test_aborting_many_waiting_requests_leaves_the_rest_running(tiny_llm):
+    eng = tiny_llm.engine
+    for i in range(2000):
+        eng.add_request(f"fan-{i}", [5, 6, 7], GREEDY)
+    eng.add_request("keep", "keep me", GREEDY)
+    assert eng.stats()["num_waiting"] == 2001
+    assert all(eng.abort_request(f"fan-{i}") for i in range(2000))
+    assert eng.stats()["num_waiting"] == 1
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert {o.request_id for o in outs} == {"keep"} and outs[-1].finished
     assert_idle(tiny_llm)
 
 

@@ -98,3 +98,39 @@ def test_finish_frees_blocks():
     run_step(s, s.schedule())
     s.finish(a)
     assert s.kv.num_free_blocks == 32 and not s.has_unfinished()
+
+
+def test_aborting_waiting_sequences_keeps_the_order_of_the_rest():
+    s = make(policy="priority", max_num_seqs=100)
+    seqs = [seq(f"s{i}", 1, priority=i % 3, t=float(i)) for i in range(300)]
+    for x in seqs:
+        s.add(x)
+    for x in seqs[::2]:
+        s.finish(x)
+    assert not s.waiting.remove(seqs[0])  # already gone
+    rest = seqs[1::2]
+    assert len(s.waiting) == len(rest) == 150
+    want = sorted(rest, key=lambda x: (x.priority, x.arrival_time))
+    assert list(s.waiting) == want
+    assert [s.waiting.pop() for _ in range(150)] == want and len(s.waiting) == 0
+
+
+def test_aborting_a_huge_fanout_is_not_quadratic():
+    """One API request can become thousands of waiting sequences; aborting them all when
+    its client leaves must not stall the engine thread (it used to rescan and re-heapify
+    the whole queue per sequence: minutes for 250,000)."""
+    import time
+
+    s = make()
+    group = [seq(f"g{i}", 2) for i in range(20_000)]
+    other = seq("other", 2)
+    for x in group:
+        s.add(x)
+    s.add(other)
+    t0 = time.monotonic()
+    for x in group:
+        s.finish(x)
+    elapsed_s = time.monotonic() - t0
+    assert elapsed_s < 2.0, f"aborting 20,000 waiting sequences took {elapsed_s:.1f}s"
+    assert len(s.waiting) == 1 and s.waiting.peek() is other
+    assert [x.seq.seq_id for x in s.schedule().scheduled] == ["other"]

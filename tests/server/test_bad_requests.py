@@ -16,6 +16,13 @@ def body(**kw):
     return json.dumps({"model": "tiny", **kw}).encode()
 
 
+def deep(depth: int) -> bytes:
+    return b'{"model": "tiny", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+LONE_SURROGATE = r'"\ud800"'  # the JSON escape: valid JSON, not valid Unicode
+
+
 # (name, method, path, raw body, headers, status, param)
 CASES = [
     ("invalid_json", "POST", CMPL, b'{"prompt": "hi",', AUTH, 400, None),
@@ -63,6 +70,30 @@ CASES = [
     ("missing_api_key", "POST", CMPL, body(prompt="hi"), {}, 401, None),
     ("wrong_api_key", "POST", CHAT, body(messages=USER), {"Authorization": "Bearer nope"}, 401, None),
     ("body_too_large", "POST", CMPL, body(prompt="a" * 70_000), AUTH, 413, None),
+    # these used to answer 500 ...
+    ("lone_surrogate_prompt", "POST", CMPL, f'{{"prompt": {LONE_SURROGATE}}}'.encode(), AUTH, 400, "prompt"),
+    ("lone_surrogate_in_chat", "POST", CHAT,
+     f'{{"messages": [{{"role": "user", "content": {LONE_SURROGATE}}}]}}'.encode(), AUTH, 400,
+     "messages.0.content"),
+    ("lone_surrogate_in_tokenize", "POST", "/tokenize", f'{{"prompt": {LONE_SURROGATE}}}'.encode(), AUTH, 400,
+     "prompt"),
+    ("nested_32000_deep", "POST", CMPL, deep(32_000), AUTH, 400, None),
+    ("echo_of_unknown_token_id", "POST", CMPL, body(prompt=[1, 300], echo=True), AUTH, 400, "prompt"),
+    # ... or were accepted: a silent no-op, a request that can never finish as asked,
+    ("min_tokens_over_max_tokens", "POST", CMPL, body(prompt="hi", min_tokens=5, max_tokens=2), AUTH, 400,
+     "min_tokens"),
+    ("negative_stop_token_id", "POST", CMPL, body(prompt="hi", stop_token_ids=[-1]), AUTH, 400, "stop_token_ids"),
+    ("stop_token_id_out_of_vocab", "POST", CHAT, body(messages=USER, stop_token_ids=[5, 10 ** 6]), AUTH, 400,
+     "stop_token_ids"),
+    ("priority_out_of_range", "POST", CMPL, body(prompt="hi", priority=2 ** 80), AUTH, 400, "priority"),
+    ("too_many_stop_strings", "POST", CMPL, body(prompt="hi", stop=[f"s{i}" for i in range(1000)]), AUTH, 400,
+     "stop"),
+    ("stop_string_too_long", "POST", CHAT, body(messages=USER, stop="x" * 5000), AUTH, 400, "stop"),
+    ("too_many_sequences_by_n", "POST", CMPL, body(prompt=["hi"] * 3, n=100), AUTH, 400, "n"),
+    ("too_many_sequences_by_prompts", "POST", CMPL, body(prompt=["hi"] * 300), AUTH, 400, "prompt"),
+    # ... or stopped the engine for everyone (the batch's step failed on an int64 overflow)
+    ("top_k_beyond_int64", "POST", CMPL, body(prompt="hi", top_k=2 ** 80), AUTH, 400, "top_k"),
+    ("seed_of_choice_1_beyond_range", "POST", CMPL, body(prompt="hi", seed=2 ** 64 - 1, n=2), AUTH, 400, "seed"),
 ]
 
 

@@ -1,5 +1,6 @@
 """In-process checks of the pieces the router will reuse: parsing, admission, formatting, app states."""
 import asyncio
+import json
 import threading
 
 import httpx
@@ -107,7 +108,6 @@ def test_loading_engine_answers_503_then_reports_the_load_failure():
 
 @pytest.mark.parametrize("cls", ["CompletionFormatter", "ChatFormatter"])
 def test_templated_chunk_equals_the_dict_chunk(cls):
-    import json
     from types import SimpleNamespace as NS
 
     from pdserve.server import format as F
@@ -118,3 +118,69 @@ def test_templated_chunk_equals_the_dict_chunk(cls):
     for include_usage in (False, True):
         want = fmt.chunk(1, out) | ({"usage": None} if include_usage else {})
         assert json.loads(fmt.chunk_json(1, out, include_usage)) == want
+
+
+@pytest.mark.parametrize("raw,param", [
+    (rb'{"prompt": "\ud800"}', "prompt"),
+    (rb'{"prompt": ["fine", "a\udfffb"]}', "prompt.1"),
+    (rb'{"prompt": "x", "user": "\udc00"}', "user"),  # ignored or not, it is not Unicode
+    (rb'{"prompt": "x", "extra": {"\ud800": 1}}', "extra"),  # the key itself cannot be sent back
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    (b'{"prompt": "\xed\xa0\x80"}', None),  # a surrogate encoded as UTF-8 bytes: invalid UTF-8
+    (b'{"prompt": "x", "stop": ' + json.dumps(["s"] * 100_000).encode() + b"}", "stop"),
+    (b'{"prompt": "x", "stop": "' + b"x" * 500_000 + b'"}', "stop"),
+    (b'{"prompt": "x", "priority": 9223372036854775808}', "priority"),
+    (b'{"prompt": "x", "seed": 18446744073709551615, "n": 2}', "seed"),
+])
+def test_parse_refuses_what_is_not_unicode_too_deep_or_too_big(raw, param):
+    err = parse(P.CompletionRequest, raw)
+    if not isinstance(err, APIError):
+        err = parse_params(err)
+    assert isinstance(err, APIError) and err.status == 400 and err.param == param, err
+    json.dumps(err.body(), ensure_ascii=False).encode()  # the error itself can be sent
+
+
+@pytest.mark.parametrize("raw,prompt", [
+    (rb'{"prompt": "\ud83d\ude00"}', "\U0001F600"),  # a surrogate pair is one character
+    (rb'{"prompt": "\\ud800"}', "\\ud800"),  # an escaped backslash, then text
+    (b'\xef\xbb\xbf{"prompt": "x"}', "x"),  # a UTF-8 byte order mark
+])
+def test_parse_accepts_valid_unicode(raw, prompt):
+    assert parse(P.CompletionRequest, raw).prompt == prompt
+
+
+def test_chat_messages_are_checked_for_surrogates_and_depth():
+    err = parse(P.ChatCompletionRequest, rb'{"messages": [{"role": "user", "content": [{"type": "text", '
+                                         rb'"text": "ok"}, {"type": "text", "text": "\ud800"}]}]}')
+    assert err.status == 400 and err.param == "messages.0.content.1.text"
+    nested = b'{"messages": [{"role": "user", "content": ' + b"[" * 5000 + b"]" * 5000 + b"}]}"
+    err = parse(P.ChatCompletionRequest, nested)
+    assert err.status == 400 and err.code == "invalid_json"
+
+
+def test_openapi_describes_the_request_bodies():
+    from pdserve.server.app import ServerSettings, build_app
+
+    doc = build_app(None, ServerSettings()).openapi()
+    schemas = doc["components"]["schemas"]
+    for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest")]:
+        body = doc["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert model in schemas
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == P.MAX_N
+    assert "get" in doc["paths"]["/v1/models"]
+    refs = {v for v in _walk(doc) if isinstance(v, str) and v.startswith("#/")}
+    assert all(r.removeprefix("#/components/schemas/") in schemas for r in refs), refs
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+    else:
+        yield node
