@@ -15,6 +15,8 @@ import time
 
 import httpx
 
+from pdserve import auth
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,12 +35,15 @@ class Deployment:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[tuple[str, subprocess.Popen, object]] = []
+        token = auth.new_token()  # this deployment's cluster secret, for its children and our calls
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", auth.TOKEN_ENV: token}
+        self.http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=10)
 
     def _start(self, name: str, *args: str) -> None:
         log = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
         p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                             env=self.env, start_new_session=True)
         self.procs.append((name, p, log))
 
     def __enter__(self) -> "Deployment":
@@ -76,10 +81,10 @@ class Deployment:
         raise TimeoutError("workers did not register:\n" + "\n".join(self.log(n) for n, _, _ in self.procs))
 
     def status(self) -> dict:
-        return httpx.get(self.url + "/internal/workers", timeout=10).json()
+        return self.http.get(self.url + "/internal/workers").json()
 
     def conductor(self) -> dict:
-        return httpx.get(self.url + "/internal/conductor", timeout=10).json()
+        return self.http.get(self.url + "/internal/conductor").json()
 
     def worker_stats(self, role: str) -> list[dict]:
         return [w["stats"] or {} for w in self.status()["workers"] if w["role"] == role]

@@ -2,36 +2,48 @@
 
 The public API is the collocated server's own app (pdserve/server/app.py)
 over a `DisaggEngine`; this file adds the control endpoints workers use and
-the router's own metrics.
+the router's own metrics. Every route under /internal/ needs a request signed
+with the cluster secret (pdserve/auth.py): without it, 401 and a log line.
 """
 from __future__ import annotations
 
 import json
+import logging
+from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve import auth
 from pdserve.router import conductor
 from pdserve.router.disagg import DisaggEngine
 from pdserve.router.registry import Registry, WorkerInfo
 from pdserve.server.app import ServerSettings, build_app
 from pdserve.server.errors import APIError
 
+log = logging.getLogger("pdserve.router")
 
-def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerSettings):
+
+def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerSettings, secret: bytes):
     app = build_app(engine, settings)
-    engine.metrics.registry.register(_RouterCollector(engine, registry))
+    verifier = auth.Verifier(secret)
+    app.add_middleware(auth.InternalAuth, verifier=verifier)
+    engine.metrics.registry.register(_RouterCollector(engine, registry, verifier))
 
     async def register(request: Request):
-        b = _json(await request.body())
-        try:
-            info = WorkerInfo(worker_id=str(b["worker_id"]), url=str(b["url"]), role=str(b["role"]),
-                              kv_address=str(b.get("kv_address", "")),
-                              kv_export_address=str(b.get("kv_export_address", "")), host=str(b.get("host", "")))
-            registry.register(info)
-        except (KeyError, ValueError) as e:
-            raise APIError(400, f"bad registration: {e}") from None
+        info = _registration(_json(await request.body()))
+        unreachable = await engine.probe(info.url)
+        if unreachable:
+            log.warning("refused registration of %s: %s", info.worker_id, unreachable)
+            raise APIError(400, f"the router cannot reach {info.url} ({unreachable}); start the worker with "
+                                "--advertise-host set to an address the router and the other workers can dial",
+                           param="url")
+        old = registry.get(info.worker_id)
+        registry.register(info)
+        log.info("worker registered", extra={"fields": {"worker_id": info.worker_id, "role": info.role,
+                                                        "url": info.url, "restarts": info.restarts,
+                                                        "again": old is not None}})
         engine.refresh_stats()
         return {"registered": info.worker_id}
 
@@ -52,11 +64,68 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
                 "prefix_index": engine.placer.index.stats(),
                 "admission": _admission_status(engine.admitter)}
 
-    app.add_api_route("/internal/register", register, methods=["POST"])
-    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"])
-    app.add_api_route("/internal/workers", workers, methods=["GET"])
-    app.add_api_route("/internal/conductor", lambda: conductor_status(engine.metrics, registry), methods=["GET"])
+    engine.pools.pd_advice = lambda: conductor_status(engine.metrics, registry)["recommended_nd_per_np"]
+
+    async def pools(request: Request):
+        return engine.pools.status()
+
+    async def supervisor_poll(request: Request):
+        """A supervisor (pdserve serve, the Ray driver) says what it runs; gets the wanted sizes."""
+        running = _json(await request.body()).get("running") or {}
+        if not isinstance(running, dict) or not all(isinstance(v, int) and 0 <= v <= 1024 for v in running.values()):
+            raise APIError(400, "running must map roles to worker counts", param="running")
+        return {"wanted": engine.pools.supervisor_poll(running)}
+
+    async def scale(request: Request):
+        b = _json(await request.body())
+        try:
+            wanted = engine.pools.scale({r: b.get(r) for r in ("prefill", "decode")})
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        live = engine.pools.live_counts()
+        grows = [r for r in wanted if wanted[r] > live.get(r, 0)]
+        note = None
+        if grows and not engine.pools.sizes.supervised():
+            note = (f"no supervisor polls this router: start the new {' and '.join(grows)} worker(s) by hand "
+                    "(pdserve worker --router ...)")
+        log.info("pools scaled", extra={"fields": {"wanted": wanted, "live": live}})
+        await engine.pools.tick()  # shrink at once; growth is the supervisor's next poll
+        return {"wanted": wanted, "live": live, "note": note}
+
+    app.add_api_route("/internal/admin/pools", pools, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/internal/admin/pools/poll", supervisor_poll, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/internal/admin/scale", scale, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/internal/register", register, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/internal/workers", workers, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/internal/conductor", lambda: conductor_status(engine.metrics, registry), methods=["GET"], include_in_schema=False)
     return app
+
+
+_MAX_FIELD_CHARS = 512
+
+
+def _registration(b: dict) -> WorkerInfo:
+    """A worker's registration, checked: strings of bounded length, http(s) URL, known role."""
+    def text(key: str, default: str | None = None) -> str:
+        v = b.get(key, default)
+        if not isinstance(v, str) or len(v) > _MAX_FIELD_CHARS:
+            raise APIError(400, f"bad registration: {key} must be a string of at most {_MAX_FIELD_CHARS} "
+                                "characters", param=key)
+        return v
+
+    url = text("url")
+    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
+        raise APIError(400, "bad registration: url must be http(s)://host:port", param="url")
+    restarts = b.get("restarts", 0)
+    if not isinstance(restarts, int) or not 0 <= restarts < 1 << 31:
+        raise APIError(400, "bad registration: restarts must be a non-negative integer", param="restarts")
+    try:
+        return WorkerInfo(worker_id=text("worker_id"), url=url, role=text("role"),
+                          kv_address=text("kv_address", ""), kv_export_address=text("kv_export_address", ""),
+                          host=text("host", ""), restarts=restarts)
+    except ValueError as e:
+        raise APIError(400, f"bad registration: {e}") from None
 
 
 def _mean(h) -> float | None:
@@ -120,8 +189,8 @@ def _json(raw: bytes) -> dict:
 class _RouterCollector:
     """Disaggregation metrics, read at scrape time from the engine's counters and the registry."""
 
-    def __init__(self, engine: DisaggEngine, registry: Registry):
-        self.engine, self.registry = engine, registry
+    def __init__(self, engine: DisaggEngine, registry: Registry, verifier: auth.Verifier):
+        self.engine, self.registry, self.verifier = engine, registry, verifier
 
     def describe(self):
         return []
@@ -135,6 +204,8 @@ class _RouterCollector:
                                ("request_recomputed", "Requests whose prompt the decode worker recomputed.",
                                 "recomputed"),
                                ("request_replaced", "Requests moved to another worker mid-decode.", "replaced"),
+                               ("request_whole_on_one_worker", "Requests one worker ran whole because the "
+                                "other role had no live worker.", "whole"),
                                ("kv_transfer_exposed_seconds", "Transfer seconds left after the prefill ended "
                                 "(what TTFT pays; layer-wise hides the rest).", "kv_exposed_seconds"),
                                ("kv_transfer_exposed_bytes", "Bytes that travelled in the exposed seconds.",
@@ -142,6 +213,15 @@ class _RouterCollector:
             m = CounterMetricFamily(f"pdserve:{name}", doc)
             m.add_metric([], c.get(key, 0))
             yield m
+        refused = CounterMetricFamily("pdserve:internal_auth_refused", "Internal calls refused for a missing or "
+                                      "wrong cluster-token signature.")
+        refused.add_metric([], self.verifier.refused)
+        yield refused
+        restarts = CounterMetricFamily("pdserve:worker_restarts", "Restarts of each worker by its supervisor, "
+                                       "as the worker reported at registration.", labels=["worker_id", "role"])
+        for w in self.registry.all():
+            restarts.add_metric([w.worker_id, w.role], w.restarts)
+        yield restarts
         alive = GaugeMetricFamily("pdserve:workers_alive", "Live workers by role.", labels=["role"])
         queue = GaugeMetricFamily("pdserve:worker_queue_requests", "Waiting requests per role.", labels=["role"])
         for role in ("prefill", "decode"):
@@ -150,6 +230,20 @@ class _RouterCollector:
             queue.add_metric([role], sum((w.stats or {}).get("num_waiting", 0) for w in ws))
         yield alive
         yield queue
+        pools = self.engine.pools
+        wanted = GaugeMetricFamily("pdserve:pool_wanted_workers", "Wanted pool size by role (scale commands, "
+                                   "the autoscaler).", labels=["role"])
+        for role, n in (pools.sizes.wanted or {}).items():
+            wanted.add_metric([role], n)
+        yield wanted
+        decisions = CounterMetricFamily("pdserve:autoscale_decisions", "Pool-size changes the autoscaler made.",
+                                        labels=["role", "direction"])
+        for (role, direction), n in sorted(pools.decisions.items()):
+            decisions.add_metric([role, direction], n)
+        yield decisions
+        retired = CounterMetricFamily("pdserve:workers_retired", "Workers asked to drain and leave (pool shrunk).")
+        retired.add_metric([], pools.retired)
+        yield retired
         rejected = CounterMetricFamily("pdserve:router_early_rejected", "Requests refused before prefill "
                                        "(predicted SLO miss, or KV backpressure).", labels=["reason"])
         counts = self.engine.admitter.rejected if self.engine.admitter is not None else {}

@@ -39,11 +39,55 @@ def add_arguments(p) -> None:
                         "behind long prompts can take tens of seconds)")
     p.add_argument("--max-num-seqs-in-flight", type=int, default=1024)
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-seqs-per-request", type=int, default=256,
+                   help="refuse (400) a request of more sequences than this (prompts x n)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (new ones get 503 meanwhile)")
+    add_autoscale_arguments(p)
+    add_cluster_token_argument(p)
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs the --api-key too (by default it is open, like /health)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
 
 
+def add_autoscale_arguments(p) -> None:
+    import argparse
+
+    from pdserve.router.autoscale import AutoscaleConfig
+
+    d = AutoscaleConfig()
+    p.add_argument("--autoscale", action="store_true",
+                   help="grow and shrink the pools from queue and KV-usage signals and the P:D advice, "
+                        "within --min/--max-prefill and --min/--max-decode, one worker per --autoscale-cooldown-s")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--min-{role}", type=int, default=getattr(d, f"min_{role}"), help=argparse.SUPPRESS)
+        p.add_argument(f"--max-{role}", type=int, default=getattr(d, f"max_{role}"),
+                       help=f"autoscale bounds of the {role} pool (--min-{role} too)")
+    p.add_argument("--autoscale-cooldown-s", type=float, default=d.cooldown_s)
+    p.add_argument("--autoscale-interval-s", type=float, default=d.interval_s)
+
+
+def autoscale_config(args):
+    from pdserve.router.autoscale import AutoscaleConfig
+
+    if not args.autoscale:
+        return None
+    return AutoscaleConfig(min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
+                           max_decode=args.max_decode, cooldown_s=args.autoscale_cooldown_s,
+                           interval_s=args.autoscale_interval_s)
+
+
+def add_cluster_token_argument(p) -> None:
+    from pdserve import auth
+
+    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help="the deployment's shared secret, required on every internal route and KV connection "
+                        f"(default: ${auth.TOKEN_ENV}, else {auth.DEFAULT_TOKEN_FILE}, made on first use)")
+
+
 def build(args):
+    from pdserve import auth
     from pdserve.engine.loader import load_model_info
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.router.admission import AdmissionConfig, Admitter
@@ -54,6 +98,7 @@ def build(args):
     from pdserve.server.app import ServerSettings
     from pdserve.server.metrics import ServerMetrics
 
+    secret = auth.load_cluster_secret(args.cluster_token_file)
     info = load_model_info(args.model)
     core = _Core(info.config, Tokenizer.from_loaded(info))
     names = args.served_model_name or []
@@ -66,10 +111,13 @@ def build(args):
     engine = DisaggEngine(core, registry, ServerMetrics(names[0] if names else info.config.name),
                           Placer(args.policy), kv_timeout_s=args.kv_timeout_s,
                           max_in_flight=args.max_num_seqs_in_flight, kv_mode=args.kv_mode,
-                          admitter=Admitter(admission) if admission.enabled else None)
+                          admitter=Admitter(admission) if admission.enabled else None, secret=secret)
+    engine.pools.set_autoscale(autoscale_config(args))
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              max_request_body_bytes=args.max_request_body_bytes)
-    return build_router_app(engine, registry, settings), engine
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              metrics_require_key=args.metrics_require_key,
+                              max_seqs_per_request=args.max_seqs_per_request)
+    return build_router_app(engine, registry, settings, secret), engine
 
 
 class _Core:
@@ -82,19 +130,16 @@ class _Core:
 
 
 def run(args) -> int:
-    import uvicorn
-
     from pdserve.engine.loader import ModelLoadError
-    from pdserve.server import logs
+    from pdserve.server import logs, serving
 
     logs.configure(args.log_level, args.log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call is noise
     try:
-        app, _ = build(args)
+        app, engine = build(args)
     except (ModelLoadError, ValueError) as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     log.info("router listening", extra={"fields": {"host": args.host, "port": args.port, "policy": args.policy}})
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=10)
-    return 0
+    server = serving.serve(app, args.host, args.port, engine, args.shutdown_timeout)
+    return 0 if server.started else 1

@@ -4,12 +4,16 @@
 (`submit` -> a group with `accepted` / `next_batch` / `abort`), so the very
 same OpenAI app (pdserve/server/app.py) serves both modes.
 
-Flow for one choice (seed 000 §2-3): pick (P, D); D reserves blocks (keeping
-any prefix it caches); P prefills and streams the first token, which goes to
-the client at once (TTFT), while its KV streams to D layer by layer; D
-decodes the rest. Failures (§8.3): P gone before the first token -> D
-recomputes the prompt; the KV lost on the way -> D recomputes; D gone ->
-the request moves to another worker, replaying prompt + tokens so far.
+Flow for one choice: pick (P, D); D reserves blocks (keeping any prefix it
+caches); P prefills and streams the first token, which goes to the client at
+once (TTFT), while its KV streams to D layer by layer; D decodes the rest.
+Failures: P gone before the first token -> D recomputes the prompt; the KV lost
+on the way -> D recomputes; D gone, or silent past the heartbeat timeout ->
+the request moves to another worker, replaying prompt + tokens so far. While
+one role has no live worker, a live worker of the other role runs requests
+whole (both roles are the same engine).
+
+Every call to a worker is signed with the cluster secret (pdserve/auth.py).
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ import time
 
 import httpx
 
+from pdserve import auth
 from pdserve.engine.sequence import CompletionOutput, RequestOutput
 from pdserve.router.placement import Placer
+from pdserve.router.pools import PoolManager
 from pdserve.server.errors import APIError
 from pdserve.server.worker import params_to_json
 
@@ -30,6 +36,10 @@ log = logging.getLogger("pdserve.router")
 
 class WorkerGone(Exception):
     """A worker could not be reached or its stream broke."""
+
+
+class WorkerLost(WorkerGone):
+    """The worker missed its heartbeats while we streamed from it (stopped, hung, cut off)."""
 
 
 class WorkerSlow(WorkerGone):
@@ -131,16 +141,21 @@ class RouterGroup:
         return items
 
     def abort(self) -> None:
-        for t in self.tasks:
+        """The client left (or the request failed): stop every choice still running."""
+        m = self.engine.metrics
+        for c, t in zip(self.subs, self.tasks):
             if not t.done():
                 t.cancel()
+                if not c.finished:
+                    c.finished = True  # counted once, however often abort is called
+                    m.on_finish("abort", c.arrival_s, c.first_token_s, c.last_token_s, len(c.token_ids))
 
 
 class DisaggEngine:
     """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
 
     def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = 30.0,
-                 max_in_flight: int = 1024, kv_mode: str = "push", admitter=None):
+                 max_in_flight: int = 1024, kv_mode: str = "push", admitter=None, secret: bytes | None = None):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry
         self.metrics = metrics
@@ -156,23 +171,74 @@ class DisaggEngine:
         self.stats: dict | None = None
         self.num_waiting = 0
         self.counters = {"kv_bytes": 0, "kv_seconds": 0.0, "kv_failed": 0, "kv_retries": 0,
-                         "recomputed": 0, "replaced": 0, "kv_exposed_bytes": 0.0, "kv_exposed_seconds": 0.0}
+                         "recomputed": 0, "replaced": 0, "whole": 0, "kv_exposed_bytes": 0.0,
+                         "kv_exposed_seconds": 0.0}
         self._groups: set[RouterGroup] = set()
         self._http: httpx.AsyncClient | None = None
+        self._auth = auth.http_auth(secret) if secret is not None else None
+        self._watched: dict[str, set[asyncio.Task]] = {}  # worker id -> streams read from it now
+        self._lost: set[asyncio.Task] = set()  # of those, the ones cancelled because the worker went silent
+        self.pools = PoolManager(registry, self._drain_worker, log=log)
+        self._expiry: asyncio.Task | None = None
+        self._pool_task: asyncio.Task | None = None
 
     # ---- lifecycle
     def start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), limits=httpx.Limits(
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), auth=self._auth, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=256))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
+        self._pool_task = asyncio.get_running_loop().create_task(self._pool_loop())
         self.refresh_stats()
         self.ready.set()
 
     async def _expire_loop(self) -> None:
         while True:
-            if self.registry.expire():
+            gone = self.registry.expire()
+            if gone:
                 self.refresh_stats()
+                self.workers_lost(gone)
             await asyncio.sleep(self.registry.timeout_s / 4)
+
+    async def _pool_loop(self) -> None:
+        interval_s = self.pools.autoscale.interval_s if self.pools.autoscale is not None else 1.0
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.pools.tick()
+            except Exception:  # a bad round must not end the loop
+                log.exception("pool management round failed")
+
+    async def _drain_worker(self, w) -> None:
+        try:
+            await self._post(w, "/internal/drain", {})
+        except (WorkerGone, APIError) as e:
+            log.warning("could not ask %s to drain: %s", w.worker_id, e)
+
+    def workers_lost(self, worker_ids) -> None:
+        """Fail over every stream read from these workers now, as if they had died: a
+        stopped process keeps its sockets open, and its streams would freeze with it."""
+        for wid in worker_ids:
+            tasks = self._watched.get(wid, set())
+            if tasks:
+                log.warning("worker %s missed its heartbeats: moving its %d stream(s) elsewhere", wid, len(tasks))
+            for t in list(tasks):
+                self._lost.add(t)
+                t.cancel()
+
+    async def _watch(self, w, coro):
+        """Run `coro` (reading a stream from worker w) so that losing w fails it over with WorkerLost."""
+        task = asyncio.ensure_future(coro)
+        self._watched.setdefault(w.worker_id, set()).add(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task in self._lost:
+                raise WorkerLost(f"{w.worker_id} missed its heartbeats") from None
+            task.cancel()  # our caller was cancelled (client gone): stop reading too
+            raise
+        finally:
+            self._watched[w.worker_id].discard(task)
+            self._lost.discard(task)
 
     def refresh_stats(self) -> None:
         """What /health shows: the decode pool's KV and everyone's queues."""
@@ -191,8 +257,9 @@ class DisaggEngine:
 
     async def shutdown(self, reason: str = "the router is shutting down") -> None:
         self.draining = True
-        if getattr(self, "_expiry", None) is not None:
-            self._expiry.cancel()
+        for task in (self._expiry, self._pool_task):
+            if task is not None:
+                task.cancel()
         self.fail_all(APIError(503, reason))
         if self._http is not None:
             await self._http.aclose()
@@ -204,9 +271,9 @@ class DisaggEngine:
 
     @property
     def failure(self) -> str | None:
-        """Why requests cannot be served now (the app answers 503 with it), or None."""
-        missing = [r for r in ("prefill", "decode") if not self.registry.alive(r)]
-        return f"no {' and no '.join(missing)} worker is alive" if missing else None
+        """Why requests cannot be served now (the app answers 503 with it), or None. One live
+        worker of either role is enough: it runs requests whole until the other role is back."""
+        return None if self.registry.alive() else "no worker is alive"
 
     @property
     def num_in_flight(self) -> int:
@@ -214,10 +281,9 @@ class DisaggEngine:
 
     def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
         if self.draining:
-            raise APIError(503, "the router is shutting down")
-        if not self.registry.alive("prefill") or not self.registry.alive("decode"):
-            raise APIError(503, "no prefill or no decode worker is alive", code="no_workers",
-                           headers={"Retry-After": "2"})
+            raise APIError(503, "the router is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        if not self.registry.alive():
+            raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
         if self.num_in_flight + len(inputs) > self.max_in_flight:
             self.metrics.rejected.inc()
             raise APIError(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
@@ -256,17 +322,23 @@ class DisaggEngine:
             self.placer.release_decode(c.rid)
 
     async def _run(self, c: _Choice) -> None:
-        p, d = self.placer.pick(self.registry, c.prompt)
-        if p is None or d is None:
-            raise APIError(503, "no prefill or no decode worker is alive", code="no_workers",
-                           headers={"Retry-After": "2"})
         body = {"request_id": c.rid, "prompt_token_ids": c.prompt, "params": params_to_json(c.params)}
-        try:
-            dest = (await self._post(d, "/internal/reserve", {**body, "deadline_s": self.kv_timeout_s}))["kv_destination"]
-        except WorkerGone as e:
-            if not isinstance(e, WorkerSlow):
+        for attempt in range(3):
+            p, d = self.placer.pick(self.registry, c.prompt)
+            if p is None or d is None:
+                await self._run_whole(c)
+                return
+            try:
+                dest = (await self._post(d, "/internal/reserve",
+                                         {**body, "deadline_s": self.kv_timeout_s}))["kv_destination"]
+                break
+            except WorkerGone as e:
+                # a worker that died since its last heartbeat: place again without it
+                if isinstance(e, WorkerSlow) or attempt == 2:
+                    raise APIError(503, f"the decode worker could not be reached ({e}); retry",
+                                   headers={"Retry-After": "1"}) from None
+                log.warning("request %s: decode worker %s unreachable (%s); placing again", c.rid, d.worker_id, e)
                 self.registry.mark_dead(d.worker_id)
-            raise APIError(503, f"the decode worker could not be reached ({e}); retry", headers={"Retry-After": "1"})
         if self.kv_mode == "pull" and p.kv_export_address:
             dest["pull"] = True
             try:  # D starts pulling now; P's exporter waits for the transfer to begin
@@ -292,10 +364,17 @@ class DisaggEngine:
         try:
             resp = await self._stream(p, "/internal/prefill", {**body, "kv_destination": dest})
             lines = resp.aiter_lines()
-            ev = json.loads(await anext(lines))
+            try:
+                ev = json.loads(await self._watch(p, anext(lines)))
+            except BaseException:
+                await resp.aclose()
+                raise
             if ev.get("event") != "first_token":
                 raise WorkerGone(ev.get("message", "prefill failed"))
-        except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError) as e:
+        except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError, APIError) as e:
+            if isinstance(e, APIError) and e.status != 503:
+                raise  # the request itself is bad: the decode worker would refuse it too
+            # 503: P is draining or its engine failed; D has the prompt and can compute it
             log.warning("request %s: prefill worker %s failed (%s); the decode worker recomputes",
                         c.rid, p.worker_id, e)
             if isinstance(e, (WorkerGone, httpx.TransportError)) and not isinstance(
@@ -364,6 +443,21 @@ class DisaggEngine:
                 self.registry.mark_dead(d.worker_id)
                 await self._replace(c, reason=str(e2))
 
+    async def _run_whole(self, c: _Choice) -> None:
+        """One role has no live worker: a worker of the other role runs the request alone."""
+        w = self.placer.pick_any(self.registry, exclude=set())
+        if w is None:
+            raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
+        c.group.acknowledge()
+        c.workers = {w.worker_id}
+        self.counters["whole"] += 1
+        try:
+            await self._resume_on(c, w, c.rid)
+        except WorkerGone as e:
+            if not isinstance(e, WorkerSlow):
+                self.registry.mark_dead(w.worker_id)
+            await self._replace(c, reason=str(e))
+
     async def _replace(self, c: _Choice, reason: str) -> None:
         """The decode worker is gone: replay prompt + tokens so far on another worker."""
         self.counters["replaced"] += 1
@@ -390,6 +484,11 @@ class DisaggEngine:
         await self._consume(c, w, "/internal/generate", body)
 
     async def _consume(self, c: _Choice, w, path: str, body: dict) -> None:
+        await self._watch(w, self._read_outputs(c, w, path, body))
+        if not c.finished:
+            raise WorkerGone(f"{w.worker_id} ended the stream before the request finished")
+
+    async def _read_outputs(self, c: _Choice, w, path: str, body: dict) -> None:
         try:
             resp = await self._stream(w, path, body)
             try:
@@ -407,8 +506,6 @@ class DisaggEngine:
                 await resp.aclose()
         except (httpx.HTTPError, ValueError) as e:
             raise WorkerGone(f"{w.worker_id}: {type(e).__name__}: {e}") from None
-        if not c.finished:
-            raise WorkerGone(f"{w.worker_id} ended the stream before the request finished")
 
     # ---- HTTP to workers
     async def _stream(self, w, path: str, body: dict) -> httpx.Response:
@@ -431,6 +528,14 @@ class DisaggEngine:
         if resp.status_code != 200:
             raise _api_error(resp.status_code, resp.text, resp.headers)
         return resp.json()
+
+    async def probe(self, url: str, timeout_s: float = 3.0) -> str | None:
+        """None if a worker's control API answers at `url`, else why not."""
+        try:
+            r = await self._http.get(url.rstrip("/") + "/internal/state", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return None if r.status_code == 200 else f"HTTP {r.status_code} from /internal/state"
 
     async def _abort_everywhere(self, c: _Choice) -> None:
         for wid, remote_id in c.remote_ids.items():

@@ -1,9 +1,11 @@
 """Which workers exist, what role each plays, and which are alive.
 
 Workers register themselves (they may start on another host, under any
-scheduler) and heartbeat with their load; a worker that misses heartbeats for
-`timeout_s`, or that a request could not reach, is marked dead and gets no
-new work until it registers again.
+scheduler; registration is signed with the cluster secret) and heartbeat with
+their load; a worker that misses heartbeats for `timeout_s`, or that a request
+could not reach, is marked dead and gets no new work until it answers again.
+A worker that says it is draining keeps its requests in flight but gets no
+new ones.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ class WorkerInfo:
     last_seen_s: float = 0.0
     alive: bool = True
     registered_s: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # how often its supervisor restarted it (reported at registration)
+
+    @property
+    def draining(self) -> bool:
+        return bool((self.stats or {}).get("draining"))
 
     def can_prefill(self) -> bool:
         return self.role in ("prefill", "both")
@@ -78,8 +85,9 @@ class Registry:
         return gone
 
     def alive(self, role: str | None = None) -> list[WorkerInfo]:
+        """Workers that take new work: alive and not draining."""
         with self._lock:
-            ws = [w for w in self._workers.values() if w.alive]
+            ws = [w for w in self._workers.values() if w.alive and not w.draining]
         if role == "prefill":
             return [w for w in ws if w.can_prefill()]
         if role == "decode":

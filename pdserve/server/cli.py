@@ -6,15 +6,12 @@ can tell a slow start from a dead one.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
 
-import uvicorn
-
 from pdserve.router.policy import POLICIES
-from pdserve.server.errors import APIError
+from pdserve.server import serving
 
 log = logging.getLogger("pdserve.server")
 
@@ -47,14 +44,18 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-timeout-s", type=float, default=None,
                    help="router: lease of a decode reservation whose KV has not arrived (router default 120)")
     p.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--host", default=None,
+                   help="address to bind (default: loopback only; with --ray-address, each node's Ray address)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /tokenize (env PDSERVE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model id(s) clients use (default: the model's own name)")
     p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="requests that may wait for their first token before new ones get 429")
+                   help="sequences (prompts x n of each request) that may wait for their first token "
+                        "before new requests get 429")
+    p.add_argument("--max-seqs-per-request", type=int, default=256,
+                   help="most sequences (prompts x n) one request may ask for; more get 400")
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
@@ -64,30 +65,62 @@ def add_arguments(p) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     add_engine_arguments(p)
+    add_security_arguments(p)
+
+
+def add_security_arguments(p) -> None:
+    """What guards a deployment: the cluster secret (internal routes, KV) and /metrics behind the API key."""
+    from pdserve.router.cli import add_autoscale_arguments, add_cluster_token_argument
+
+    add_cluster_token_argument(p)
+    add_autoscale_arguments(p)
+    g = p.add_argument_group("Ray (pip install 'pdserve[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="run the router and every worker as Ray actors on a Ray cluster (disaggregated mode)")
+    g.add_argument("--ray-address", default=None,
+                   help="the cluster to join: auto, or HOST:PORT of its head (default: start a local one)")
+    g.add_argument("--placement", choices=["spread", "pack"], default="spread",
+                   help="spread: prefill and decode workers on different nodes where possible; pack: together")
+    g.add_argument("--ray-max-restarts", type=int, default=-1,
+                   help="restarts Ray gives each actor (-1: no limit)")
+    p.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics needs the --api-key too (by default it is open, like /health)")
 
 
 def run(args) -> int:
     from pdserve.server import logs
 
     logs.configure(args.log_level, args.log_format)
+    if args.host is None and not (args.ray and args.ray_address):
+        args.host = "127.0.0.1"
     if args.mode == "disaggregated":
-        from pdserve.server.launcher import launch
-
         if args.prefill < 1 or args.decode < 1:
             print("pdserve serve: --prefill and --decode must be at least 1", file=sys.stderr)
             return 2
+        if args.ray:
+            if not args.ray_address and not os.environ.get("RAY_AUTH_MODE"):
+                # a local Ray we start keeps its token auth on (read when ray is imported)
+                from pdserve import auth
+
+                os.environ["RAY_AUTH_MODE"] = "token"
+                os.environ.setdefault("RAY_AUTH_TOKEN", auth.new_token())
+            try:
+                from pdserve.server import ray_launcher
+            except ImportError as e:
+                print(f"pdserve serve --ray: Ray is not installed ({e}); pip install 'pdserve[ray]'", file=sys.stderr)
+                return 2
+            return ray_launcher.launch(args)
+        from pdserve.server.launcher import launch
+
         return launch(args)
     try:
         app, engine = _build(args)
     except ValueError as e:  # ConfigError and friends: refuse before binding the port
         print(f"pdserve serve: {e}", file=sys.stderr)
         return 2
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
-    server = _Server(config, engine, args.shutdown_timeout)
     log.info("serving", extra={"fields": {"host": args.host, "port": args.port, "mode": args.mode,
                                           "auth": args.api_key is not None}})
-    server.run()
+    server = serving.serve(app, args.host, args.port, engine, args.shutdown_timeout)
     return 0 if server.started else 1
 
 
@@ -99,8 +132,9 @@ def _build(args):
     from pdserve.server.async_engine import AsyncEngine
     from pdserve.server.metrics import ServerMetrics
 
-    if args.max_waiting_requests < 0 or args.max_request_body_bytes < 1:
-        raise ValueError("--max-waiting-requests must be >= 0 and --max-request-body-bytes >= 1")
+    if args.max_waiting_requests < 0 or args.max_request_body_bytes < 1 or args.max_seqs_per_request < 1:
+        raise ValueError("--max-waiting-requests must be >= 0, --max-request-body-bytes and "
+                         "--max-seqs-per-request >= 1")
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     names = args.served_model_name or []
 
@@ -112,34 +146,7 @@ def _build(args):
     engine = AsyncEngine(make_engine, lambda name: ServerMetrics(names[0] if names else name),
                          max_waiting_requests=args.max_waiting_requests, step_trace=open_step_trace(args.step_trace))
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              max_request_body_bytes=args.max_request_body_bytes)
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              max_seqs_per_request=args.max_seqs_per_request,
+                              metrics_require_key=args.metrics_require_key)
     return build_app(engine, settings), engine
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's graceful shutdown, plus: refuse new work at once, give in-flight
-    requests `grace_s` to finish, then end the rest with a clear 503 error event."""
-
-    def __init__(self, config, engine, grace_s: float):
-        super().__init__(config)
-        self.engine = engine
-        self.grace_s = grace_s
-        self._loop = None
-
-    async def serve(self, sockets=None):
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig, frame):
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        # exit 0 after a clean drain instead of re-raising the signal at the end
-        getattr(self, "_captured_signals", []).clear()
-        if first and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def _drain(self):
-        self.engine.draining = True
-        log.info("draining", extra={"fields": {"in_flight": self.engine.num_in_flight, "grace_s": self.grace_s}})
-        self._loop.call_later(self.grace_s, self.engine.fail_all,
-                              APIError(503, "the server shut down before this request finished"))

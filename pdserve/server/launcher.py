@@ -1,19 +1,40 @@
 """`pdserve serve` in disaggregated mode: a router plus N prefill and M decode workers on this host.
 
 Each part is the same process an operator would start by hand (`pdserve
-router`, `pdserve worker`); this launcher only starts them, spreads the
-workers over the cores, forwards SIGTERM, and stops everything together.
+router`, `pdserve worker`); this launcher starts them, spreads the workers over
+the cores, and supervises:
+
+- a fresh cluster secret per deployment (unless one is given), handed to the
+  children in their environment, never on a command line;
+- a child that exits is restarted with exponential backoff (reset once it has
+  run for a minute); the restart count reaches the router's /metrics;
+- SIGTERM / SIGINT drains: the router first (it refuses new requests with 503
+  and lets those in flight finish, up to --shutdown-timeout), then the
+  workers, so no stream loses its worker before its router is done with it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import httpx
+
+from pdserve import auth
+
+log = logging.getLogger("pdserve.launcher")
+
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_gpu_blocks", "kv_cache_memory_bytes",
                 "max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold")
+BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+USAGE_ERROR = 2  # what a pdserve command exits with for bad flags or config: restarting cannot help
+
+
+class ConfigError(RuntimeError):
+    """A child refused its configuration."""
 
 
 def _engine_args(args) -> list[str]:
@@ -33,70 +54,221 @@ def _engine_args(args) -> list[str]:
     return out + (["--model", args.model] if args.model else [])
 
 
-def _admission_args(args) -> list[str]:
-    """The router's flags that were set: early rejection (each off unless given), the KV
-    bandwidth for its TTFT model, and its timeouts (the router's defaults otherwise)."""
+def _flags(args, names) -> list[str]:
+    """`--name value` for each of the flags that were set."""
     out = []
-    for flag in ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark", "kv_bandwidth_gbps", "worker_timeout_s",
-                 "kv_timeout_s"):
-        v = getattr(args, flag, None)
+    for name in names:
+        v = getattr(args, name, None)
         if v is not None:
-            out += ["--" + flag.replace("_", "-"), str(v)]
+            out += ["--" + name.replace("_", "-"), str(v)]
     return out
+
+
+def _router_cmd(py, args) -> list[str]:
+    """The router's flags that were set: early rejection (each off unless given), the KV
+    bandwidth for its TTFT model, its timeouts and limits (the router's defaults otherwise)."""
+    cmd = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
+                "--kv-mode", args.kv_mode, "--log-level", args.log_level, "--log-format", args.log_format,
+                *_flags(args, ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark", "kv_bandwidth_gbps", "worker_timeout_s",
+                               "kv_timeout_s", "max_request_body_bytes", "shutdown_timeout",
+                               "max_seqs_per_request"))]
+    if getattr(args, "metrics_require_key", False):
+        cmd.append("--metrics-require-key")
+    if getattr(args, "autoscale", False):
+        cmd += ["--autoscale", *_flags(args, ("min_prefill", "max_prefill", "min_decode", "max_decode",
+                                              "autoscale_cooldown_s", "autoscale_interval_s"))]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.served_model_name:
+        cmd += ["--served-model-name", *args.served_model_name]
+    return cmd
+
+
+def _worker_cmd(py, args, role: str, index: int, pinned_cores: list[int] | None) -> list[str]:
+    router_url = f"http://{args.host}:{args.port}"
+    cmd = py + ["worker", "--role", role, "--router", router_url, "--host", args.host,
+                "--worker-id", f"{role}-{index}", "--log-level", args.log_level, "--log-format", args.log_format,
+                *_flags(args, ("shutdown_timeout", "max_waiting_requests")), *_engine_args(args)]
+    cores = _cores()
+    # one core each while cores last; the threads flag still wins if given
+    threads = args.threads or max(1, len(cores) // max(1, args.prefill + args.decode))
+    cmd += ["--threads", str(threads)]
+    if pinned_cores:
+        cmd += ["--cpu-cores", ",".join(str(c) for c in pinned_cores)]
+    if not args.kv_layerwise:
+        cmd.append("--no-kv-layerwise")
+    cmd += ["--kv-wire", args.kv_wire, "--kv-transport", args.kv_transport]
+    if getattr(args, "step_trace", None):
+        cmd += ["--step-trace", f"{args.step_trace}.{role}-{index}.jsonl"]
+    return cmd
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+
+
+def _initial_workers(py, args) -> list[tuple[str, str, list[str]]]:
+    """(role, worker id, command) of the workers the deployment starts with."""
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    cores = _cores()
+    threads = args.threads or max(1, len(cores) // len(roles))
+    pin = len(roles) <= len(cores) and not args.no_pin
+    return [(role, f"{role}-{i}", _worker_cmd(py, args, role, i, cores[i * threads:(i + 1) * threads] if pin else None))
+            for i, role in enumerate(roles)]
+
+
+def _child_env(args) -> dict:
+    env = dict(os.environ)
+    if args.api_key:
+        env["PDSERVE_API_KEY"] = args.api_key  # the router reads it; kept off the command line (ps)
+    if getattr(args, "cluster_token_file", None):
+        env[auth.TOKEN_FILE_ENV] = os.path.abspath(args.cluster_token_file)
+    elif not env.get(auth.TOKEN_ENV):
+        env[auth.TOKEN_ENV] = auth.new_token()  # one secret per deployment
+    return env
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM (and drains) if this launcher dies without stopping it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Child:
+    """One supervised process: restarted with backoff whenever it crashes. A worker that
+    exits 0 was drained on purpose (its pool shrank, or someone stopped it): retired."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, role: str = "router"):
+        self.name, self.cmd, self.env, self.role = name, cmd, env, role
+        self.retired = False
+        self.restarts = 0
+        self.restarts_in_row = 0  # since it last ran for STABLE_S: sets the backoff
+        self.proc: subprocess.Popen | None = None
+        self.started_s = 0.0
+        self.restart_at_s: float | None = None
+        self.start()
+
+    def start(self) -> None:
+        env = dict(self.env, PDSERVE_RESTARTS=str(self.restarts))
+        # own session: a terminal's Ctrl-C reaches only us, and we stop the children in order
+        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.started_s = time.monotonic()
+        self.restart_at_s = None
+
+    def tend(self, now: float) -> None:
+        """Reap an exited child and restart it when its backoff has passed."""
+        if self.restart_at_s is None:
+            code = self.proc.poll()
+            if code is None:
+                return
+            if code == USAGE_ERROR:
+                raise ConfigError(f"{self.name} refused its configuration (exit code {code}); see its error above")
+            if code == 0 and self.role != "router":
+                self.retired = True
+                log.info("%s left its pool (exit 0): not restarted", self.name)
+                return
+            if now - self.started_s > STABLE_S:
+                self.restarts_in_row = 0
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.restarts_in_row)
+            self.restarts_in_row += 1
+            self.restart_at_s = now + delay
+            log.warning("%s exited with code %s; restarting in %.1f s", self.name, code, delay)
+        elif now >= self.restart_at_s:
+            self.restarts += 1
+            log.warning("%s: restart #%d", self.name, self.restarts)
+            self.start()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, deadline_s: float) -> None:
+        try:
+            self.proc.wait(max(0.1, deadline_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time; killing it", self.name)
+            self.proc.kill()
+            self.proc.wait()
 
 
 def launch(args) -> int:
     py = [sys.executable, "-m", "pdserve.cli"]
-    router_url = f"http://{args.host}:{args.port}"
-    router = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
-                   "--kv-mode", args.kv_mode, "--log-level", args.log_level, *_admission_args(args)]
-    if args.model:
-        router += ["--model", args.model]
-    if args.api_key:
-        router += ["--api-key", args.api_key]
-    if args.served_model_name:
-        router += ["--served-model-name", *args.served_model_name]
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    procs = [subprocess.Popen(router)]
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    for i, role in enumerate(roles):
-        cmd = py + ["worker", "--role", role, "--router", router_url, "--host", args.host,
-                    "--worker-id", f"{role}-{i}", "--log-level", args.log_level, *_engine_args(args)]
-        # one core each while cores last; the threads flag still wins if given
-        threads = args.threads or max(1, len(cores) // len(roles))
-        cmd += ["--threads", str(threads)]
-        if len(roles) <= len(cores) and not args.no_pin:
-            cmd += ["--cpu-cores", ",".join(str(c) for c in cores[i * threads:(i + 1) * threads])]
-        if not args.kv_layerwise:
-            cmd.append("--no-kv-layerwise")
-        cmd += ["--kv-wire", args.kv_wire, "--kv-transport", args.kv_transport]
-        if getattr(args, "step_trace", None):
-            cmd += ["--step-trace", f"{args.step_trace}.{role}-{i}.jsonl"]
-        procs.append(subprocess.Popen(cmd))
-    return _supervise(procs)
+    env = _child_env(args)
+    os.environ.update({k: env[k] for k in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV) if k in env})
+    router = Child("router", _router_cmd(py, args), env)
+    workers = [Child(name, cmd, env, role) for role, name, cmd in _initial_workers(py, args)]
+    pools = _Pools(py, args, env, workers, auth.load_cluster_secret())
+    return _supervise(router, pools, args.shutdown_timeout)
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
+class _Pools:
+    """The workers, kept at the router's wanted pool sizes: new ones started when a pool
+    grows (the router drains the ones it removes itself)."""
+
+    def __init__(self, py, args, env, workers: list[Child], secret: bytes):
+        self.py, self.args, self.env = py, args, env
+        self.workers = workers
+        self.next_index = len(workers)
+        self.url = f"http://{args.host}:{args.port}/internal/admin/pools/poll"
+        self.http = httpx.Client(auth=auth.http_auth(secret), timeout=2)
+        self.polled_s = 0.0
+
+    def running(self) -> dict[str, int]:
+        live = [w for w in self.workers if not w.retired]
+        return {role: sum(w.role == role for w in live) for role in ("prefill", "decode")}
+
+    def reconcile(self, now: float) -> None:
+        self.workers = [w for w in self.workers if not w.retired]
+        if now - self.polled_s < 1.0:
+            return
+        self.polled_s = now
+        running = self.running()
+        try:
+            r = self.http.post(self.url, json={"running": running})
+            wanted = r.json()["wanted"] if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return  # the router is (re)starting: try again next round
+        for role in ("prefill", "decode"):
+            for _ in range(max(0, (wanted or {}).get(role, 0) - running[role])):
+                name = f"{role}-{self.next_index}"
+                log.info("pool %s grows: starting %s", role, name)
+                self.workers.append(Child(name, _worker_cmd(self.py, self.args, role, self.next_index, None),
+                                          self.env, role))
+                self.next_index += 1
+
+
+def _supervise(router: Child, pools: _Pools, grace_s: float) -> int:
     stopping = False
 
     def stop(sig, frame):
         nonlocal stopping
+        if stopping:  # a second signal: no more waiting
+            for c in [router, *pools.workers]:
+                c.signal(signal.SIGKILL)
         stopping = True
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    try:
-        while procs[0].poll() is None and not stopping:
-            time.sleep(0.2)
-    finally:
-        stop(None, None)
-        deadline = time.monotonic() + 30
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return 0 if stopping else (procs[0].returncode or 1)
+    code = 0
+    while not stopping:
+        now = time.monotonic()
+        try:
+            for c in [router, *pools.workers]:
+                c.tend(now)
+            pools.reconcile(now)
+        except ConfigError as e:
+            log.error("%s: stopping the deployment", e)
+            code, stopping = USAGE_ERROR, True
+        time.sleep(0.2)
+    router.signal(signal.SIGTERM)  # drains: in-flight requests finish on the workers
+    router.wait(time.monotonic() + grace_s + 10)
+    for w in pools.workers:
+        w.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + 10
+    for w in pools.workers:
+        w.wait(deadline)
+    return code

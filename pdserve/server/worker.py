@@ -11,6 +11,11 @@ cache never travels here, only over the KV bridge (pdserve/transfer).
     POST /internal/generate  the whole request here (role both, or a fallback)
     POST /internal/abort     drop a request and its blocks
     GET  /internal/state     engine stats, free blocks (tests, debugging)
+    POST /internal/drain     leave the pool: finish what is in flight, then exit 0
+    POST /internal/fault     inject a fault (only with PDSERVE_ENABLE_FAULT_INJECTION=1: tests, chaos)
+
+Every route needs a request signed with the cluster secret (pdserve/auth.py);
+leases and waits the caller asks for are capped by `max_lease_s`.
 """
 from __future__ import annotations
 
@@ -18,19 +23,22 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve import auth
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, install_handlers
 from pdserve.transfer.connector import KVDestination, KVTransferError
-from pdserve.transfer.sender import parse_faults
+from pdserve.transfer.sender import WORKER_FAULTS, parse_faults
 
 log = logging.getLogger("pdserve.worker")
+FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
 
 
 def params_to_json(p: SamplingParams) -> dict:
@@ -61,14 +69,24 @@ def _line(obj: dict) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
+def _seconds(b: dict, key: str, default: float, cap_s: float) -> float:
+    """A caller's lease or wait, capped by this worker: a lease of a day would pin blocks for a day."""
+    v = b.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise APIError(400, f"{key} must be a non-negative number of seconds", param=key)
+    return min(float(v), cap_s)
+
+
 class WorkerApi:
     def __init__(self, engine: AsyncEngine, role: str, sender=None, receiver=None,
-                 save_timeout_s: float = 30.0):
+                 save_timeout_s: float = 30.0, max_lease_s: float = 600.0):
         self.engine = engine
         self.role = role
         self.sender = sender  # KVSender (prefill / both)
         self.receiver = receiver  # KVReceiver (decode / both)
         self.save_timeout_s = save_timeout_s
+        self.max_lease_s = max_lease_s
+        self.start_drain = None  # set by the process that serves this API (serving.DrainingServer)
         # tests of the failure paths: `delay_prefill=0:S` holds the first prefill S seconds
         self._faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
 
@@ -131,8 +149,9 @@ class WorkerApi:
 
         def do(engine):
             return engine.reserve_for_transfer(rid, b["prompt_token_ids"], params, self.receiver,
-                                               deadline_s=float(b.get("deadline_s", 30)))
+                                               deadline_s=deadline_s)
 
+        deadline_s = _seconds(b, "deadline_s", 30.0, self.max_lease_s)
         try:
             dest = await self.engine.call(do)
         except InvalidRequest as e:
@@ -147,7 +166,11 @@ class WorkerApi:
         b = await self._body(request)
         if self.receiver is None:
             raise APIError(400, "this worker does not decode")
-        self.receiver.pull(str(b["address"]), b["request_id"] + "-0")
+        address = b.get("address")
+        if not isinstance(address, str) or not address.startswith("tcp://") or len(address) > 256:
+            raise APIError(400, "address must be a tcp://host:port KV export address", param="address")
+        # the connection itself is authenticated both ways: a peer without the secret gets nothing
+        self.receiver.pull(address, b["request_id"] + "-0")
         return JSONResponse({"pulling": b["request_id"]})
 
     async def kv_failed(self, request: Request):
@@ -164,7 +187,7 @@ class WorkerApi:
         rid = b["request_id"] + "-0"
         first = b.get("first_token")
         kv_ok = False
-        wait_s = float(b.get("timeout_s", 30))
+        wait_s = _seconds(b, "timeout_s", 30.0, self.max_lease_s)
         if b.get("kv_expected", True):
             # Usually the KV landed while P sampled the first token: then the one engine
             # call below activates at once. Each call waits for the step in flight, and
@@ -234,6 +257,35 @@ class WorkerApi:
                 self.receiver.cancel(rid)
             await asyncio.sleep(every_s)
 
+    async def drain(self, request: Request):
+        if self.start_drain is None:
+            raise APIError(400, "this worker cannot drain on request", code="not_supported")
+        started = self.start_drain()
+        log.warning("asked to leave the pool: draining" if started else "asked to drain again: already draining")
+        return JSONResponse({"draining": True})
+
+    async def fault(self, request: Request):
+        """Arm a fault for tests and the chaos benchmark: {"kv": "cut_at_layer=3"} for the KV
+        sender, {"worker": "delay_prefill=0:2"} for this API. 404 unless the process was
+        started with PDSERVE_ENABLE_FAULT_INJECTION=1."""
+        if os.environ.get(FAULT_ENV) != "1":
+            raise APIError(404, "fault injection is off on this worker", code="not_found")
+        try:
+            b = json.loads(await request.body())
+            if isinstance(b.get("kv"), str):
+                if self.sender is None:
+                    raise APIError(400, "this worker sends no KV", param="kv")
+                self.sender.inject_fault(b["kv"])
+            if isinstance(b.get("worker"), str):
+                faults = parse_faults(b["worker"])
+                if set(faults) - set(WORKER_FAULTS):
+                    raise ValueError(f"worker faults are {', '.join(WORKER_FAULTS)}; KV faults go under \"kv\"")
+                self._faults.update(faults)
+        except (ValueError, AttributeError) as e:
+            raise APIError(400, f"bad fault spec: {e}") from None
+        log.warning("fault armed: %s", b)
+        return JSONResponse({"armed": b})
+
     async def state(self, request: Request):
         core = self.engine.engine
         stats = dict(self.engine.stats or {})
@@ -241,7 +293,7 @@ class WorkerApi:
                              "stats": stats, "time": time.time()})
 
 
-def build_worker_app(api: WorkerApi, on_startup=None, on_shutdown=None) -> FastAPI:
+def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown=None) -> FastAPI:
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -259,9 +311,12 @@ def build_worker_app(api: WorkerApi, on_startup=None, on_shutdown=None) -> FastA
 
     app = FastAPI(title="pdserve-worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
+    api.verifier = auth.Verifier(secret)
+    app.add_middleware(auth.InternalAuth, verifier=api.verifier)
     for path, fn, method in (("/internal/prefill", api.prefill, "POST"), ("/internal/reserve", api.reserve, "POST"),
                              ("/internal/decode", api.decode, "POST"), ("/internal/generate", api.generate, "POST"),
                              ("/internal/pull", api.pull, "POST"), ("/internal/kv_failed", api.kv_failed, "POST"),
-                             ("/internal/abort", api.abort, "POST"), ("/internal/state", api.state, "GET")):
+                             ("/internal/abort", api.abort, "POST"), ("/internal/state", api.state, "GET"),
+                             ("/internal/drain", api.drain, "POST"), ("/internal/fault", api.fault, "POST")):
         app.add_api_route(path, fn, methods=[method])
     return app

@@ -42,29 +42,48 @@ def add_arguments(p) -> None:
                         "D_prefill(L) on prefill roles, decode step time vs batch and context on decode roles")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="append one JSON line per engine step (timing and batch shape), for the simulator")
+    p.add_argument("--max-kv-lease-s", type=float, default=600.0,
+                   help="cap on the lease of a KV reservation and on a decode's wait for its KV, whatever "
+                        "the router asks (blocks reserved for KV that never comes are freed by then)")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="sequences that may wait in this worker's engine before new ones get 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM; the router stops "
+                        "placing new ones here at once")
+    from pdserve.router.cli import add_cluster_token_argument
+
+    add_cluster_token_argument(p)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
 
 
 def run(args) -> int:
-    import uvicorn
+    from pdserve.server import logs, serving
 
-    from pdserve.server import logs
-
-    logs.configure(args.log_level)
+    logs.configure(args.log_level, args.log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
     if args.cpu_cores:
         os.sched_setaffinity(0, {int(c) for c in args.cpu_cores.split(",")})
     port = args.port or _free_port(args.host)
     try:
-        app = build(args, port)
+        app, api, beat_now = build(args, port)
     except ValueError as e:
         print(f"pdserve worker: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=port, log_level="warning", timeout_graceful_shutdown=10)
-    return 0
+
+    async def tell_router():  # a beat now says we drain: no new work comes here
+        beat_now.set()
+
+    server = serving.make_server(app, args.host, port, api.engine, args.shutdown_timeout, on_drain=tell_router,
+                                 log_level="warning")
+    api.start_drain = server.start_drain  # /internal/drain: the router retires this worker
+    server.run()
+    return 0 if server.started else 1
 
 
 def build(args, port: int):
+    """The worker's app, its API object, and an event that sends a heartbeat at once when set."""
+    from pdserve import auth
     from pdserve.config import EngineConfig
     from pdserve.engine.cli import engine_kwargs
     from pdserve.engine.llm_engine import LLMEngine
@@ -78,6 +97,7 @@ def build(args, port: int):
     from pdserve.transfer.sender import AutoKVSender
 
     role = args.role
+    secret = auth.load_cluster_secret(args.cluster_token_file)
     host = args.advertise_host or args.host
     worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:6]}"
     kw = engine_kwargs(args)
@@ -93,8 +113,9 @@ def build(args, port: int):
     if role != "decode":
         from pdserve.transfer.pull import PullKVExporter
 
-        exporter = PullKVExporter(host=args.host, wire_mode=args.kv_wire)
-        sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter)
+        exporter = PullKVExporter(host=args.host, wire_mode=args.kv_wire, secret=secret)
+        sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter,
+                              secret=secret)
     holder: dict = {}
 
     def make_engine():
@@ -107,9 +128,9 @@ def build(args, port: int):
             if args.kv_transport == "nixl":
                 from pdserve.transfer.nixl import NixlKVReceiver
 
-                holder["receiver"] = NixlKVReceiver(engine.runner.kv_caches, host=args.host)
+                holder["receiver"] = NixlKVReceiver(engine.runner.kv_caches, host=args.host, secret=secret)
             else:
-                holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host,
+                holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host, secret=secret,
                                                       scheme="shm" if engine.runner.kv_shm_paths else "tcp")
             api.receiver = holder["receiver"]
         holder["steps"] = DecodeStepRecorder(engine)  # live step times: rescale the cost models
@@ -118,8 +139,10 @@ def build(args, port: int):
             "kv_layerwise": bool(args.kv_layerwise), "max_num_seqs": engine.config.scheduler.max_num_seqs}
         return engine
 
-    engine = AsyncEngine(make_engine, ServerMetrics, step_trace=open_step_trace(args.step_trace))
-    api = WorkerApi(engine, role, sender=sender)
+    engine = AsyncEngine(make_engine, ServerMetrics, max_waiting_requests=args.max_waiting_requests,
+                         step_trace=open_step_trace(args.step_trace))
+    api = WorkerApi(engine, role, sender=sender, max_lease_s=args.max_kv_lease_s)
+    beat_now = asyncio.Event()
 
     async def join_router():
         if not args.router:
@@ -137,7 +160,7 @@ def build(args, port: int):
                 holder["decode_model"] = conductor.fit_decode_cost(samples)
                 log.info("decode calibration: %s from %s", holder["decode_model"], samples)
         holder["steps"].prefill_samples.clear()  # live rescaling is about traffic, not calibration
-        await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder)
+        await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder, secret, beat_now, host)
 
     async def close():
         if sender is not None:
@@ -145,17 +168,32 @@ def build(args, port: int):
         if holder.get("receiver"):
             holder["receiver"].close()
 
-    return build_worker_app(api, on_startup=join_router, on_shutdown=close)
+    return build_worker_app(api, secret, on_startup=join_router, on_shutdown=close), api, beat_now
 
 
-async def _register_loop(args, worker_id, url, role, api, holder) -> None:
+RESTARTS_ENV = "PDSERVE_RESTARTS"  # set by `pdserve serve` on a worker it restarted
+
+
+def advertised(address: str, host: str) -> str:
+    """A KV endpoint's address as others must dial it: `scheme://host:port` with the
+    advertised host in place of the one bound (which may be 0.0.0.0)."""
+    if not address:
+        return ""
+    scheme, _, rest = address.partition("://")
+    return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+
+async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes, beat_now: asyncio.Event,
+                         host: str) -> None:
     import httpx
 
+    from pdserve import auth
     from pdserve.server.errors import APIError
     from pdserve.server.kv_publisher import KVEventPublisher
 
     kv_pub = KVEventPublisher()
-    async with httpx.AsyncClient(base_url=args.router, timeout=5) as client:
+    restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+    async with httpx.AsyncClient(base_url=args.router, timeout=5, auth=auth.http_auth(secret)) as client:
         registered = False
         pending, last_live = None, {}
         while True:
@@ -165,8 +203,10 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                     exporter = api.sender.exporter if api.sender is not None else None
                     await _post(client, "/internal/register", {
                         "worker_id": worker_id, "url": url, "role": role,
-                        "kv_address": recv.address if recv else "",
-                        "kv_export_address": exporter.address if exporter else "", "host": socket.gethostname()})
+                        "kv_address": advertised(recv.address, host) if recv else "",
+                        "kv_export_address": advertised(exporter.address, host) if exporter else "",
+                        "host": socket.gethostname(),
+                        "restarts": restarts})
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
                 # The engine thread answers between steps; one long prefill step (seconds on a
@@ -182,17 +222,28 @@ async def _register_loop(args, worker_id, url, role, api, holder) -> None:
                     (events, block_size, cached), last_live = done.result()
                     last_live["kv_block_size"] = block_size
                     body["kv_events"] = kv_pub.payload(events, cached)
-                body["stats"] = {**(api.engine.stats or {}), **holder.get("calibration", {}), **last_live}
+                body["stats"] = {**(api.engine.stats or {}), **holder.get("calibration", {}), **last_live,
+                                 "draining": api.engine.draining}
                 r = await client.post("/internal/heartbeat", json=body)
+                if r.status_code == 401:
+                    log.error("the router refused our cluster token: %s", r.text)
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
                 if "kv_events" in body:
                     kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
+            except httpx.HTTPStatusError as e:
+                registered = False
+                if e.response.status_code == 400:  # e.g. the router cannot reach the address we gave
+                    log.error("registration refused: %s", e.response.text)
             except (httpx.HTTPError, OSError) as e:
                 registered = False
                 log.debug("router unreachable: %s", e)
             except APIError as e:  # the engine is loading or failed: /health says so; keep beating
                 log.debug("heartbeat without engine stats: %s", e)
-            await asyncio.sleep(args.heartbeat_s)
+            try:
+                await asyncio.wait_for(beat_now.wait(), args.heartbeat_s)
+                beat_now.clear()
+            except asyncio.TimeoutError:
+                pass
 
 
 def _heartbeat_fn(kv_pub, holder):
@@ -215,6 +266,8 @@ def _heartbeat_fn(kv_pub, holder):
 
 async def _post(client, path, body) -> None:
     r = await client.post(path, json=body)
+    if r.status_code == 401:
+        log.error("the router refused our cluster token: %s", r.text)
     r.raise_for_status()
 
 

@@ -1,4 +1,6 @@
 """Early rejection and KV backpressure from registry state (seed 000 §5.2), and the 429 it becomes."""
+import time
+
 import httpx
 import pytest
 
@@ -125,34 +127,49 @@ def test_conductor_status_reports_lin_lout_and_ratio():
     assert st["recommended_nd_per_np"] == pytest.approx(0.5)  # seed 000 §5.3 scene 1
     from types import SimpleNamespace
 
+    from pdserve.auth import Verifier
     from pdserve.router.app import _RouterCollector
+    from pdserve.router.pools import PoolManager
 
-    engine = SimpleNamespace(metrics=m, admitter=None, counters={k: 0 for k in (
+    engine = SimpleNamespace(metrics=m, admitter=None, pools=PoolManager(reg, drain=None), counters={k: 0 for k in (
         "kv_bytes", "kv_seconds", "kv_failed", "kv_retries", "recomputed", "replaced")})
-    gauges = {f.name: f.samples[0].value for f in _RouterCollector(engine, reg).collect() if f.type == "gauge"
+    collector = _RouterCollector(engine, reg, Verifier(b"0123456789abcdef"))
+    gauges = {f.name: f.samples[0].value for f in collector.collect() if f.type == "gauge"
               and f.samples and not f.samples[0].labels}
     assert gauges["pdserve:recommended_pd_ratio"] == pytest.approx(0.5)
     assert gauges["pdserve:observed_mean_prompt_tokens"] == 8000
 
 
-def test_serve_passes_admission_flags_to_the_router():
+def test_serve_passes_its_flags_to_the_router_and_workers():
+    """Every flag `pdserve serve` takes for the router or the workers reaches them, and parses there."""
     import argparse
 
     from pdserve.router import cli as router_cli
     from pdserve.server import cli as serve_cli
-    from pdserve.server.launcher import _admission_args
+    from pdserve.server import worker_cli
+    from pdserve.server.launcher import _router_cmd, _worker_cmd
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    args = p.parse_args(["--slo-ttft-ms", "500", "--kv-watermark", "0.92", "--policy", "consistent_hash"])
+    args = p.parse_args(["--slo-ttft-ms", "500", "--kv-watermark", "0.92", "--policy", "consistent_hash",
+                         "--max-request-body-bytes", "4096", "--shutdown-timeout", "7", "--log-format", "json",
+                         "--max-waiting-requests", "9", "--max-seqs-per-request", "5", "--metrics-require-key",
+                         "--autoscale", "--max-decode", "3"])
+    args.host = "127.0.0.1"
     assert args.router_policy == "consistent_hash"
-    flags = _admission_args(args)
-    assert flags == ["--slo-ttft-ms", "500.0", "--kv-watermark", "0.92"]
-    assert _admission_args(p.parse_args([])) == []
     rp = argparse.ArgumentParser()
     router_cli.add_arguments(rp)
-    r = rp.parse_args(flags)
-    assert (r.slo_ttft_ms, r.slo_tpot_ms, r.kv_watermark, r.policy) == (500.0, None, 0.92, "cache_aware")
+    r = rp.parse_args(_router_cmd([], args)[1:])
+    assert (r.slo_ttft_ms, r.slo_tpot_ms, r.kv_watermark, r.policy) == (500.0, None, 0.92, "consistent_hash")
+    assert (r.max_request_body_bytes, r.shutdown_timeout, r.log_format, r.max_seqs_per_request) == (4096, 7, "json", 5)
+    assert r.metrics_require_key and r.autoscale and r.max_decode == 3
+    default = rp.parse_args(_router_cmd([], argparse.Namespace(**{**vars(p.parse_args([])), "host": "127.0.0.1"}))[1:])
+    assert (default.slo_ttft_ms, default.kv_watermark, default.autoscale) == (None, None, False)
+    wp = argparse.ArgumentParser()
+    worker_cli.add_arguments(wp)
+    w = wp.parse_args(_worker_cmd([], args, "decode", 1, None)[1:])
+    assert (w.role, w.worker_id, w.shutdown_timeout, w.max_waiting_requests, w.log_format) == (
+        "decode", "decode-1", 7, 9, "json")
 
 
 def test_router_refuses_on_predicted_tpot(tiny_model_dir):
@@ -180,14 +197,21 @@ def test_conductor_status_non_null_after_traffic(tiny_model_dir):
             r = httpx.post(c.url + "/v1/completions", timeout=30, json={
                 "model": model, "prompt": f"request {i} " * 8, "max_tokens": 6, "ignore_eos": True})
             assert r.status_code == 200, r.text
-        st = httpx.get(c.url + "/internal/conductor").json()
+        st = c.http.get(c.url + "/internal/conductor").json()
         assert st["mean_lout_tokens"] == 6 and st["mean_lin_tokens"] > 0
         assert st["theta_p_tokens_per_s"] > 0 and st["theta_d_tokens_per_s"] > 0
         assert st["recommended_nd_per_np"] == pytest.approx(
             st["mean_lout_tokens"] / st["mean_lin_tokens"] * st["theta_p_tokens_per_s"] / st["theta_d_tokens_per_s"])
         assert "pdserve:recommended_pd_ratio " in httpx.get(c.url + "/metrics").text
         d = c.worker_state("decode0")
-        s = next(w["stats"] for w in c.status()["workers"] if w["worker_id"] == "decode0")
+
+        def decode_stats():  # the router sees a worker's live steps one heartbeat later
+            return next(w["stats"] for w in c.status()["workers"] if w["worker_id"] == "decode0")
+
+        deadline = time.monotonic() + 10
+        while not decode_stats().get("decode_live_samples") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        s = decode_stats()
         assert len(s["decode_cost_s"]) == 3 and s["decode_live_samples"] > 0  # live steps seen
         assert d["stats"]["num_running"] == 0
         assert c.status()["counters"]["kv_exposed_seconds"] > 0

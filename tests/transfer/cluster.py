@@ -1,4 +1,7 @@
-"""A real disaggregated deployment for tests: router + prefill + decode worker processes."""
+"""A real disaggregated deployment for tests: router + prefill + decode worker processes.
+
+The cluster has a secret of its own (in the children's environment); `Cluster.http`
+signs calls to the internal routes with it, as the router and workers do."""
 from __future__ import annotations
 
 import os
@@ -10,18 +13,20 @@ import time
 
 import httpx
 
+from pdserve import auth
 from tests.server.serverproc import REPO, _die_with_parent, free_port
 
 
 class Proc:
-    def __init__(self, name: str, *args: str):
+    def __init__(self, name: str, *args: str, env: dict | None = None, host: str = "127.0.0.1"):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", host, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_die_with_parent)
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                     preexec_fn=_die_with_parent)
 
     def log(self) -> str:
         self._log.flush()
@@ -46,9 +51,16 @@ class Cluster:
     """`router_args` and `worker_args` are extra CLI flags; workers register themselves."""
 
     def __init__(self, model: str | None, prefill: int = 1, decode: int = 1, worker_args=(), prefill_args=(),
-                 decode_args=(), router_args=(), timeout_s: float = 120):
+                 decode_args=(), router_args=(), timeout_s: float = 120, env: dict | None = None,
+                 host: str = "127.0.0.1"):
+        """`host`: what every process binds (0.0.0.0 to test that binding wide opens nothing)."""
         model_args = ["--model", model] if model else []  # None: the embedded model
-        self.router = Proc("router", "router", *model_args, "--worker-timeout-s", "2", *router_args)
+        token = auth.new_token()
+        self.secret = token.encode()
+        self.env = {auth.TOKEN_ENV: token, **(env or {})}
+        self.http = httpx.Client(auth=auth.http_auth(self.secret), timeout=5)
+        self.router = Proc("router", "router", *model_args, "--worker-timeout-s", "2", *router_args, env=self.env,
+                           host=host)
         self.url = self.router.url
         self.workers: list[Proc] = []
         try:
@@ -56,7 +68,8 @@ class Cluster:
                 for i in range(n):
                     self.workers.append(Proc(f"{role}{i}", "worker", "--role", role, *model_args,
                                              "--router", self.url, "--worker-id", f"{role}{i}", "--threads", "1",
-                                             "--heartbeat-s", "0.3", *worker_args, *extra))
+                                             "--heartbeat-s", "0.3", "--advertise-host", "127.0.0.1",
+                                             *worker_args, *extra, env=self.env, host=host))
             self.wait_workers(prefill, decode, timeout_s)
         except BaseException:
             self.stop()
@@ -66,7 +79,7 @@ class Cluster:
         return next(w for w in self.workers if w.name == name)
 
     def status(self) -> dict:
-        return httpx.get(self.url + "/internal/workers", timeout=5).json()
+        return self.http.get(self.url + "/internal/workers").json()
 
     def wait_workers(self, prefill: int, decode: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -86,7 +99,7 @@ class Cluster:
                                                                       for p in [self.router, *self.workers]))
 
     def worker_state(self, name: str) -> dict:
-        return httpx.get(self.worker(name).url + "/internal/state", timeout=5).json()
+        return self.http.get(self.worker(name).url + "/internal/state").json()
 
     def wait_idle(self, timeout_s: float = 20) -> dict[str, dict]:
         """Every live worker's stats once nothing runs or waits and every block is free."""
@@ -101,6 +114,7 @@ class Cluster:
     def stop(self) -> None:
         for p in [*self.workers, self.router]:
             p.stop()
+        self.http.close()
 
     def __enter__(self):
         return self

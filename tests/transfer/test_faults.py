@@ -66,6 +66,17 @@ def test_connection_cut_at_layer_k_is_retried(sharp_model_dir, reference):
         assert_no_leaks(c)
 
 
+def test_corrupt_frame_at_layer_k_is_healed(sharp_model_dir, reference):
+    """A frame header of garbage before layer k: the decode worker drops that connection,
+    the prefill worker reconnects and resends, and nothing is recomputed."""
+    with with_fault(sharp_model_dir, "corrupt_at_layer=1") as c:
+        assert run_request(c) == reference
+        assert c.status()["counters"]["kv_retries"] >= 1
+        assert c.status()["counters"]["recomputed"] == 0
+        assert "bad frame: frame header is not JSON" in c.worker("decode0").log()
+        assert_no_leaks(c)
+
+
 def test_transfer_stalled_past_deadline_is_recomputed(sharp_model_dir, reference):
     with with_fault(sharp_model_dir, "stall_at_layer=1:4", router_args=["--kv-timeout-s", "1.5"]) as c:
         assert run_request(c) == reference
@@ -127,7 +138,7 @@ def test_reservation_lease_expires(sharp_model_dir):
     """A reservation whose decode never comes is freed after its deadline."""
     with Cluster(sharp_model_dir, worker_args=ENGINE) as c:
         d = c.worker("decode0")
-        r = httpx.post(d.url + "/internal/reserve", json={"request_id": "orphan", "prompt_token_ids": list(range(40)),
+        r = c.http.post(d.url + "/internal/reserve", json={"request_id": "orphan", "prompt_token_ids": list(range(40)),
                                                           "params": {"max_tokens": 4}, "deadline_s": 0.5})
         assert r.status_code == 200
         s = c.worker_state("decode0")["stats"]

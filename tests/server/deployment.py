@@ -1,0 +1,93 @@
+"""`pdserve serve` (disaggregated) as a real process tree for tests: launcher, router, workers.
+
+Its cluster token is the test's, so the test signs internal calls as the router does;
+fault injection is on (`/internal/fault`)."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import psutil
+
+from pdserve import auth
+from tests.server.serverproc import REPO, _die_with_parent, free_port
+
+
+class Deployment:
+    def __init__(self, model_dir: str, *args: str, num_gpu_blocks: int = 128):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = token = auth.new_token()
+        self.http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=5)
+        self._log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--port", str(self.port),
+               "--dtype", "float32", "--num-gpu-blocks", str(num_gpu_blocks), "--block-size", "16", "--no-pin",
+               "--worker-timeout-s", "2", *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, auth.TOKEN_ENV: token, "OMP_NUM_THREADS": "1",
+                                          "PDSERVE_ENABLE_FAULT_INJECTION": "1"},
+                                     preexec_fn=_die_with_parent)
+        try:
+            self.wait_serving(180)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-6000:]
+
+    def child(self, worker_id: str) -> psutil.Process:
+        for p in psutil.Process(self.proc.pid).children():
+            cmd = p.cmdline()
+            if worker_id == "router" and "router" in cmd or worker_id in cmd:
+                return p
+        raise LookupError(worker_id)
+
+    def workers(self) -> dict:
+        return {w["worker_id"]: w for w in self.http.get(self.url + "/internal/workers").json()["workers"]}
+
+    def wait_serving(self, timeout_s: float) -> float:
+        """Seconds until a completion succeeds."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                ws = self.workers()
+                if sum(w["alive"] for w in ws.values()) >= 2 and self.complete(4).status_code == 200:
+                    return time.monotonic() - start
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"not serving after {timeout_s}s:\n{self.log()}")
+
+    def complete(self, max_tokens: int, timeout_s: float = 30) -> httpx.Response:
+        return httpx.post(self.url + "/v1/completions", timeout=timeout_s, json={
+            "model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True})
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                for p in psutil.Process(self.proc.pid).children():
+                    p.kill()
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+        return self.proc.returncode
+
+
+def _metric(text: str, prefix: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def metric(text: str, prefix: str) -> float:
+    """The sum of the Prometheus samples whose line starts with `prefix`."""
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))

@@ -1,0 +1,74 @@
+"""`pdserve serve` supervises its processes: it restarts what dies, and SIGTERM drains.
+
+Real launcher, router and workers on loopback, the tiny model."""
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server.deployment import Deployment, metric
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return tiny_model_dir
+
+
+def test_dead_processes_are_restarted_and_counted(model):
+    dep = Deployment(model, "--served-model-name", "tiny")
+    try:
+        decode = dep.child("decode-1")
+        decode.kill()
+        decode.wait(10)
+        # while the decode worker is down, the prefill worker serves whole requests
+        assert dep.complete(4).status_code == 200
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ws = dep.workers()
+            if ws.get("decode-1", {}).get("alive") and ws["decode-1"].get("stats"):
+                break
+            time.sleep(0.2)
+        assert dep.child("decode-1").pid != decode.pid
+        text = httpx.get(dep.url + "/metrics", timeout=5).text
+        assert metric(text, 'pdserve:worker_restarts_total{role="decode",worker_id="decode-1"}') == 1, text
+
+        router = dep.child("router")
+        router.kill()
+        router.wait(10)
+        assert dep.wait_serving(30) < 30  # restarted, the workers registered again, serving
+        assert dep.child("router").pid != router.pid
+        assert dep.proc.poll() is None
+    finally:
+        assert dep.stop() == 0, dep.log()
+
+
+def test_sigterm_drains_then_exits_clean(model):
+    """In flight: finishes. Sent during the drain: 503 with Retry-After, not a refused
+    connection. After: exit 0 and no shared-memory KV file of ours left in /dev/shm."""
+    dep = Deployment(model, "--served-model-name", "tiny", "--shutdown-timeout", "30")
+    pids = [p.pid for p in psutil.Process(dep.proc.pid).children()]
+    result = {}
+
+    def long_stream():
+        result["r"] = dep.complete(400, timeout_s=120)
+
+    prefill = dep.workers()["prefill-0"]["url"]  # hold the next prefill 3 s: in flight for sure
+    assert dep.http.post(prefill + "/internal/fault", json={"worker": "delay_prefill=0:3"}).status_code == 200
+    t = threading.Thread(target=long_stream)
+    t.start()
+    time.sleep(0.5)
+    dep.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    r = dep.complete(4)
+    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+    t.join(120)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["usage"]["completion_tokens"] == 400
+    assert dep.proc.wait(60) == 0, dep.log()
+    left = [f for f in os.listdir("/dev/shm") if any(f.startswith(f"pdserve-kv-{pid}-") for pid in pids)]
+    assert left == [], left
+    dep.http.close()
