@@ -1,0 +1,100 @@
+"""A disaggregated deployment across "hosts" (network namespaces): router, prefill and decode
+worker each on its own network stack, started by hand as an operator would on three machines.
+
+Used by the multi-host tests and `benchmarks/multihost.py`.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from pdserve import auth
+from pdserve.testing.netns import Host
+
+ROUTER_PORT, WORKER_PORT = 8000, 8100
+
+
+class HostDeployment:
+    """`router_host` runs the router; `prefill_hosts` / `decode_hosts` one worker each.
+    Every process is stopped by `stop()` (the namespaces' own cleanup kills leftovers)."""
+
+    def __init__(self, router_host: Host, prefill_hosts: list[Host], decode_hosts: list[Host],
+                 model: str | None = None, worker_args=(), router_args=(), timeout_s: float = 180):
+        self.token = auth.new_token()
+        self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10)
+        self.env = {**os.environ, auth.TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
+        self.url = f"http://{router_host.address}:{ROUTER_PORT}"
+        self.procs: list[tuple[str, subprocess.Popen, object]] = []
+        model_args = ["--model", model] if model else []
+        self._start("router", router_host, "router", "--host", router_host.address, "--port", str(ROUTER_PORT),
+                    "--worker-timeout-s", "3", *model_args, *router_args)
+        for role, hosts in (("prefill", prefill_hosts), ("decode", decode_hosts)):
+            for i, h in enumerate(hosts):
+                self._start(f"{role}{i}", h, "worker", "--role", role, "--router", self.url, "--host", h.address,
+                            "--port", str(WORKER_PORT), "--worker-id", f"{role}{i}", "--threads", "1",
+                            *model_args, *worker_args)
+        try:
+            self.wait_workers(len(prefill_hosts), len(decode_hosts), timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, name: str, host: Host, *args: str) -> None:
+        log = tempfile.TemporaryFile()
+        p = host.popen([sys.executable, "-m", "pdserve.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                       env=self.env)
+        self.procs.append((name, p, log))
+
+    def log(self, name: str) -> str:
+        for n, _, f in self.procs:
+            if n == name:
+                f.flush()
+                f.seek(0)
+                return f.read().decode(errors="replace")[-4000:]
+        return ""
+
+    def status(self) -> dict:
+        return self.http.get(self.url + "/internal/workers").json()
+
+    def wait_workers(self, prefill: int, decode: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, p, _ in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
+            try:
+                roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
+                if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("workers did not register:\n" + "\n".join(f"--- {n}\n{self.log(n)}"
+                                                                      for n, _, _ in self.procs))
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    def stop(self) -> None:
+        for _, p, _ in reversed(self.procs):  # workers first: the router is the last to go
+            if p.poll() is None:
+                p.terminate()
+        for _, p, _ in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.http.close()
+
+    def __enter__(self) -> "HostDeployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
