@@ -16,7 +16,7 @@ import httpx
 from pdserve import auth
 from pdserve.testing.netns import Host
 
-ROUTER_PORT, WORKER_PORT = 8000, 8100
+ROUTER_PORT = 8000  # workers take free ports (several may share a host)
 
 
 class HostDeployment:
@@ -36,7 +36,7 @@ class HostDeployment:
         for role, hosts in (("prefill", prefill_hosts), ("decode", decode_hosts)):
             for i, h in enumerate(hosts):
                 self._start(f"{role}{i}", h, "worker", "--role", role, "--router", self.url, "--host", h.address,
-                            "--port", str(WORKER_PORT), "--worker-id", f"{role}{i}", "--threads", "1",
+                            "--port", "0", "--worker-id", f"{role}{i}", "--threads", "1",
                             *model_args, *worker_args)
         try:
             self.wait_workers(len(prefill_hosts), len(decode_hosts), timeout_s)
@@ -94,6 +94,66 @@ class HostDeployment:
         self.http.close()
 
     def __enter__(self) -> "HostDeployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RayDeployment:
+    """`pdserve serve --ray` driven from the head host of a `RayCluster`; the router on the head."""
+
+    def __init__(self, cluster, model: str | None = None, serve_args=(), timeout_s: float = 240,
+                 served_model_name: str = "model"):
+        self.token = auth.new_token()
+        self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10)
+        head = cluster.hosts[0]
+        self.url = f"http://{head.address}:{ROUTER_PORT}"
+        self._log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--ray", "--ray-address", cluster.head,
+               "--port", str(ROUTER_PORT), "--served-model-name", served_model_name, "--worker-timeout-s", "3",
+               *(["--model", model] if model else []), *serve_args]
+        self.proc = head.popen(cmd, env={**cluster.env, auth.TOKEN_ENV: self.token}, stdout=self._log,
+                               stderr=subprocess.STDOUT)
+        try:
+            self.wait_alive({"prefill-0", "decode-1"}, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:]
+
+    def alive(self) -> dict:
+        return {w["worker_id"]: w for w in self.http.get(self.url + "/internal/workers").json()["workers"]
+                if w["alive"]}
+
+    def wait_alive(self, worker_ids: set[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve --ray exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if worker_ids <= set(self.alive()):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"workers {sorted(worker_ids)} not alive after {timeout_s}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.http.close()
+
+    def __enter__(self) -> "RayDeployment":
         return self
 
     def __exit__(self, *exc) -> None:
