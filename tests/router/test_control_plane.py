@@ -151,3 +151,27 @@ def test_a_stopped_decode_worker_does_not_freeze_its_streams(sharp_model_dir):
         wait_for(lambda: stopped.name in alive_ids(c), 15, "the stopped worker to come back")
         assert complete(c, 8).status_code == 200
         assert time.monotonic() - started < 90
+
+
+def test_router_counts_clients_that_leave_mid_stream(tiny_model_dir):
+    """A client that disconnects mid-stream is an aborted request on the router's /metrics,
+    and its decode worker frees the request's blocks."""
+    with Cluster(tiny_model_dir, worker_args=ENGINE) as c:
+        model = httpx.get(c.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
+        def aborted() -> float:
+            text = httpx.get(c.url + "/metrics", timeout=5).text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("pdserve:request_success_total") and 'finished_reason="abort"' in line)
+
+        before = aborted()
+        for _ in range(3):
+            with httpx.stream("POST", c.url + "/v1/completions", timeout=30, json={
+                    "model": model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        break  # the first token came: leave
+        wait_for(lambda: aborted() - before >= 3, 10, "the router to count three aborts")
+        states = c.wait_idle()
+        assert all(s["num_free_blocks"] == s["num_blocks"] for s in states.values()), states
