@@ -99,7 +99,7 @@ def main() -> int:
     model = ARGS.model or default_model_path()
     tokens = TokenSource.from_path(model)
     requests = datasets.random(ARGS.num_prompts, ARGS.input_len, ARGS.output_len, tokens, seed=1)
-    engine = ["--threads", "1"]
+    engine = ["--threads", "1", "--num-gpu-blocks", "512"]  # 8 deployments' workers share 24 GiB
     deployments, cluster = {}, None
     with Hosts(6) as hosts:
         try:
@@ -111,7 +111,9 @@ def main() -> int:
             if not ARGS.no_ray:
                 # its head (and router) on a host of its own; its worker nodes beside the by-hand workers
                 cluster = RayCluster([hosts[5], hosts[3], hosts[4]], cpus_per_node=2)
-                deployments["ray"] = RayDeployment(cluster, model, serve_args=["--placement", "spread"])
+                deployments["ray"] = RayDeployment(cluster, model, serve_args=["--placement", "spread", *engine[2:]])
+            for d in deployments.values():  # warm-up, not measured: first requests pay one-time costs
+                measure(d.url, requests[:4])
             rounds = []
             rng = random.Random(0)
             for i in range(ARGS.rounds):

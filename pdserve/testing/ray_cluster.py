@@ -24,7 +24,10 @@ class RayCluster:
         self.temp_dir = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
         self.ray = os.path.join(os.path.dirname(sys.executable), "ray")
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": auth.new_token(),
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_LOG_TO_STDERR": "0"}
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_LOG_TO_STDERR": "0",
+                    # every "node" here sees the whole machine's memory as its own: Ray's OOM monitor
+                    # would kill one node's actors for what the others (and the tests beside) hold
+                    "RAY_memory_monitor_refresh_ms": "0"}
         self.head = f"{hosts[0].address}:{RAY_PORT}"
         try:
             self._start(0, "--head", "--port", str(RAY_PORT), "--num-cpus", "1", "--dashboard-host",
