@@ -24,6 +24,7 @@ import time
 import httpx
 
 from pdserve import auth
+from pdserve.server.worker_cli import RESTARTS_ENV
 
 log = logging.getLogger("pdserve.launcher")
 
@@ -153,7 +154,7 @@ class Child:
         self.start()
 
     def start(self) -> None:
-        env = dict(self.env, PDSERVE_RESTARTS=str(self.restarts))
+        env = {**self.env, RESTARTS_ENV: str(self.restarts)}
         # own session: a terminal's Ctrl-C reaches only us, and we stop the children in order
         self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.started_s = time.monotonic()

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from pdserve import auth
 from pdserve.server.launcher import _engine_args, _flags, _router_cmd
+from pdserve.server.worker_cli import RESTARTS_ENV
 
 log = logging.getLogger("pdserve.ray")
 NODE_IP = "{node_ip}"  # replaced, in an actor, by the address of the node it landed on
@@ -52,7 +53,7 @@ class PdserveProcess:
         restarts = 1 if ctx.was_current_actor_reconstructed else 0
         argv = [a.replace(NODE_IP, self.node_ip) for a in argv]
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv],
-                                     env={**os.environ, **env, "PDSERVE_RESTARTS": str(restarts)},
+                                     env={**os.environ, **env, RESTARTS_ENV: str(restarts)},
                                      preexec_fn=_die_with_parent)
         self.stopping = False
         threading.Thread(target=self._watch, daemon=True).start()
