@@ -138,6 +138,7 @@ class DeviceConfig:
     device: str = "auto"  # "auto" -> cuda when present, else cpu
     dtype: str = "auto"  # "auto" -> bfloat16 where the hardware computes it natively, else float32
     threads: int = 0  # CPU threads for torch; 0 -> leave torch's default
+    dtype_reason: str = ""  # why this dtype: set when "auto" is resolved, logged at start-up
 
     def __post_init__(self):
         import torch
@@ -145,7 +146,11 @@ class DeviceConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if _native_bf16(self.device) else "float32"
+            native, why = native_bf16(self.device)
+            self.dtype = "bfloat16" if native else "float32"
+            self.dtype_reason = f"auto: {why}"
+        elif not self.dtype_reason:
+            self.dtype_reason = "set explicitly"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"unsupported dtype {self.dtype!r}")
 
@@ -194,14 +199,51 @@ class EngineConfig:
         return cls(**top, **{name: parts[name](**kw) for name, kw in split.items()})
 
 
-def _native_bf16(device: str) -> bool:
-    """bf16 pays off on GPUs and on CPUs with AVX512-BF16/AMX; on an AVX2-only CPU
-    it is emulated and measured 3-5x slower than float32 here."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def native_bf16(device: str, flags: set[str] | None = None, onednn_bf16: bool | None = None) -> tuple[bool, str]:
+    """Whether bf16 is what this device computes fastest, and why (for the start-up log).
+
+    GPUs: yes. CPUs: yes with AVX512-BF16 or AMX-BF16 (dense bf16 GEMM measured ~3.5-4x
+    float32 on a 2-core Zen 5, `docs/performance.md`); on an AVX2-only CPU bf16 is
+    emulated and measured 3-5x *slower* than float32, so float32. The flags come from
+    /proc/cpuinfo: `torch.backends.cpu.get_cpu_capability()` says "AVX512" for a Zen 4/5
+    that has AVX512-BF16, so it cannot tell. oneDNN's own bf16 check must agree (a torch
+    built without oneDNN bf16 would emulate it)."""
     import torch
 
     if device.startswith("cuda"):
-        return True
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")  # not "AVX2"/"AVX512"
+        return True, "CUDA device"
+    if os.environ.get("PDSERVE_AUTO_DTYPE") in ("float32", "bfloat16"):  # operator override of "auto"
+        forced = os.environ["PDSERVE_AUTO_DTYPE"]
+        return forced == "bfloat16", f"PDSERVE_AUTO_DTYPE={forced}"
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in _BF16_FLAGS if f in flags]
+    if onednn_bf16 is None:
+        try:
+            onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except Exception:  # noqa: BLE001 - no oneDNN in this torch build
+            onednn_bf16 = False
+    if have and onednn_bf16:
+        return True, f"CPU has {'+'.join(have)} (native bf16 dot products) and oneDNN bf16 is supported"
+    if have:
+        return False, f"CPU has {'+'.join(have)} but this torch's oneDNN has no bf16 kernels"
+    if onednn_bf16:
+        return False, "no avx512_bf16/amx_bf16 in the CPU flags (oneDNN would emulate bf16): float32 is faster"
+    return False, "no native bf16 on this CPU (AVX2-class): bf16 would be emulated, float32 is faster"
 
 
 def default_threads() -> int:

@@ -51,9 +51,9 @@ class LLMEngine:
         self._reserved: dict[str, float] = {}
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
         self.load_time_s = time.monotonic() - t0
-        log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s", self.load_time_s,
-                 self.model_config.name, self.runner.num_blocks, config.cache.block_size,
-                 config.device.dtype, config.device.device)
+        log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
+                 self.load_time_s, self.model_config.name, self.runner.num_blocks, config.cache.block_size,
+                 config.device.dtype, config.device.device, config.device.dtype_reason)
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,

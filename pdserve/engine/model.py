@@ -24,9 +24,11 @@ class Linear(nn.Linear):
 
     Decode steps read every weight once per step; reading the file's 4.5-bit
     blocks instead of their fp32 expansion is what makes small batches fast.
-    Large batches (prefill) stay on the dense fp32 GEMM, which is compute-bound.
-    Up to 16 rows the block kernel wins (one core, decode step of 16 rows at 256
-    context: 186 ms of CPU time vs 260 ms on the dense path); at 32 they tie.
+    Large batches (prefill) stay on the dense GEMM (fp32, or bf16 in bf16 mode),
+    which is compute-bound. Up to 16 rows the block kernel wins (one core, decode
+    step of 16 rows at 256 context: 186 ms of CPU time vs 260 ms on the dense fp32
+    path); at 32 they tie. In bf16 mode the block kernel still computes in fp32
+    (the GGUF values exactly) and its output is rounded to the model's dtype.
     """
 
     qweight: torch.Tensor | None = None
@@ -38,13 +40,15 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None and x.shape[0] <= self.max_rows:
             mm = self.kernel.q8_matmul if self.int8_activations else self.kernel.gguf_matmul
-            y = mm(x.contiguous(), self.qweight, self.qtype, self.in_features)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+            y = mm(x.float().contiguous(), self.qweight, self.qtype, self.in_features)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.to(x.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
     def set_quantized(self, blocks: list[tuple[int, torch.Tensor]], kernel, int8_activations: bool = False) -> bool:
         """Use these raw block rows (one entry per fused part) if they share one type."""
-        if len({t for t, _ in blocks}) != 1 or self.weight.dtype != torch.float32:
+        if len({t for t, _ in blocks}) != 1 or self.weight.dtype not in (torch.float32, torch.bfloat16):
             return False
         self.qtype = blocks[0][0]
         self.qweight = torch.cat([raw for _, raw in blocks], dim=0).contiguous()
@@ -126,8 +130,8 @@ class DecoderLayer(nn.Module):
         if len({lin.int8_activations for lin in lins}) > 1:  # the C++ layer takes one mode for all four
             return False
         bias = self.qkv_proj.bias.detach() if self.qkv_proj.bias is not None else None
-        self.fused = kernel.DecodeLayer(
-            self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
+        self.fused = kernel.DecodeLayer(  # fp32 norms (copies in bf16 mode)
+            self.input_layernorm.weight.detach().float(), self.post_attention_layernorm.weight.detach().float(),
             self.qkv_proj.qweight, self.qkv_proj.qtype, bias, self.o_proj.qweight, self.o_proj.qtype,
             self.gate_up_proj.qweight, self.gate_up_proj.qtype, self.down_proj.qweight, self.down_proj.qtype,
             self.n_heads, self.n_kv, self.head_dim, config.intermediate_size, config.rms_norm_eps,
@@ -177,8 +181,11 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; returns logits for `logits_indices` (all tokens if None)."""
         x = self.embed_tokens(input_ids)
-        if self.use_fused(x, meta):
-            cos, sin = self.cos_table[positions], self.sin_table[positions]
+        if self.use_fused(x, meta, kv_caches):
+            # fp32 through the fused layers in either mode (bf16 mode: the block kernels are
+            # fp32 anyway, the K/V written to the bf16 cache are rounded)
+            x = x.float()
+            cos, sin = self.cos_table[positions].float(), self.sin_table[positions].float()
             for layer in self.layers:
                 k_cache, v_cache = kv_caches[layer.layer_idx]
                 x = layer.fused.forward(x, cos, sin, k_cache, v_cache, meta.slot_mapping,
@@ -194,11 +201,14 @@ class LlamaModel(nn.Module):
                 meta.on_layer_done(layer.layer_idx)
         return self._logits(x, logits_indices)
 
-    def use_fused(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """A batch of only decode tokens, few enough for the GGUF path, on CPU fp32 kernels:
-        the same arithmetic as the layer-by-layer path, in one C++ call per layer."""
-        return (self.fused_ready and meta.decode_kernel is not None and not meta.prefills
-                and meta.num_decodes == x.shape[0] <= Linear.max_rows and x.dtype == torch.float32)
+    def use_fused(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches=None) -> bool:
+        """A batch of only decode tokens, few enough for the GGUF path, on the CPU kernels:
+        in fp32 mode the same arithmetic as the layer-by-layer path, in one C++ call per
+        layer; in bf16 mode (bf16 KV cache) the activations stay fp32 inside the layer."""
+        cache_ok = kv_caches is None or kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
+        return (self.fused_ready and meta.decode_kernel is not None and not meta.prefills and cache_ok
+                and meta.num_decodes == x.shape[0] <= Linear.max_rows
+                and x.dtype in (torch.float32, torch.bfloat16))
 
     def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
         if logits_indices is not None:

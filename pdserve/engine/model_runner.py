@@ -26,6 +26,9 @@ class ModelRunner:
         model.load_hf_state_dict(state_dict)
         self.model = model.to(self.dtype).eval()
         self.model.tie_weights()
+        # RoPE tables stay fp32 (`.to(dtype)` rounded them); each path casts what it uses,
+        # as transformers computes cos/sin in fp32 and casts them to the activations' dtype
+        self.model.init_rope_tables(self.device)
         self.decode_kernel = None
         self.num_quantized_linears = 0
         if self.device.type == "cpu":

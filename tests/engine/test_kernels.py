@@ -94,25 +94,30 @@ def test_parallel_loop_runs_every_index_once_before_returning(threads):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("lens", [[1, 3, 4, 9, 17], [256, 257, 700, 5, 1030]])
-def test_paged_decode_attention_matches_sdpa(dtype, lens):
-    """Contexts past 256 tokens are cut into pieces that run in parallel and are merged."""
+@pytest.mark.parametrize("d", [32, 20])
+def test_paged_decode_attention_matches_sdpa(dtype, q_dtype, lens, d):
+    """Contexts past 256 tokens are cut into pieces that run in parallel and are merged.
+    bf16 caches (bf16 mode) take bf16 queries (layer-by-layer path) or fp32 ones (the fused
+    decode layer); d = 20 is not a multiple of 8: the scalar path."""
     g = torch.Generator().manual_seed(0)
-    b, h, kvh, d, bs = 5, 6, 2, 32, 4
+    b, h, kvh, bs = 5, 6, 2, 4
     lens = torch.tensor(lens)
     nb = int((lens.max() + bs - 1) // bs)
     num_blocks = b * nb + 3
     kc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
     vc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
     tables = torch.randperm(num_blocks, generator=g)[:b * nb].view(b, nb)
-    q = torch.randn(b, h, d, generator=g).to(dtype)
+    q = torch.randn(b, h, d, generator=g).to(q_dtype)
     out = torch.empty_like(q)
     kernels.paged_decode_attention(out, q, kc, vc, tables, lens, d ** -0.5)
     mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d).float(), gather_kv(kc, tables).float(),
                                          gather_kv(vc, tables).float(), attn_mask=mask).reshape(b, h, d)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # the kernel widens bf16 exactly and accumulates in fp32: only a bf16 output is rounded
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
@@ -198,6 +203,39 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][0], ref_caches[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[0][1], ref_caches[0][1], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fused_decode_layer_over_a_bf16_cache(batch):
+    """bf16 mode: the fused layer keeps fp32 activations, rounds the new K/V to bf16 (as
+    `.to(torch.bfloat16)` does) and attends over the bf16 cache with fp32 queries. Against
+    the fp32 layer on the same cache contents: the written rows are its K/V rounded, the
+    output differs only by that rounding."""
+    from pdserve.engine.attention import AttentionMetadata
+    from pdserve.engine.model import rope_inv_freq
+
+    cfg, layer = _quantized_layer("Q4_1", False)
+    g = torch.Generator().manual_seed(batch)
+    bs, nb = 4, 6
+    kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.randn(kv_shape, generator=g).bfloat16(), torch.randn(kv_shape, generator=g).bfloat16())]
+    ref_caches = [(caches[0][0].float(), caches[0][1].float())]
+    tables = torch.randperm(kv_shape[0], generator=g)[:batch * nb].view(batch, nb)
+    lens = torch.randint(2, nb * bs + 1, (batch,), generator=g)
+    pos = lens - 1
+    slots = tables[torch.arange(batch), pos // bs] * bs + pos % bs
+    meta = AttentionMetadata(slot_mapping=slots, num_decodes=batch, decode_block_tables=tables,
+                             decode_seq_lens=lens, decode_kernel=kernels)
+    emb = torch.cat((torch.outer(pos.float(), rope_inv_freq(cfg)),) * 2, dim=-1)
+    x = torch.randn(batch, cfg.hidden_size, generator=g)
+    with torch.inference_mode():
+        ref = layer(x, emb.cos().unsqueeze(1), emb.sin().unsqueeze(1), ref_caches, meta)
+        got = layer.fused.forward(x, emb.cos(), emb.sin(), caches[0][0], caches[0][1], slots, tables, lens)
+    assert caches[0][0].dtype == torch.bfloat16
+    for c, r in zip(caches[0], ref_caches[0]):
+        torch.testing.assert_close(c, r.to(torch.bfloat16), rtol=0, atol=0)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
 
 
 @needs_kernels

@@ -89,15 +89,19 @@ struct DecodeLayer {
     return int8_activations ? q8_matmul(x, w, qtype, K) : gguf_matmul(x, w, qtype, K);
   }
 
-  // x: [M, hidden] fp32; cos, sin: [M, head_dim]; caches [blocks, block_size, n_kv, head_dim] fp32;
+  // x: [M, hidden] fp32; cos, sin: [M, head_dim] fp32; caches [blocks, block_size, n_kv, head_dim] fp32
+  // or bf16 (bf16 mode: K/V are rounded to bf16 when written, attention reads them widened);
   // slots: [M] int64; block_tables [M, max_blocks] int64; seq_lens [M] int64. Returns the new x.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                         torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor seq_lens) const {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden, "bad x");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim, "bad cos/sin");
-    TORCH_CHECK(k_cache.scalar_type() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-                "caches must be contiguous float32");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim &&
+                cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "bad cos/sin");
+    const bool bf16_cache = k_cache.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK((k_cache.scalar_type() == torch::kFloat32 || bf16_cache) && v_cache.scalar_type() == k_cache.scalar_type()
+                    && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "caches must be contiguous float32 or bfloat16");
     const int64_t M = x.size(0), D = head_dim, q_size = n_heads * D, kv_size = n_kv * D;
     const float feps = static_cast<float>(eps);
     auto h = torch::empty_like(x);
@@ -107,8 +111,10 @@ struct DecodeLayer {
     const int64_t width = q_size + 2 * kv_size;
     float* qp = qkv_out.data_ptr<float>();
     const int64_t* sp = slots.data_ptr<int64_t>();
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
+    float* kc = bf16_cache ? nullptr : k_cache.data_ptr<float>();
+    float* vc = bf16_cache ? nullptr : v_cache.data_ptr<float>();
+    c10::BFloat16* kb = bf16_cache ? k_cache.data_ptr<c10::BFloat16>() : nullptr;
+    c10::BFloat16* vb = bf16_cache ? v_cache.data_ptr<c10::BFloat16>() : nullptr;
     auto q = torch::empty({M, n_heads, D}, x.options());
     float* qc = q.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
@@ -117,8 +123,15 @@ struct DecodeLayer {
       const float* s = sin.data_ptr<float>() + m * D;
       rope(row, c, s, n_heads + n_kv, D);  // q heads then k heads, contiguous in the row
       std::memcpy(qc + m * q_size, row, q_size * sizeof(float));
-      std::memcpy(kc + sp[m] * kv_size, row + q_size, kv_size * sizeof(float));
-      std::memcpy(vc + sp[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      if (bf16_cache) {  // rounded to nearest even, as tensor.to(torch.bfloat16) does
+        for (int64_t i = 0; i < kv_size; ++i) {
+          kb[sp[m] * kv_size + i] = c10::BFloat16(row[q_size + i]);
+          vb[sp[m] * kv_size + i] = c10::BFloat16(row[q_size + kv_size + i]);
+        }
+      } else {
+        std::memcpy(kc + sp[m] * kv_size, row + q_size, kv_size * sizeof(float));
+        std::memcpy(vc + sp[m] * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      }
     }
     auto attn = torch::empty({M, n_heads, D}, x.options());
     paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, 1.0 / std::sqrt((double)D));
@@ -147,6 +160,8 @@ void register_decode_layer(pybind11::module& m) {
                              int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t inter, double eps,
                              bool int8_activations) {
         TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
+        TORCH_CHECK(ln1.scalar_type() == torch::kFloat32 && ln2.scalar_type() == torch::kFloat32,
+                    "norm weights must be float32");
         return DecodeLayer{ln1.contiguous(), ln2.contiguous(), qkv, o, gate_up, down, qkv_bias,
                            t_qkv, t_o, t_gate_up, t_down, n_heads, n_kv, head_dim, ln1.size(0), inter, eps,
                            int8_activations};

@@ -23,6 +23,10 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+// Cache element types the vector paths read: fp32, or bf16 (widened by a 16-bit shift).
+template <typename T>
+constexpr bool kVecCache = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+
 // `omp simd reduction` lets the compiler split the sum into vector lanes
 // without -ffast-math (which would change results elsewhere).
 template <typename T>
@@ -35,6 +39,12 @@ inline float dot(const float* q, const T* k, int64_t d) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+// 8 cache values as fp32: a plain load, or bf16 -> fp32 (exact: the bf16 bits are the high half)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 // s[t] = exp(s[t] - m) in place; returns the sum
 inline float exp_sum(float* s, int64_t len, float m) {
   const __m256 mv = _mm256_set1_ps(m);
@@ -55,15 +65,15 @@ inline float exp_sum(float* s, int64_t len, float m) {
 
 // Scores of NG query heads at once: each K row is loaded once for all of them
 // (the per-head passes read every K row G times). D is a multiple of 8, at most 256.
-template <int NG>
-inline void scores_heads(const float* q, const float* const* krows, int64_t len, int64_t D, float* out,
+template <int NG, typename T>
+inline void scores_heads(const float* q, const T* const* krows, int64_t len, int64_t D, float* out,
                          int64_t out_stride) {
   for (int64_t t = 0; t < len; ++t) {
     __m256 a[NG];
     for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_ps();
-    const float* k = krows[t];
+    const T* k = krows[t];
     for (int64_t i = 0; i < D; i += 8) {
-      const __m256 kv = _mm256_loadu_ps(k + i);
+      const __m256 kv = load8(k + i);
       for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), kv, a[g]);
     }
     for (int g = 0; g < NG; ++g) {
@@ -77,8 +87,8 @@ inline void scores_heads(const float* q, const float* const* krows, int64_t len,
 
 // acc[g] += sum_t w[g][t] * v[t] for NG heads over 32 columns of D at a time, the
 // NG x 4 accumulators in registers: each V row slice is loaded once for all heads.
-template <int NG>
-inline void weighted_v(const float* w, int64_t w_stride, const float* const* vrows, int64_t len, int64_t D,
+template <int NG, typename T>
+inline void weighted_v(const float* w, int64_t w_stride, const T* const* vrows, int64_t len, int64_t D,
                        float* acc) {
   for (int64_t i0 = 0; i0 < D; i0 += 32) {
     const int nv = static_cast<int>(std::min<int64_t>(32, D - i0) / 8);
@@ -86,9 +96,9 @@ inline void weighted_v(const float* w, int64_t w_stride, const float* const* vro
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      const float* v = vrows[t] + i0;
+      const T* v = vrows[t] + i0;
       __m256 vv[4];
-      for (int j = 0; j < nv; ++j) vv[j] = _mm256_loadu_ps(v + 8 * j);
+      for (int j = 0; j < nv; ++j) vv[j] = load8(v + 8 * j);
       for (int g = 0; g < NG; ++g) {
         const __m256 wg = _mm256_set1_ps(w[g * w_stride + t]);
         for (int j = 0; j < nv; ++j) a[g][j] = _mm256_fmadd_ps(wg, vv[j], a[g][j]);
@@ -120,17 +130,18 @@ inline void by_head_groups(int64_t G, F&& f) {
   for (; g < G; ++g) f(std::integral_constant<int, 1>{}, g);
 }
 
-template <typename T>
+// TQ: the query's and output's type; T: the cache's (a bf16 cache may take fp32 queries).
+template <typename TQ, typename T>
 void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                    const torch::Tensor& seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH, max_blocks = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  TQ* op = out.data_ptr<TQ>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
@@ -167,7 +178,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
       };
       for (int64_t t = 0; t < len; ++t) krows[t] = row_at(kp, t0 + t);
 #ifdef PDS_AVX2_ATTN
-      if constexpr (std::is_same<T, float>::value) {
+      if constexpr (kVecCache<T>) {
         if (D % 8 == 0) {
           by_head_groups(G, [&](auto ng, int64_t g) {
             scores_heads<decltype(ng)::value>(qf.data() + g * D, krows.data(), len, D, scores.data() + g * len, len);
@@ -193,7 +204,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         pl[g] = sum;
       }
 #ifdef PDS_AVX2_ATTN
-      if constexpr (std::is_same<T, float>::value) {
+      if constexpr (kVecCache<T>) {
         if (D % 8 == 0) {
           std::vector<const T*>& vrows = krows;  // the K rows are done with
           for (int64_t t = 0; t < len; ++t) vrows[t] = row_at(vp, t0 + t);
@@ -235,7 +246,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
           for (int64_t i = 0; i < D; ++i) sum[i] += c * a[i];
         }
         const float inv = 1.f / l;
-        for (int64_t i = 0; i < D; ++i) op[(b * H + h * G + g) * D + i] = static_cast<T>(sum[i] * inv);
+        for (int64_t i = 0; i < D; ++i) op[(b * H + h * G + g) * D + i] = static_cast<TQ>(sum[i] * inv);
       }
 }
 
@@ -250,9 +261,16 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "block_tables and seq_lens must be int64");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
+              "k/v caches, or q and out, differ in dtype");
+  if (q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kBFloat16) {
+    // fp32 queries over a bf16 cache (the fused decode layer in bf16 mode)
+    decode_kernel<float, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    return;
+  }
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    decode_kernel<scalar_t, scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
   });
 }
 
