@@ -1,8 +1,10 @@
 """`pdserve router`: the OpenAI API in front of prefill and decode workers that register here."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import socket
 import sys
 
 from pdserve.router.policy import POLICIES
@@ -44,6 +46,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM (new ones get 503 meanwhile)")
     add_autoscale_arguments(p)
+    p.add_argument("--fd", type=int, default=None, help=argparse.SUPPRESS)  # a listening socket from pdserve serve
     add_cluster_token_argument(p)
     p.add_argument("--metrics-require-key", action="store_true",
                    help="/metrics needs the --api-key too (by default it is open, like /health)")
@@ -141,5 +144,8 @@ def run(args) -> int:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     log.info("router listening", extra={"fields": {"host": args.host, "port": args.port, "policy": args.policy}})
-    server = serving.serve(app, args.host, args.port, engine, args.shutdown_timeout)
+    # under `pdserve serve` the launcher owns the listening socket: while a crashed router
+    # restarts, clients wait in its backlog instead of being refused
+    sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None
+    server = serving.serve(app, args.host, args.port, engine, args.shutdown_timeout, sockets=sockets)
     return 0 if server.started else 1

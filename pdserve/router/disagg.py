@@ -178,6 +178,9 @@ class DisaggEngine:
         self._auth = auth.http_auth(secret) if secret is not None else None
         self._watched: dict[str, set[asyncio.Task]] = {}  # worker id -> streams read from it now
         self._lost: set[asyncio.Task] = set()  # of those, the ones cancelled because the worker went silent
+        self._aborts: set[asyncio.Task] = set()  # aborts on their way to workers
+        self.started_s = time.monotonic()
+        self.startup_grace_s = max(5.0, 2 * registry.timeout_s)
         self.pools = PoolManager(registry, self._drain_worker, log=log)
         self._expiry: asyncio.Task | None = None
         self._pool_task: asyncio.Task | None = None
@@ -188,8 +191,19 @@ class DisaggEngine:
             max_connections=None, max_keepalive_connections=256))
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
         self._pool_task = asyncio.get_running_loop().create_task(self._pool_loop())
+        self.started_s = time.monotonic()
         self.refresh_stats()
         self.ready.set()
+
+    @property
+    def awaiting_workers(self) -> bool:
+        """A fresh (or restarted) router gives workers a few heartbeats to register before it
+        refuses requests for want of them: a request that arrives first waits instead."""
+        return not self.registry.alive() and time.monotonic() - self.started_s < self.startup_grace_s
+
+    async def _workers_registered(self) -> None:
+        while self.awaiting_workers:
+            await asyncio.sleep(0.05)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -273,7 +287,7 @@ class DisaggEngine:
     def failure(self) -> str | None:
         """Why requests cannot be served now (the app answers 503 with it), or None. One live
         worker of either role is enough: it runs requests whole until the other role is back."""
-        return None if self.registry.alive() else "no worker is alive"
+        return None if self.registry.alive() or self.awaiting_workers else "no worker is alive"
 
     @property
     def num_in_flight(self) -> int:
@@ -282,7 +296,7 @@ class DisaggEngine:
     def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
         if self.draining:
             raise APIError(503, "the router is shutting down", code="shutting_down", headers={"Retry-After": "5"})
-        if not self.registry.alive():
+        if not self.registry.alive() and not self.awaiting_workers:
             raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
         if self.num_in_flight + len(inputs) > self.max_in_flight:
             self.metrics.rejected.inc()
@@ -322,6 +336,7 @@ class DisaggEngine:
             self.placer.release_decode(c.rid)
 
     async def _run(self, c: _Choice) -> None:
+        await self._workers_registered()
         body = {"request_id": c.rid, "prompt_token_ids": c.prompt, "params": params_to_json(c.params)}
         for attempt in range(3):
             p, d = self.placer.pick(self.registry, c.prompt)
@@ -329,11 +344,13 @@ class DisaggEngine:
                 await self._run_whole(c)
                 return
             try:
-                dest = (await self._post(d, "/internal/reserve",
-                                         {**body, "deadline_s": self.kv_timeout_s}))["kv_destination"]
+                dest = (await self._watch(d, self._post(d, "/internal/reserve", {
+                    **body, "deadline_s": self.kv_timeout_s})))["kv_destination"]
                 break
             except WorkerGone as e:
-                # a worker that died since its last heartbeat: place again without it
+                # a worker that died (or stopped) since its last heartbeat: place again without it;
+                # a reservation it may have made is dropped there once it answers again
+                self._abort_later(d, c.rid)
                 if isinstance(e, WorkerSlow) or attempt == 2:
                     raise APIError(503, f"the decode worker could not be reached ({e}); retry",
                                    headers={"Retry-After": "1"}) from None
@@ -362,7 +379,7 @@ class DisaggEngine:
         will not all reach D: D is told at once, so it recomputes now instead of
         waiting out --kv-timeout-s."""
         try:
-            resp = await self._stream(p, "/internal/prefill", {**body, "kv_destination": dest})
+            resp = await self._watch(p, self._stream(p, "/internal/prefill", {**body, "kv_destination": dest}))
             lines = resp.aiter_lines()
             try:
                 ev = json.loads(await self._watch(p, anext(lines)))
@@ -462,6 +479,9 @@ class DisaggEngine:
         """The decode worker is gone: replay prompt + tokens so far on another worker."""
         self.counters["replaced"] += 1
         failed = {wid for wid in c.workers if not (self.registry.get(wid) and self.registry.get(wid).alive)}
+        for wid in failed:  # a stopped worker that comes back must not keep the request's blocks
+            if wid in c.remote_ids and self.registry.get(wid) is not None:
+                self._abort_later(self.registry.get(wid), c.remote_ids.pop(wid))
         for _ in range(3):
             w = self.placer.pick_any(self.registry, exclude=failed)
             if w is None:
@@ -538,14 +558,25 @@ class DisaggEngine:
         return None if r.status_code == 200 else f"HTTP {r.status_code} from /internal/state"
 
     async def _abort_everywhere(self, c: _Choice) -> None:
+        """Drop the request on every worker it touched, all at once (a dead one refuses at once;
+        one that is stopped or slow gets the abort when it answers again)."""
         for wid, remote_id in c.remote_ids.items():
             w = self.registry.get(wid)
-            if w is None or not w.alive:
-                continue
+            if w is not None:
+                self._abort_later(w, remote_id)
+
+    def _abort_later(self, w, remote_id: str, timeout_s: float = 120.0) -> None:
+        """Abort `remote_id` on w in the background: the caller does not wait for a worker
+        that may be stopped; the abort lands when (if) it answers within `timeout_s`."""
+        async def send():
             try:
-                await self._http.post(w.url + "/internal/abort", json={"request_id": remote_id}, timeout=2)
+                await self._http.post(w.url + "/internal/abort", json={"request_id": remote_id}, timeout=timeout_s)
             except httpx.HTTPError:
-                pass
+                pass  # gone for good: its blocks went with it
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
 
 def _api_error(status: int, text: str, headers) -> APIError:

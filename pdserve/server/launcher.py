@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,8 +144,8 @@ class Child:
     """One supervised process: restarted with backoff whenever it crashes. A worker that
     exits 0 was drained on purpose (its pool shrank, or someone stopped it): retired."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, role: str = "router"):
-        self.name, self.cmd, self.env, self.role = name, cmd, env, role
+    def __init__(self, name: str, cmd: list[str], env: dict, role: str = "router", pass_fds=()):
+        self.name, self.cmd, self.env, self.role, self.pass_fds = name, cmd, env, role, tuple(pass_fds)
         self.retired = False
         self.restarts = 0
         self.restarts_in_row = 0  # since it last ran for STABLE_S: sets the backoff
@@ -156,7 +157,8 @@ class Child:
     def start(self) -> None:
         env = {**self.env, RESTARTS_ENV: str(self.restarts)}
         # own session: a terminal's Ctrl-C reaches only us, and we stop the children in order
-        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                     pass_fds=self.pass_fds)
         self.started_s = time.monotonic()
         self.restart_at_s = None
 
@@ -200,10 +202,25 @@ def launch(args) -> int:
     py = [sys.executable, "-m", "pdserve.cli"]
     env = _child_env(args)
     os.environ.update({k: env[k] for k in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV) if k in env})
-    router = Child("router", _router_cmd(py, args), env)
+    try:
+        listener = _listen(args.host, args.port)
+    except OSError as e:
+        print(f"pdserve serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return USAGE_ERROR
+    fd = listener.fileno()
+    router = Child("router", _router_cmd(py, args) + ["--fd", str(fd)], env, pass_fds=(fd,))
     workers = [Child(name, cmd, env, role) for role, name, cmd in _initial_workers(py, args)]
     pools = _Pools(py, args, env, workers, auth.load_cluster_secret())
-    return _supervise(router, pools, args.shutdown_timeout)
+    return _supervise(router, pools, args.shutdown_timeout, listener)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The router's listening socket, held here for the deployment's life: a router that
+    crashes and restarts takes over its queue, so clients wait rather than being refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Pools:
@@ -242,7 +259,7 @@ class _Pools:
                 self.next_index += 1
 
 
-def _supervise(router: Child, pools: _Pools, grace_s: float) -> int:
+def _supervise(router: Child, pools: _Pools, grace_s: float, listener: socket.socket) -> int:
     stopping = False
 
     def stop(sig, frame):
@@ -267,6 +284,7 @@ def _supervise(router: Child, pools: _Pools, grace_s: float) -> int:
         time.sleep(0.2)
     router.signal(signal.SIGTERM)  # drains: in-flight requests finish on the workers
     router.wait(time.monotonic() + grace_s + 10)
+    listener.close()  # nobody will serve what queues from now on
     for w in pools.workers:
         w.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s + 10

@@ -81,8 +81,10 @@ def make_server(app, host: str, port: int, engine, grace_s: float, on_drain=None
     return DrainingServer(cfg, engine, grace_s, on_drain)
 
 
-def serve(app, host: str, port: int, engine, grace_s: float, on_drain=None, **config) -> DrainingServer:
-    """Serve until a signal drains and stops the server; returns it (`.started` tells a bind failure)."""
+def serve(app, host: str, port: int, engine, grace_s: float, on_drain=None, sockets=None,
+          **config) -> DrainingServer:
+    """Serve until a signal drains and stops the server; returns it (`.started` tells a bind failure).
+    `sockets`: listen on these (already bound and listening) instead of binding host:port."""
     server = make_server(app, host, port, engine, grace_s, on_drain, **config)
-    server.run()
+    server.run(sockets=sockets)
     return server

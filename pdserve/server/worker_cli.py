@@ -197,6 +197,9 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
         registered = False
         pending, last_live = None, {}
         while True:
+            # beats keep their period however long the engine took to answer and the post took:
+            # a busy worker that beat every 1.5 s was declared dead under a 2 s timeout
+            next_beat_s = asyncio.get_running_loop().time() + args.heartbeat_s
             try:
                 if not registered:
                     recv = holder.get("receiver")
@@ -240,7 +243,7 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
             except APIError as e:  # the engine is loading or failed: /health says so; keep beating
                 log.debug("heartbeat without engine stats: %s", e)
             try:
-                await asyncio.wait_for(beat_now.wait(), args.heartbeat_s)
+                await asyncio.wait_for(beat_now.wait(), max(0.0, next_beat_s - asyncio.get_running_loop().time()))
                 beat_now.clear()
             except asyncio.TimeoutError:
                 pass
