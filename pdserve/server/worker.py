@@ -251,11 +251,18 @@ class WorkerApi:
         """Free blocks reserved for KV that never came and a decode that was never asked for."""
         await self.engine.ready.wait()
         while self.engine.engine is not None and self.receiver is not None:
-            gone = await self.engine.call(lambda e: e.expire_reservations())
-            for rid in gone:
-                log.warning("request %s: reservation lease expired; its blocks are freed", rid)
-                self.receiver.cancel(rid)
+            await self.free_reservations("reservation lease expired")
             await asyncio.sleep(every_s)
+
+    async def free_reservations(self, why: str, everything: bool = False) -> None:
+        """Free reservations whose lease ran out, or all of them (`everything`: the router
+        that made them is gone, and nobody will decode them)."""
+        if self.receiver is None or self.engine.engine is None:
+            return
+        gone = await self.engine.call(lambda e: e.expire_reservations(math.inf if everything else None))
+        for rid in gone:
+            log.warning("request %s: %s; its blocks are freed", rid, why)
+            self.receiver.cancel(rid)
 
     async def drain(self, request: Request):
         if self.start_drain is None:

@@ -231,6 +231,9 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
                 if r.status_code == 401:
                     log.error("the router refused our cluster token: %s", r.text)
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
+                if r.status_code == 404:
+                    # the router that reserved blocks here is gone: nobody will ever decode those
+                    await api.free_reservations("its router restarted", everything=True)
                 if "kv_events" in body:
                     kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
             except httpx.HTTPStatusError as e:

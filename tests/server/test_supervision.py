@@ -36,6 +36,17 @@ def test_dead_processes_are_restarted_and_counted(model):
         text = httpx.get(dep.url + "/metrics", timeout=5).text
         assert metric(text, 'pdserve:worker_restarts_total{role="decode",worker_id="decode-1"}') == 1, text
 
+        # a reservation the router made just before it died: nobody will decode it
+        decode_url = dep.workers()["decode-1"]["url"]
+        r = dep.http.post(decode_url + "/internal/reserve", json={
+            "request_id": "orphan", "prompt_token_ids": list(range(1, 100)), "deadline_s": 600})
+        assert r.status_code == 200, r.text
+
+        def free_blocks() -> tuple[int, int]:
+            st = dep.http.get(decode_url + "/internal/state").json()["stats"]
+            return st["num_free_blocks"], st["num_blocks"]
+
+        assert free_blocks()[0] < free_blocks()[1]
         router = dep.child("router")
         router.kill()
         router.wait(10)
@@ -43,6 +54,10 @@ def test_dead_processes_are_restarted_and_counted(model):
         # restarted router (once the workers registered again) answers it
         r = dep.complete(4, timeout_s=30)
         assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 15  # freed when the worker learns its router restarted, not in 600 s
+        while free_blocks()[0] != free_blocks()[1]:
+            assert time.monotonic() < deadline, "the dead router's reservation kept its blocks"
+            time.sleep(0.2)
         assert dep.child("router").pid != router.pid
         assert dep.proc.poll() is None
     finally:
