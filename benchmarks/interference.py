@@ -1,4 +1,4 @@
-"""The interference experiment of seed 000 §0.1: do long prompts freeze everyone's stream?
+"""The interference experiment: do long prompts (collocated with chats) freeze everyone's stream?
 
 The same `mixed` workload (steady chat streams plus periodic long prompts,
 `pdserve bench`'s dataset) runs against three deployments of the embedded

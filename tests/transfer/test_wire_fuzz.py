@@ -22,6 +22,7 @@ from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import TcpKVSender, destination_slots
+from tests.transfer.test_kv_auth import RecordingBuffer
 
 SECRET = b"test-secret-0123456789"
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 8, 4, 2, 4
@@ -135,15 +136,6 @@ def test_frame_parser_refuses_pathological_headers():
 
 
 # ---------------------------------------------------------------- the receiver
-
-class RecordingBuffer(wire.StagingBuffer):
-    most = 0
-
-    def receive(self, sock, nbytes):
-        view = super().receive(sock, nbytes)
-        RecordingBuffer.most = max(RecordingBuffer.most, self._buf.numel())
-        return view
-
 
 def test_receiver_survives_fuzzed_frames(monkeypatch):
     escaped: list = []
