@@ -123,14 +123,44 @@ class SchedulerConfig:
     # (vLLM's long_prefill_token_threshold); 0 -> the whole token budget.
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # "fcfs" or "priority"
+    # Share of the KV pool that admitting remote KV (a P->D transfer) leaves free for the
+    # running sequences to grow into.
+    kv_transfer_headroom: float = 0.05
 
     def __post_init__(self):
+        if not 0.0 <= self.kv_transfer_headroom < 1.0:
+            raise ConfigError("kv_transfer_headroom must be in [0, 1)")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.policy not in ("fcfs", "priority"):
             raise ConfigError("policy must be 'fcfs' or 'priority'")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass
+class KVTierConfig:
+    """Tiers of KV below the worker's pool (see pdserve/kvstore): off unless named."""
+
+    kv_offload_bytes: int = 0  # L2: host memory for evicted blocks (0: none)
+    kv_disk_dir: str = ""  # L3: a directory for blocks the host tier drops ("" -> none)
+    kv_disk_bytes: int = 4 << 30  # the bound on that directory
+    kv_store: str = ""  # the shared tier: "" or "mooncake"
+    kv_store_master: str = ""  # Mooncake master, HOST:PORT
+    kv_store_metadata_url: str = ""  # its metadata server ("" -> http://<master host>:8080/metadata)
+    kv_store_segment_bytes: int = 256 << 20  # memory this worker lends to the shared store
+
+    def __post_init__(self):
+        if self.kv_offload_bytes < 0 or self.kv_disk_bytes <= 0 or self.kv_store_segment_bytes <= 0:
+            raise ConfigError("kv_offload_bytes must be >= 0, kv_disk_bytes and kv_store_segment_bytes > 0")
+        if self.kv_store not in ("", "mooncake"):
+            raise ConfigError(f"unknown kv_store {self.kv_store!r} (the shared tier is 'mooncake')")
+        if self.kv_store and not self.kv_store_master:
+            raise ConfigError("kv_store needs kv_store_master (HOST:PORT of the Mooncake master)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv_offload_bytes or self.kv_disk_dir or self.kv_store)
 
 
 @dataclass
@@ -178,11 +208,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    tiers: KVTierConfig = field(default_factory=KVTierConfig)
+
+    def __post_init__(self):
+        if self.tiers.enabled and not self.cache.enable_prefix_caching:
+            raise ConfigError("KV tiers find blocks by their prefix hash: they need prefix caching on")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Accept flat vLLM-style keyword arguments and route each to its part."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig}
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
+                 "tiers": KVTierConfig}
         split: dict[str, dict] = {name: {} for name in parts}
         top: dict[str, Any] = {}
         top_names = {f.name for f in dataclasses.fields(cls)} - set(parts)

@@ -26,6 +26,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop background work (the KV store's threads); the object is unusable after."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string or a list of token ids."""

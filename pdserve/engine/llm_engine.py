@@ -19,6 +19,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
+from pdserve.kvstore.store import BlockRef
 
 log = logging.getLogger("pdserve.engine")
 
@@ -41,6 +42,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.kv_store = None
+        if config.tiers.enabled:
+            from pdserve.kvstore.setup import build_kv_store
+
+            self.kv_store = build_kv_store(config, self.model_config, self.runner)
+            self.block_manager.track_tiers = True
+            self.scheduler.external = self.kv_store
         self.sampler = Sampler(self.runner.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
@@ -101,13 +109,11 @@ class LLMEngine:
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
         bm = self.block_manager
-        cached, num_cached = bm.find_cached_prefix(request_id, ids)
-        if not bm.allocate(request_id, len(ids), cached):
-            bm.free(request_id)
-            return None  # no room now: the caller retries or picks another worker
         seq = Sequence(request_id, ids, params, arrival_time=arrival_time or time.monotonic())
-        seq.num_computed_tokens = num_cached
-        seq.num_external_tokens = len(ids) - num_cached
+        if not self.scheduler.admit_remote(seq):
+            return None  # no room now: the caller retries or picks another worker
+        num_cached = seq.num_computed_tokens
+        self._move_tiers()  # blocks it took may hold an evicted prefix: copy it out before the KV lands
         self.seqs[request_id] = seq
         self._reserved[request_id] = time.monotonic() + deadline_s
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
@@ -141,6 +147,7 @@ class LLMEngine:
         the transfer failed) the missing prompt tokens are recomputed here."""
         seq = self.seqs[request_id]
         self._reserved.pop(request_id, None)
+        self.scheduler.remote.pop(request_id, None)
         if kv_complete:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens)
@@ -198,9 +205,39 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step
+    def _move_tiers(self) -> None:
+        """Hand the KV store the blocks the pool evicted or registered since the last call,
+        while their data is intact (before anything writes into reused blocks)."""
+        evicted, registered = self.block_manager.drain_tier_moves()
+        if evicted:
+            self.kv_store.offload([BlockRef(*e) for e in evicted])
+        if registered:
+            self.kv_store.publish([BlockRef(*r) for r in registered])
+
+    def _tier_loads(self, sched) -> None:
+        for done in self.kv_store.finished_loads():
+            self.scheduler.remote_kv_done(done.seq_id, done.num_blocks * self.block_manager.block_size)
+        if sched is None:
+            return
+        self._move_tiers()
+        bm = self.block_manager
+        for seq, start, n in sched.loads:
+            sb = bm.seqs[seq.seq_id]
+            first = start // bm.block_size
+            blocks = [BlockRef(sb.blocks[i].block_id, sb.hashes[i],
+                               tuple(seq.all_token_ids[i * bm.block_size:(i + 1) * bm.block_size]))
+                      for i in range(first, first + n // bm.block_size)]
+            self.kv_store.start_load(seq.seq_id, blocks)
+
     def step(self) -> list[RequestOutput]:
+        if self.kv_store is not None:
+            self._tier_loads(None)
         sched = self.last_schedule = self.scheduler.schedule()
+        if self.kv_store is not None:
+            self._tier_loads(sched)
         if sched.empty:
+            if self.kv_store is not None and self.kv_store.pending_loads:
+                self.kv_store.wait_for_loads(0.005)  # nothing to run until a load lands
             return []
         hook = self.bridge.layer_hook(sched.scheduled, self.runner, self.block_manager) if self.bridge else None
         logits, rows = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
@@ -301,4 +338,10 @@ class LLMEngine:
                 "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                 "prefix_cache_queries_tokens": bm.stats.queries_tokens,
                 "prefix_cache_hits_tokens": bm.stats.hits_tokens,
-                "num_preemptions": self.scheduler.num_preemptions}
+                "num_preemptions": self.scheduler.num_preemptions,
+                **({"kv_store": self.kv_store.stats()} if self.kv_store is not None else {})}
+
+    def close(self) -> None:
+        """Stop the KV store's threads (and flush nothing: tiers are caches)."""
+        if self.kv_store is not None:
+            self.kv_store.close()

@@ -6,6 +6,14 @@ sequence, many for a prompt), and gets what the budget and the KV pool allow;
 then waiting sequences are admitted the same way. Chunked prefill, the
 collocated role and the prefill-only / decode-only roles are settings of
 this one loop (idea from vLLM V1's scheduler).
+
+KV that arrives from outside goes through this scheduler too (in the spirit of
+vLLM V1's KV connector): a request whose prompt KV a prefill worker computes
+(`admit_remote`), or whose prefix a lower cache tier holds (`external`), gets
+its blocks from this scheduler's admission, waits as WAITING_FOR_REMOTE_KV
+while the KV is copied in, and rejoins the queue once it is (`remote_kv_done`).
+Admitting remote KV keeps headroom for the sequences already running and never
+takes blocks that a queued request is waiting for.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # sequences admitted this step to load (first token, number of tokens) from a lower tier
+    loads: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -107,13 +117,83 @@ class Scheduler:
         self.waiting = WaitingQueue(by_priority=config.policy == "priority")
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Lower cache tiers: anything with `count_hits(block_hashes) -> int` (kvstore.TieredKVStore)
+        self.external = None
+        self.remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by id
+        self.loading: set[str] = set()  # of those, the ones loading from a tier (this worker copies)
+        self._abandoned: set[str] = set()  # aborted while loading: blocks freed when the copy ends
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Work the step loop must turn for (a P->D transfer is finished by a call, not a step)."""
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.loading) or bool(self._abandoned)
+
+    # ---- KV from outside
+    def _headroom_blocks(self) -> int:
+        return -(-int(self.config.kv_transfer_headroom * self.kv.num_blocks * 1000) // 1000)
+
+    def _blocks_waiting_needs(self) -> int:
+        """Blocks the queued sequences still need before they can run."""
+        need = 0
+        for seq in self.waiting:
+            sb = self.kv.seqs.get(seq.seq_id)
+            have = len(sb.blocks) if sb is not None else 0
+            need += max(0, self.kv.blocks_needed(seq.num_tokens + 1) - have)
+        return need
+
+    def admit_remote(self, seq: Sequence) -> bool:
+        """Allocate blocks for a prompt whose KV another worker computes; False if not now.
+
+        Admitted only if, after it, the pool still has room for every queued request
+        and `kv_transfer_headroom` of the pool for the running sequences to grow
+        into: a burst of transfers must not starve the work already here. Full
+        blocks this worker caches are kept (seq.num_computed_tokens says how many
+        tokens need not be sent)."""
+        cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.prompt_token_ids)
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        need = self.kv.blocks_needed(seq.num_tokens) - len(cached) + revived
+        spare = self.kv.num_free_blocks - need - self._headroom_blocks() - self._blocks_waiting_needs()
+        if spare < 0 or not self.kv.allocate(seq.seq_id, seq.num_tokens, cached):
+            self.kv.free(seq.seq_id)
+            return False
+        seq.num_computed_tokens = num_cached
+        seq.num_external_tokens = seq.num_tokens - num_cached
+        seq.status = Status.WAITING_FOR_REMOTE_KV
+        self.remote[seq.seq_id] = seq
+        return True
+
+    def remote_kv_done(self, seq_id: str, num_tokens: int) -> Sequence | None:
+        """A tier load ended with `num_tokens` more tokens of KV in place (0: nothing usable
+        came; the rest is recomputed). The sequence rejoins the queue at the front, where it
+        was when it was admitted; one aborted meanwhile has its blocks freed now."""
+        self.loading.discard(seq_id)
+        if seq_id in self._abandoned:
+            self._abandoned.discard(seq_id)
+            self.kv.free(seq_id)
+            return None
+        seq = self.remote.pop(seq_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens += num_tokens
+        self.kv.cache_full_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        seq.status = Status.WAITING
+        self.waiting.push(seq, front=True)
+        return seq
+
+    def _external_hit(self, seq: Sequence, computed: int) -> int:
+        """Tokens after `computed` that a lower tier can load (whole blocks; one token is left
+        to compute, for the logits)."""
+        sb = self.kv.seqs.get(seq.seq_id)
+        if self.external is None or sb is None:
+            return 0
+        bs = self.kv.block_size
+        first, last = computed // bs, (seq.num_tokens - 1) // bs
+        if first >= last or len(sb.hashes) < last:
+            return 0
+        return self.external.count_hits(sb.hashes[first:last]) * bs
 
     def _chunk_limit(self, budget: int) -> int:
         limit = self.config.long_prefill_token_threshold
@@ -151,6 +231,18 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id):
                 cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
             computed = max(num_cached, seq.num_computed_tokens)
+            fresh = seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id)
+            loadable = self._external_hit(seq, computed) if fresh else 0
+            if loadable:
+                if not self.kv.allocate(seq.seq_id, computed + loadable, cached):
+                    break
+                self.waiting.pop()
+                seq.num_computed_tokens = computed
+                seq.status = Status.WAITING_FOR_REMOTE_KV
+                self.remote[seq.seq_id] = seq
+                self.loading.add(seq.seq_id)
+                out.loads.append((seq, computed, loadable))
+                continue
             n = seq.num_tokens - computed
             if not self.config.enable_chunked_prefill and n > budget:
                 break
@@ -193,6 +285,13 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             # by identity: Sequence is a dataclass, and == compares every field
             del self.running[next(i for i, s in enumerate(self.running) if s is seq)]
+        elif seq.status is Status.WAITING_FOR_REMOTE_KV:
+            self.remote.pop(seq.seq_id, None)
+            if seq.seq_id in self.loading:
+                # a tier is still copying into its blocks: they are freed when the copy ends
+                self._abandoned.add(seq.seq_id)
+                seq.status = Status.FINISHED
+                return
         else:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)

@@ -10,6 +10,9 @@ from pdserve.engine.sampling_params import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    # Blocks allocated, KV on its way from outside (a prefill worker, a lower cache tier);
+    # not schedulable until the KV is in.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED = "finished"
 

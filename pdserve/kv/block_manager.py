@@ -22,6 +22,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None  # set once the block is full and registered
+    token_ids: tuple | None = None  # its tokens, kept while registered when lower tiers are on
 
 
 @dataclass
@@ -66,6 +67,11 @@ class BlockManager:
         self.record_events = record_events
         self.events: list[KVEvent] = []
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
+        # With lower KV tiers: registered blocks evicted, and blocks registered, since the last
+        # drain, as (block id, hash, token ids); the KV store copies their data out before reuse.
+        self.track_tiers = False
+        self.evicted: list[tuple[int, int, tuple]] = []
+        self.registered: list[tuple[int, int, tuple]] = []
 
     # ---- queries
     @property
@@ -176,6 +182,9 @@ class BlockManager:
                 block.block_hash = h
                 self.cached[h] = block
                 stored.append(h)
+                if self.track_tiers:
+                    block.token_ids = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                    self.registered.append((block.block_id, h, block.token_ids))
         sb.num_cached_blocks = num_full
         if stored and self.record_events:
             self.events.append(KVEvent("stored", stored, sb.hashes[first - 1] if first else None))
@@ -197,9 +206,16 @@ class BlockManager:
         for h, b in list(self.cached.items()):
             if b.ref_cnt == 0:
                 b.block_hash = None
+                b.token_ids = None
                 del self.cached[h]
         if self.record_events:
             self.events.append(KVEvent("cleared", []))
+
+    def drain_tier_moves(self) -> tuple[list, list]:
+        """(evicted, registered) since the last call; see `track_tiers`."""
+        ev, reg = self.evicted, self.registered
+        self.evicted, self.registered = [], []
+        return ev, reg
 
     def drain_events(self) -> list[KVEvent]:
         out, self.events = self.events, []
@@ -218,6 +234,9 @@ class BlockManager:
             del self.cached[b.block_hash]
             if self.record_events:
                 self.events.append(KVEvent("evicted", [b.block_hash]))
+            if self.track_tiers and b.token_ids is not None:
+                self.evicted.append((b.block_id, b.block_hash, b.token_ids))
             b.block_hash = None
+            b.token_ids = None
         b.ref_cnt = 1
         return b

@@ -307,6 +307,7 @@ class AsyncEngine:
         finally:
             if trace is not None:
                 trace.close()
+            engine.close()
 
     def _run_commands(self, engine, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. False means stop."""

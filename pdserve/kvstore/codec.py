@@ -1,0 +1,100 @@
+"""How one KV block is written to a tier, and how it is trusted when read back.
+
+A stored block is self-describing and checked:
+
+    b"PDKV" | version u16 | header length u32 | header (JSON) | digest (16 B) | data
+
+The header names who wrote the block (the model fingerprint: architecture,
+weights, dtype and cache layout), which block it is (its chained prefix hash and
+its token ids) and the data's shape. The digest is blake2b over header and data.
+A block whose digest does not match is corrupt; one whose header names another
+model, layout or token sequence is foreign. Both are misses to the caller:
+recomputing is always correct, loading a wrong block never is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import torch
+
+MAGIC = b"PDKV"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHI")
+_DIGEST = 16
+
+
+class BadBlock(ValueError):
+    """A stored block that must not be used; `kind` is "corrupt" or "foreign"."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(f"{kind} KV block: {why}")
+        self.kind = kind
+
+
+def _digest(head: bytes, data) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    h.update(head)
+    h.update(data)
+    return h.digest()
+
+
+def block_key(fingerprint: str, block_hash: int) -> str:
+    """The name a block has in every tier: the model's fingerprint and the block's prefix hash."""
+    return f"{fingerprint}-{block_hash:016x}"
+
+
+def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor) -> bytes:
+    """One block's K and V of every layer, `kv` shaped [layers, 2, block_size, kv_heads, head_dim]."""
+    kv = kv.contiguous()
+    raw = kv.view(torch.uint8).numpy().tobytes()
+    head = json.dumps({"model": fingerprint, "hash": f"{block_hash:016x}",
+                       "tokens": [int(t) for t in token_ids], "dtype": str(kv.dtype).removeprefix("torch."),
+                       "shape": list(kv.shape), "nbytes": len(raw)}, separators=(",", ":")).encode()
+    return b"".join((_PREFIX.pack(MAGIC, VERSION, len(head)), head, _digest(head, raw), raw))
+
+
+def decode(blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: list[int],
+           dtype: torch.dtype) -> torch.Tensor:
+    """The block's tensor, after checking it is intact and is the block asked for; else BadBlock."""
+    if len(blob) < _PREFIX.size:
+        raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a header")
+    magic, version, head_len = _PREFIX.unpack_from(blob)
+    if magic != MAGIC:
+        raise BadBlock("corrupt", "bad magic")
+    if version != VERSION:
+        raise BadBlock("foreign", f"format version {version}, this build reads {VERSION}")
+    start = _PREFIX.size
+    if start + head_len + _DIGEST > len(blob):
+        raise BadBlock("corrupt", "truncated header")
+    head = blob[start:start + head_len]
+    digest = blob[start + head_len:start + head_len + _DIGEST]
+    data = memoryview(blob)[start + head_len + _DIGEST:]
+    if _digest(head, data) != digest:
+        raise BadBlock("corrupt", "checksum mismatch (truncated or altered)")
+    try:
+        meta = json.loads(head)
+    except ValueError as e:
+        raise BadBlock("corrupt", f"header is not JSON: {e}") from None
+    want_dtype = str(dtype).removeprefix("torch.")
+    for field, want in (("model", fingerprint), ("hash", f"{block_hash:016x}"),
+                        ("tokens", [int(t) for t in token_ids]), ("dtype", want_dtype), ("shape", list(shape))):
+        if meta.get(field) != want:
+            raise BadBlock("foreign", f"{field} differs from this worker's")
+    if meta.get("nbytes") != len(data):
+        raise BadBlock("corrupt", "data length differs from the header's")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
+def model_fingerprint(model_config, dtype: str, block_size: int, weights_digest: str) -> str:
+    """16 hex digits naming everything that decides a block's bytes: two workers share
+    blocks only if they agree on all of it."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps({"arch": model_config.architecture, "layers": model_config.num_hidden_layers,
+                         "kv_heads": model_config.num_key_value_heads, "head_dim": model_config.head_dim,
+                         "hidden": model_config.hidden_size, "vocab": model_config.vocab_size,
+                         "rope_theta": model_config.rope_theta, "dtype": dtype, "block_size": block_size,
+                         "weights": weights_digest}, sort_keys=True).encode())
+    return h.hexdigest()

@@ -1,0 +1,136 @@
+"""L3: a bounded directory of KV blocks on local disk, kept across restarts.
+
+One file a block, named by its key. Files are written to a temporary name and
+renamed, so a crash leaves either the whole block or nothing under its name;
+temporaries left by a crash are removed at start. At start the directory is
+indexed (oldest modification first), so a restarted worker finds what it wrote
+before. The byte bound is kept by removing the least recently used files.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+from collections import OrderedDict
+
+from pdserve.kvstore.tier import KVTier
+
+log = logging.getLogger("pdserve.kvstore")
+
+SUFFIX = ".kvblock"
+_KEY = re.compile(r"^[0-9a-f]{1,64}-[0-9a-f]{1,64}$")  # model fingerprint - block hash: no path tricks
+
+
+class DiskTier(KVTier):
+    name = "disk"
+
+    def __init__(self, directory: str, capacity_bytes: int):
+        super().__init__()
+        if capacity_bytes <= 0:
+            raise ValueError("the disk tier needs a positive --kv-disk-bytes")
+        self.directory = os.path.abspath(directory)
+        self.capacity_bytes = capacity_bytes
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
+        self.used_bytes = 0
+        self._index()
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, key + SUFFIX)
+
+    def _index(self) -> None:
+        found = []
+        with os.scandir(self.directory) as it:
+            for e in it:
+                if e.name.endswith(".tmp"):
+                    _unlink(e.path)  # a write a crash interrupted
+                elif e.name.endswith(SUFFIX) and _KEY.match(e.name[:-len(SUFFIX)]) and e.is_file():
+                    st = e.stat()
+                    found.append((st.st_mtime, e.name[:-len(SUFFIX)], st.st_size))
+        for _, key, size in sorted(found):
+            self._files[key] = size
+            self.used_bytes += size
+        self._shrink(0)
+        if found:
+            log.info("disk KV tier %s: %d blocks (%.1f MB) from before", self.directory, len(self._files),
+                     self.used_bytes / 1e6)
+
+    def _shrink(self, room: int) -> None:
+        while self._files and self.used_bytes + room > self.capacity_bytes:
+            key, size = self._files.popitem(last=False)
+            self.used_bytes -= size
+            self.stats.evictions += 1
+            _unlink(self._path(key))
+
+    def contains(self, key: str) -> bool:
+        with self.lock:
+            return key in self._files
+
+    def get(self, key: str) -> bytes | None:
+        with self.lock:
+            if key not in self._files:
+                return None
+            self._files.move_to_end(key)
+        try:
+            with open(self._path(key), "rb") as f:
+                data = f.read()
+        except OSError as e:
+            log.warning("disk KV tier: cannot read %s: %s", key, e)
+            self.forget(key, error=True)
+            return None
+        with self.lock:
+            self.stats.bytes_out += len(data)
+        return data
+
+    def forget(self, key: str, error: bool = False) -> None:
+        """Drop a block (it proved corrupt or unreadable)."""
+        with self.lock:
+            size = self._files.pop(key, None)
+            if size is not None:
+                self.used_bytes -= size
+                if error:  # (not when a concurrent write evicted it meanwhile)
+                    self.stats.errors += 1
+        _unlink(self._path(key))
+
+    def put(self, key: str, data: bytes) -> bool:
+        if not _KEY.match(key) or len(data) > self.capacity_bytes:
+            with self.lock:
+                self.stats.errors += 1
+            return False
+        with self.lock:
+            if key in self._files:
+                self._files.move_to_end(key)
+                return True
+            self._shrink(len(data))
+            # counted before the write, so concurrent puts cannot overshoot the bound together
+            self._files[key] = len(data)
+            self.used_bytes += len(data)
+        tmp = os.path.join(self.directory, f".{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self._path(key))
+        except OSError as e:  # the disk is full or gone: a cache declines, it does not fail
+            _unlink(tmp)
+            log.warning("disk KV tier: cannot write %s: %s", key, e)
+            with self.lock:
+                if self._files.pop(key, None) is not None:
+                    self.used_bytes -= len(data)
+                self.stats.errors += 1
+            return False
+        with self.lock:
+            self.stats.bytes_in += len(data)
+            self.stats.stores += 1
+        return True
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

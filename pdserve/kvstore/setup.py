@@ -1,0 +1,41 @@
+"""Build a worker's KV store from its configuration."""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from pdserve.kvstore import codec
+from pdserve.kvstore.disk import DiskTier
+from pdserve.kvstore.host import HostTier
+from pdserve.kvstore.store import TieredKVStore
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A short digest of the weights (a sample of every parameter): two workers share KV
+    blocks only if they run the same weights."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        flat = p.detach().reshape(-1)[:1024].float().cpu()
+        h.update(name.encode())
+        h.update(flat.numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_kv_store(config, model_config, runner) -> TieredKVStore:
+    t = config.tiers
+    # KV bytes depend on the weights, dtype and the kernels that computed them
+    digest = f"{weights_digest(runner.model)}-q{runner.num_quantized_linears}-i8{int(config.int8_activations)}"
+    fingerprint = codec.model_fingerprint(model_config, config.device.dtype, config.cache.block_size, digest)
+    tiers = []
+    disk = DiskTier(t.kv_disk_dir, t.kv_disk_bytes) if t.kv_disk_dir else None
+    if t.kv_offload_bytes:
+        tiers.append(HostTier(t.kv_offload_bytes, spill=disk.put if disk is not None else None))
+    if disk is not None:
+        tiers.append(disk)
+    if t.kv_store == "mooncake":
+        from pdserve.kvstore.mooncake import MooncakeTier
+
+        tiers.append(MooncakeTier.from_args(t.kv_store_master, t.kv_store_metadata_url or None,
+                                            segment_bytes=t.kv_store_segment_bytes))
+    return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size)

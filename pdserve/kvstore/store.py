@@ -1,0 +1,240 @@
+"""The worker half of the KV store: moves blocks between the engine's pool and the tiers.
+
+The engine's pool is the first tier (L1). Below it, nearest first:
+
+- `host` (L2): evicted blocks are written here, asynchronously;
+- `disk` (L3): what the host tier drops spills here (or evicted blocks go
+  straight here when there is no host tier);
+- a shared tier (Mooncake Store): every block this worker computes is
+  published, so every other worker of the cluster can load it.
+
+The engine thread only copies block data out of (or is told when data has been
+copied into) its KV tensors; encoding, checksums and tier I/O run on two
+background threads, one that saves and one that loads, so the engine step is
+never held up by a disk or a network. The scheduler half (which sequences wait
+for a load, how their blocks are allocated) lives in the scheduler; this class
+answers its one question, "how many of these blocks can be loaded?", and
+reports which loads have finished.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kvstore import codec
+from pdserve.kvstore.tier import KVTier
+
+log = logging.getLogger("pdserve.kvstore")
+
+# A block on its way out, queued for the saver: (block hash, its token ids, its K/V of every layer)
+_Saved = tuple[int, tuple, torch.Tensor]
+
+
+@dataclass
+class BlockRef:
+    """One block of the engine's pool, named for the tiers."""
+
+    block_id: int
+    block_hash: int
+    token_ids: tuple
+
+
+@dataclass
+class LoadDone:
+    seq_id: str
+    num_blocks: int  # loaded intact, from the first; the rest (if any) is recomputed
+
+
+class TieredKVStore:
+    def __init__(self, tiers: list[KVTier], fingerprint: str, kv_caches: list, block_size: int,
+                 max_queued_bytes: int = 256 << 20):
+        self.tiers = tiers
+        self.local = [t for t in tiers if not t.shared]
+        self.shared = [t for t in tiers if t.shared]
+        self.fingerprint = fingerprint
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        k0 = kv_caches[0][0]
+        self.block_shape = [len(kv_caches), 2, *k0.shape[1:]]  # [layers, K/V, block_size, heads, dim]
+        self.dtype = k0.dtype
+        self.block_bytes = k0[0].numel() * k0.element_size() * 2 * len(kv_caches)
+        self.max_queued_bytes = max_queued_bytes
+        self.dropped_saves = 0  # blocks not saved because the saver fell behind
+        self._published: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._save_q: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._queued_lock = threading.Lock()
+        self.queried_blocks = 0  # blocks the scheduler asked about (beyond its own pool's hits)
+        self.hit_blocks = 0  # of those, held by some tier
+        self._load_q: queue.Queue = queue.Queue()
+        self._done: list[LoadDone] = []
+        self._done_lock = threading.Lock()
+        self._done_event = threading.Event()
+        self.pending_loads = 0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._saver, name="kvstore-save", daemon=True),
+                         threading.Thread(target=self._loader, name="kvstore-load", daemon=True)]
+        for t in self._threads:
+            t.start()
+        log.info("KV store tiers: %s (model fingerprint %s, %d KB a block)",
+                 ", ".join(t.name for t in tiers), fingerprint, self.block_bytes // 1024)
+
+    # ---- the scheduler's question
+    def count_hits(self, hashes: list[int]) -> int:
+        """How many of these blocks, from the first, some tier holds."""
+        keys = [codec.block_key(self.fingerprint, h) for h in hashes]
+        n = 0
+        for tier in self.local:
+            while n < len(keys) and tier.contains(keys[n]):
+                n += 1
+        for tier in self.shared:
+            if n < len(keys) and tier.healthy():
+                n += tier.count_prefix(keys[n:])
+        self.queried_blocks += len(keys)
+        self.hit_blocks += n
+        return n
+
+    # ---- saving (engine thread: copy out; saver thread: encode and write)
+    def _gather(self, blocks: list[BlockRef]) -> torch.Tensor:
+        """[n, layers, 2, block_size, heads, dim]: a copy, so the pool may reuse the blocks."""
+        idx = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
+        per_layer = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                     for k, v in self.kv_caches]  # each [n, 2, bs, heads, dim]
+        return torch.stack(per_layer, dim=1).cpu()
+
+    def _enqueue(self, blocks: list[BlockRef], where: str) -> None:
+        room = (self.max_queued_bytes - self._queued_bytes) // self.block_bytes
+        if room < len(blocks):  # the tiers are slower than the pool churns: drop the oldest wishes
+            self.dropped_saves += len(blocks) - max(room, 0)
+            blocks = blocks[:max(room, 0)]
+        if not blocks:
+            return
+        data = self._gather(blocks)
+        with self._queued_lock:
+            self._queued_bytes += len(blocks) * self.block_bytes
+        self._save_q.put((where, [(b.block_hash, b.token_ids, data[i]) for i, b in enumerate(blocks)]))
+
+    def offload(self, evicted: list[BlockRef]) -> None:
+        """Blocks the pool just evicted (their data is still intact): keep them in the local tiers."""
+        if evicted and self.local:
+            self._enqueue(evicted, "local")
+
+    def publish(self, computed: list[BlockRef]) -> None:
+        """Blocks this worker just computed: put them where every worker can load them."""
+        if not self.shared:
+            return
+        fresh = [b for b in computed if b.block_hash not in self._published]
+        for b in fresh:
+            self._published[b.block_hash] = None
+        while len(self._published) > 1 << 16:
+            self._published.popitem(last=False)
+        if fresh:
+            self._enqueue(fresh, "shared")
+
+    def _saver(self) -> None:
+        while True:
+            item = self._save_q.get()
+            if item is None:
+                return
+            where, blocks = item
+            tiers = self.local[:1] if where == "local" else self.shared
+            for block_hash, token_ids, kv in blocks:
+                key = codec.block_key(self.fingerprint, block_hash)
+                try:
+                    blob = codec.encode(self.fingerprint, block_hash, token_ids, kv)
+                    for tier in tiers:
+                        tier.put(key, blob)
+                except Exception:  # a tier must never take the engine down
+                    log.exception("KV store: saving a block failed")
+                finally:
+                    with self._queued_lock:
+                        self._queued_bytes -= self.block_bytes
+
+    # ---- loading (engine thread: start and poll; loader thread: read, check, copy in)
+    def start_load(self, seq_id: str, blocks: list[BlockRef]) -> None:
+        """Load these blocks into the pool slots they name (the sequence owns them already)."""
+        self.pending_loads += 1
+        self._load_q.put((seq_id, blocks))
+
+    def finished_loads(self) -> list[LoadDone]:
+        with self._done_lock:
+            out, self._done = self._done, []
+            self._done_event.clear()
+        self.pending_loads -= len(out)
+        return out
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        self._done_event.wait(timeout_s)
+
+    def _loader(self) -> None:
+        while True:
+            item = self._load_q.get()
+            if item is None:
+                return
+            seq_id, blocks = item
+            n = 0
+            try:
+                for b in blocks:
+                    if not self._load_one(b):
+                        break
+                    n += 1
+            except Exception:
+                log.exception("KV store: loading a block failed")
+            with self._done_lock:
+                self._done.append(LoadDone(seq_id, n))
+                self._done_event.set()
+
+    def _load_one(self, b: BlockRef) -> bool:
+        key = codec.block_key(self.fingerprint, b.block_hash)
+        for tier in self.tiers:
+            if tier.shared and not tier.healthy():
+                continue
+            t0 = time.monotonic()
+            blob = tier.get(key)
+            if blob is None:
+                with tier.lock:
+                    tier.stats.misses += 1
+                continue
+            try:
+                kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype)
+            except codec.BadBlock as e:
+                log.warning("KV store: %s tier: %s (%s); recomputing instead", tier.name, e, key)
+                with tier.lock:
+                    tier.stats.errors += 1
+                    tier.stats.misses += 1
+                forget = getattr(tier, "forget", None)
+                if forget is not None:
+                    forget(key)
+                continue
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[b.block_id].copy_(kv[layer, 0])
+                v[b.block_id].copy_(kv[layer, 1])
+            with tier.lock:
+                tier.stats.hits += 1
+                tier.stats.loads += 1
+                tier.stats.load_seconds += time.monotonic() - t0
+            return True
+        return False
+
+    # ---- introspection and shutdown
+    def stats(self) -> dict:
+        return {"tiers": {t.name: {**t.stats.as_dict(), "healthy": t.healthy()} for t in self.tiers},
+                "queried_blocks": self.queried_blocks, "hit_blocks": self.hit_blocks,
+                "dropped_saves": self.dropped_saves, "pending_loads": self.pending_loads}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._save_q.put(None)
+        self._load_q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        for tier in self.tiers:
+            tier.close()

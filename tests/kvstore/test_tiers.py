@@ -1,0 +1,199 @@
+"""The local KV tiers: the block codec, host memory, disk, and the engine loading from them."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pdserve.kvstore import codec
+from pdserve.kvstore.disk import SUFFIX, DiskTier
+from pdserve.kvstore.host import HostTier
+
+SHAPE = [2, 2, 4, 2, 8]  # layers, K/V, block_size, heads, dim
+FP = "00112233aabbccdd"
+
+
+def _blob(h=7, tokens=(1, 2, 3, 4), fp=FP, dtype=torch.float32):
+    kv = torch.randn(SHAPE).to(dtype)
+    return kv, codec.encode(fp, h, tokens, kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codec_round_trip(dtype):
+    kv, blob = _blob(dtype=dtype)
+    out = codec.decode(blob, FP, 7, (1, 2, 3, 4), SHAPE, dtype)
+    assert torch.equal(out, kv)
+
+
+def test_codec_refuses_corrupt_truncated_and_foreign_blocks():
+    _, blob = _blob()
+    flipped = bytearray(blob)
+    flipped[-5] ^= 0xFF
+    for bad, kind in [(bytes(flipped), "corrupt"), (blob[:len(blob) // 2], "corrupt"), (blob[:3], "corrupt"),
+                      (b"XXXX" + blob[4:], "corrupt")]:
+        with pytest.raises(codec.BadBlock) as e:
+            codec.decode(bad, FP, 7, (1, 2, 3, 4), SHAPE, torch.float32)
+        assert e.value.kind == kind
+    for args in [("ffffffffffffffff", 7, (1, 2, 3, 4), SHAPE, torch.float32),  # another model wrote it
+                 (FP, 8, (1, 2, 3, 4), SHAPE, torch.float32),  # another block
+                 (FP, 7, (1, 2, 3, 5), SHAPE, torch.float32),  # same hash, other tokens
+                 (FP, 7, (1, 2, 3, 4), [2, 2, 8, 2, 4], torch.float32),  # another layout
+                 (FP, 7, (1, 2, 3, 4), SHAPE, torch.bfloat16)]:
+        with pytest.raises(codec.BadBlock) as e:
+            codec.decode(blob, *args)
+        assert e.value.kind == "foreign"
+
+
+def test_host_tier_keeps_its_bound_and_spills_the_oldest():
+    spilled = []
+    tier = HostTier(1000, spill=lambda k, d: spilled.append(k))
+    for i in range(5):
+        assert tier.put(f"{i:x}-0", bytes(300))
+    assert tier.used_bytes <= 1000 and len(tier) == 3
+    assert spilled == ["0-0", "1-0"] and tier.stats.evictions == 2
+    assert tier.get("0-0") is None and tier.get("4-0") == bytes(300)
+    assert not tier.put("a-0", bytes(2000)) and tier.stats.errors == 1
+
+
+def test_disk_tier_bound_restart_and_leftovers(tmp_path):
+    d = str(tmp_path / "kv")
+    tier = DiskTier(d, 1000)
+    for i in range(5):
+        assert tier.put(f"{i:x}-0", bytes([i]) * 300)
+    assert tier.used_bytes <= 1000 and len(os.listdir(d)) == 3
+    assert tier.get("4-0") == bytes([4]) * 300
+    assert not tier.put("../escape-0", b"x") and not os.path.exists(tmp_path / "escape-0.kvblock")
+    open(os.path.join(d, ".deadbeef.tmp"), "wb").write(b"half a block")  # a write a crash cut
+    again = DiskTier(d, 1000)  # a restart finds what was written, and drops the leftover
+    assert sorted(again._files) == ["2-0", "3-0", "4-0"] and again.get("3-0") == bytes([3]) * 300
+    assert not any(n.endswith(".tmp") for n in os.listdir(d))
+    smaller = DiskTier(d, 650)  # a smaller bound after a restart is kept at once
+    assert smaller.used_bytes <= 650 and len(os.listdir(d)) == 2
+
+
+# ---- the engine with tiers: outputs equal those of an engine that caches nothing
+
+PROMPTS = [list(range(10 + i, 10 + i + 37)) for i in range(0, 60, 6)]  # 37 tokens: 9 full blocks of 4
+
+
+def _llm(tiny_dir, **kw):
+    from pdserve import LLM
+
+    args = dict(dtype="float32", block_size=4, num_gpu_blocks=24, max_num_batched_tokens=64, max_num_seqs=4)
+    args.update(kw)
+    return LLM(tiny_dir, **args)
+
+
+def _run(llm, prompts, max_tokens=6):
+    from pdserve import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tmp_path_factory):
+    from tests.tiny import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("sharp")), logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def reference(sharp_model):
+    llm = _llm(sharp_model, enable_prefix_caching=False, num_gpu_blocks=256)
+    return [_run(llm, [p])[0] for p in PROMPTS]
+
+
+def _tier(llm, name):
+    return llm.engine.stats()["kv_store"]["tiers"][name]
+
+
+def _wait_saved(llm):
+    import time
+
+    deadline = time.monotonic() + 10
+    while llm.engine.kv_store._queued_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_host_tier_hits_give_the_same_tokens(sharp_model, reference):
+    with _llm(sharp_model, kv_offload_bytes=8 << 20) as llm:
+        # one at a time: each evicts the previous prompts' blocks from the 24-block pool
+        first = [_run(llm, [p])[0] for p in PROMPTS]
+        _wait_saved(llm)
+        again = [_run(llm, [p])[0] for p in PROMPTS]
+        assert first == reference and again == reference
+        host = _tier(llm, "host")
+        assert host["hits"] >= 8 * len(PROMPTS) and host["errors"] == 0, host
+
+
+def test_disk_tier_survives_a_restart_and_corrupt_files_are_misses(sharp_model, reference, tmp_path):
+    d = str(tmp_path / "kv")
+    with _llm(sharp_model, kv_disk_dir=d, kv_disk_bytes=64 << 20) as llm:
+        assert [_run(llm, [p])[0] for p in PROMPTS] == reference
+        _wait_saved(llm)
+    files = sorted(f for f in os.listdir(d) if f.endswith(SUFFIX))
+    assert len(files) >= 8 * (len(PROMPTS) - 3)
+    # damage some blocks: flip a byte in one, cut another short, empty a third
+    for i, f in enumerate(files[:9]):
+        path = os.path.join(d, f)
+        raw = bytearray(open(path, "rb").read())
+        if i % 3 == 0:
+            raw[len(raw) // 2] ^= 0x55
+        elif i % 3 == 1:
+            raw = raw[:len(raw) // 3]
+        else:
+            raw = b""
+        open(path, "wb").write(raw)
+    with _llm(sharp_model, kv_disk_dir=d, kv_disk_bytes=64 << 20) as llm:  # a restarted worker
+        assert [_run(llm, [p])[0] for p in PROMPTS] == reference
+        disk = _tier(llm, "disk")
+        assert disk["hits"] > 0 and disk["errors"] >= 1, disk
+
+
+def test_full_disk_bound_still_serves_correctly(sharp_model, reference, tmp_path):
+    block = None
+    with _llm(sharp_model, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=20_000) as llm:
+        block = llm.engine.kv_store.block_bytes
+        assert [_run(llm, [p])[0] for p in PROMPTS * 2] == reference * 2
+        _wait_saved(llm)
+        disk = _tier(llm, "disk")
+        assert disk["evictions"] > 0 and llm.engine.kv_store.tiers[0].used_bytes <= 20_000
+    assert block and sum(os.path.getsize(tmp_path / "kv" / f) for f in os.listdir(tmp_path / "kv")) <= 20_000
+
+
+def test_preempted_sequences_come_back_from_the_tiers(sharp_model):
+    """A pool too small for the batch: sequences are preempted; their blocks go down to the
+    host tier and are loaded back instead of recomputed, and the tokens do not change."""
+    prompts = [list(range(5 + 3 * i, 5 + 3 * i + 21)) for i in range(4)]
+    ref = _run(_llm(sharp_model, enable_prefix_caching=False, num_gpu_blocks=256), prompts, max_tokens=24)
+    with _llm(sharp_model, num_gpu_blocks=14, kv_offload_bytes=8 << 20) as llm:
+        out = _run(llm, prompts, max_tokens=24)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert out == ref
+        assert _tier(llm, "host")["hits"] > 0
+
+
+def test_abort_while_loading_frees_the_blocks(sharp_model):
+    from pdserve import SamplingParams
+
+    with _llm(sharp_model, kv_offload_bytes=8 << 20) as llm:
+        for p in PROMPTS:
+            _run(llm, [p])
+        _wait_saved(llm)
+        eng = llm.engine
+        eng.add_request("x", PROMPTS[0], SamplingParams(max_tokens=4))
+        eng.step()  # admitted to load from the host tier
+        assert "x" in eng.scheduler.loading
+        eng.abort_request("x")
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert eng.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_tiers_need_prefix_caching(sharp_model):
+    from pdserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="prefix caching"):
+        _llm(sharp_model, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
