@@ -60,7 +60,7 @@ def test_two_clients_and_a_second_process_share_blocks(master):
         assert b.get("fp00-missing") is None
         assert b.count_prefix(keys[:2] + ["fp00-missing"] + keys[2:]) == 2
         assert b.count_prefix(keys) == 4 and b.count_prefix([]) == 0
-        assert b.stats.bytes_out == len(_block(2)) and b.stats.loads == 2
+        assert b.stats.bytes_out == len(_block(2))
         assert b.stats.errors == 0 and b.healthy()
 
         child = subprocess.run(
