@@ -1,14 +1,14 @@
 """Pool sizing: the P:D ratio, GPU counts with redundancy, latency under SLOs."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 from pdserve.planner.units import ceil_count
 
 
 def pd_ratio(lin: float, lout: float, theta_p: float, theta_d: float) -> float:
-    """N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D) (seed 000 §5.3).
+    """N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D).
 
     From the balance N_P x Theta_P / Lin = N_D x Theta_D / Lout: requests
     leave the prefill pool as fast as the decode pool finishes them.
@@ -18,7 +18,7 @@ def pd_ratio(lin: float, lout: float, theta_p: float, theta_d: float) -> float:
 
 
 def request_latency_s(ttft_s: float, output_tokens: int, tpot_s: float) -> float:
-    """Latency ≈ TTFT + (T_out - 1) x TPOT, queueing aside (seed 003 §1.3)."""
+    """Latency ≈ TTFT + (T_out - 1) x TPOT, queueing aside."""
     return ttft_s + (output_tokens - 1) * tpot_s
 
 
@@ -35,7 +35,7 @@ class GpuCount:
 
 def gpu_count(load: float, capacity_per_gpu: float, redundancy: float) -> GpuCount:
     """GPUs = ceil(peak QPS x mean occupancy / concurrency per GPU) x (1 + r)
-    (seed 003 §7.4: 10 x 5 / 20 = 2.5 -> 3, plus 30% -> 4).
+    (10 QPS x 5 s / 20 per GPU = 2.5 -> 3, plus 30% -> 4).
 
     ``load`` is QPS x occupancy (requests in flight) and ``capacity_per_gpu``
     the concurrency one GPU carries; a token rate over a tokens/s rate works
@@ -68,3 +68,17 @@ def max_batch_within(step_time_s: Callable[[int], float], slo_s: float,
         else:
             hi = mid - 1
     return lo
+
+
+def expected_accepted_tokens(acceptance: float, draft_tokens: int) -> float:
+    """Tokens one speculative step yields: (1 - a^(g+1)) / (1 - a) for g drafts
+    each accepted with probability a (the verify step adds one token of its own)."""
+    if not 0.0 <= acceptance < 1.0:
+        raise ValueError(f"acceptance must be in [0, 1), got {acceptance}")
+    return (1.0 - acceptance ** (draft_tokens + 1)) / (1.0 - acceptance)
+
+
+def spec_speedup(acceptance: float, draft_tokens: int, draft_cost: float) -> float:
+    """Speed-up = accepted tokens / (draft cost + verify cost), in units of one
+    target decode step: g drafts at ``draft_cost`` each plus one verify step."""
+    return expected_accepted_tokens(acceptance, draft_tokens) / (draft_tokens * draft_cost + 1.0)

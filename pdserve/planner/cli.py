@@ -1,4 +1,4 @@
-"""`pdserve plan`: size a deployment and show each step as the seeds do by hand.
+"""`pdserve plan`: size a deployment and show each step as one would by hand.
 
 Standard library only, so the command starts without torch.
 """
@@ -8,11 +8,18 @@ import argparse
 import json
 import sys
 
-from pdserve.planner.deployment import (COMPUTE_DTYPES, DEFAULT_GPU_MEMORY_UTILIZATION,
-                                        KV_DTYPES, WEIGHT_QUANTS, Deployment)
-from pdserve.planner.hardware import GPU_ALIASES, GPUS, NETWORK_BYTES_PER_S, resolve_gpu
+from pdserve.planner.deployment import (
+    COMPUTE_DTYPES,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KV_DTYPES,
+    LATENCY_MODELS,
+    WEIGHT_QUANTS,
+    Deployment,
+)
+from pdserve.planner.hardware import GPU_ALIASES, GPUS, resolve_gpu
 from pdserve.planner.models import MODEL_ALIASES, MODELS, param_count, resolve_model
 from pdserve.planner.plan import PlanInputs, make_plan
+from pdserve.planner.transfer import link
 from pdserve.planner.units import GiB, fmt_count, fmt_si
 
 
@@ -21,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--list", action="store_true", help="list catalog models and GPUs, then exit")
     a("--model", help="catalog name (see --list) or path to a Hugging Face config.json")
     a("--gpu", help="accelerator of the prefill pool, or of both pools (see --list)")
-    a("--decode-gpu", help="accelerator of the decode pool, if it differs (seed 000 §2.3)")
+    a("--decode-gpu", help="accelerator of the decode pool, if it differs (e.g. H100 prefill, "
+      "H20 decode)")
     a("--context", type=int, help="tokens a request holds in KV (default: lin + lout)")
     a("--tp", type=int, default=1, help="tensor-parallel GPUs per instance")
     a("--pp", type=int, default=1, help="pipeline stages per instance")
@@ -34,15 +42,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--qps", type=float, help="peak requests per second (needs --lin/--lout)")
     a("--slo-ttft-ms", type=float, help="time-to-first-token target, ms")
     a("--slo-tpot-ms", type=float, help="time-per-output-token target, ms")
-    a("--network-gbps", type=int, choices=sorted(NETWORK_BYTES_PER_S),
-      help="P->D network; default: show all")
+    a("--link-gbps", "--network-gbps", dest="link_gbps", type=float, action="append",
+      help="P->D link in Gb/s, any number, repeatable (100/200/400: measured effective "
+      "rates, else 90%% of line rate); default: 100, 200 and 400")
+    a("--link-gbytes", type=float, action="append",
+      help="P->D link as an effective bandwidth in GB/s, repeatable")
+    a("--units", choices=("decimal", "binary"), default="decimal",
+      help="binary reads a link's GB/s as GiB/s, as hand calculations with KV in GiB do")
     a("--nics", type=int, default=1, help="NICs one request's KV crosses in parallel")
-    a("--redundancy", type=float, default=0.3, help="spare share of GPUs (seed 003 §7.4)")
+    a("--redundancy", type=float, default=0.3, help="spare share of GPUs (0.3 = 30%%)")
+    a("--decode-batch", type=int, help="decode batch; default: max concurrency, lowered to "
+      "meet --slo-tpot-ms")
+    a("--theta-p", type=float, help="measured prefill tokens/s per GPU, instead of the model's")
+    a("--theta-d", type=float, help="measured decode tokens/s per GPU, instead of the model's")
+    a("--occupancy-s", type=float, help="mean seconds a request occupies a slot (GPU count by "
+      "concurrency, with --qps and --concurrency-per-gpu)")
+    a("--concurrency-per-gpu", type=float, help="requests one GPU carries at once")
+    a("--spec-k", type=int, help="speculative decoding: draft tokens per step (gamma)")
+    a("--spec-acceptance", type=float, help="speculative decoding: acceptance rate (alpha)")
+    a("--spec-draft-cost", type=float, default=0.0,
+      help="one draft token's cost in target decode steps (default 0)")
+    a("--latency-model", choices=LATENCY_MODELS, default="fitted",
+      help="fitted: profile-fitted step times (default); roofline: the lower bound")
     a("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
       help="share of GPU memory for weights + KV, as in vLLM")
-    a("--compute-efficiency", type=float, default=1.0, help="reached share of peak FLOP/s")
+    a("--compute-efficiency", type=float, default=1.0,
+      help="reached share of peak FLOP/s (roofline)")
     a("--bandwidth-efficiency", type=float, default=1.0,
-      help="reached share of memory bandwidth")
+      help="reached share of memory bandwidth (roofline)")
     a("--json", action="store_true", help="print a machine-readable dict")
 
 
@@ -83,7 +110,8 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
                   weight_quant=args.weight_quant, kv_dtype=args.kv_dtype,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   compute_efficiency=args.compute_efficiency,
-                  bandwidth_efficiency=args.bandwidth_efficiency)
+                  bandwidth_efficiency=args.bandwidth_efficiency,
+                  latency_model=args.latency_model)
     prefill = Deployment(gpu=resolve_gpu(args.gpu), **common)
     decode = Deployment(gpu=resolve_gpu(args.decode_gpu), **common) if args.decode_gpu else prefill
     context = args.context
@@ -93,10 +121,19 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
         context = args.lin + args.lout
     ms = {k: None if getattr(args, k) is None else getattr(args, k) / 1e3
           for k in ("slo_ttft_ms", "slo_tpot_ms")}
-    networks = (args.network_gbps,) if args.network_gbps else tuple(sorted(NETWORK_BYTES_PER_S))
+    binary = args.units == "binary"
+    links = tuple(link(gbps=g, binary=binary) for g in args.link_gbps or ())
+    links += tuple(link(gbytes=g, binary=binary) for g in args.link_gbytes or ())
+    if not links:
+        links = tuple(link(gbps=g, binary=binary) for g in (100, 200, 400))
     return PlanInputs(prefill, decode, context, lin=args.lin, lout=args.lout, qps=args.qps,
                       slo_ttft_s=ms["slo_ttft_ms"], slo_tpot_s=ms["slo_tpot_ms"],
-                      networks_gbps=networks, nics=args.nics, redundancy=args.redundancy)
+                      links=links, nics=args.nics, redundancy=args.redundancy,
+                      binary_units=binary, decode_batch=args.decode_batch,
+                      theta_p=args.theta_p, theta_d=args.theta_d, occupancy_s=args.occupancy_s,
+                      concurrency_per_gpu=args.concurrency_per_gpu, spec_k=args.spec_k,
+                      spec_acceptance=args.spec_acceptance,
+                      spec_draft_cost=args.spec_draft_cost)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,10 +14,11 @@ from pdserve.planner.units import element_bytes
 COMPUTE_DTYPES = ("bf16", "fp8")
 WEIGHT_QUANTS = ("none", "int8", "fp8", "int4")
 KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+LATENCY_MODELS = ("fitted", "roofline")
 
 # vLLM's default --gpu-memory-utilization: the other 10% is left to
-# activations, temporary buffers and the framework (seed 003 §7.2 asks for
-# that room: "已无空间给激活、临时 buffer、框架开销").
+# activations, temporary buffers and the framework: a plan that fills memory
+# with weights and KV to the last byte does not run.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
@@ -34,13 +35,17 @@ class Deployment:
     # Fractions of peak FLOP/s and bandwidth reached; 1.0 is the pure roofline.
     compute_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
+    # "fitted": per-operator efficiencies, launches, all-reduces and per-step CPU
+    # work fitted on profiles (perf.py); "roofline": the pure lower bound.
+    latency_model: str = "fitted"
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.pp > self.model.layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {self.model.layers} layers")
-        for value, allowed, what in ((self.dtype, COMPUTE_DTYPES, "dtype"),
+        for value, allowed, what in ((self.latency_model, LATENCY_MODELS, "latency model"),
+                                     (self.dtype, COMPUTE_DTYPES, "dtype"),
                                      (self.weight_quant, WEIGHT_QUANTS, "weight quant"),
                                      (self.kv_dtype, KV_DTYPES, "kv dtype")):
             if value not in allowed:
@@ -75,5 +80,5 @@ class Deployment:
 
     @property
     def crosses_node(self) -> bool:
-        """TP beyond one node's NVLink domain (seed 000 §1.1 says never do it)."""
+        """TP beyond one node's NVLink domain: every all-reduce then crosses the NIC."""
         return self.tp > self.gpu.gpus_per_node

@@ -71,7 +71,7 @@ GPUS: dict[str, Accelerator] = {g.name: g for g in (
                 "HCCS 7 x 56 GB/s = 392 GB/s; 200 Gb/s RoCE per NPU"),
     Accelerator("cpu-local", 960e9, None, 24 * GiB, 38 * GB, 24.5 * GB, 33.6, 1,
                 "this machine, measured 2026-11-29: 2 cores AVX-512, bf16 matmul ~960 GFLOP/s; "
-                "memory read ~38 GB/s with 2 threads, 24 GiB (shared/FINDINGS.md); "
+                "memory read ~38 GB/s with 2 threads, 24 GiB; "
                 "'intra-node' = shared-memory copy 24.5 GB/s, 'NIC' = loopback TCP ~4.2 GB/s"),
 )}
 
@@ -83,13 +83,13 @@ GPU_ALIASES = {
 
 # Effective bytes/s a KV transfer sees on a NIC of the given line rate.
 NETWORK_BYTES_PER_S: dict[int, float] = {
-    100: 11 * GB,    # seed 000 §3.1 scene A: "100 Gbps ... B_net ≈ 11 GB/s"
-    200: 22.5 * GB,  # no seed figure: 90% of line rate, the seeds' 400G efficiency
-    400: 45 * GB,    # seed 000 §3.1 scene B and appendix Q2: "≈ 45 GB/s"
+    100: 11 * GB,    # a common datacenter 100 Gb/s RoCE link moves about 11 GB/s
+    200: 22.5 * GB,  # 90% of line rate, the 400 Gb/s efficiency below
+    400: 45 * GB,    # 400 Gb/s RoCE / InfiniBand: about 45 GB/s of 50 on the wire
 }
 
-# Floor latency of one all-reduce (seed 000 §1.1: NVLink "5~8 us", between
-# nodes over IB/RoCE "30~50 us"; the seed computes with 6 us and 40 us).
+# Floor latency of one all-reduce in the roofline: NVLink takes 5-8 us, IB/RoCE
+# between nodes 30-50 us; 6 us and 40 us are the usual figures to compute with.
 ALLREDUCE_LATENCY_INTRA_NODE_S = 6e-6
 ALLREDUCE_LATENCY_INTER_NODE_S = 40e-6
 

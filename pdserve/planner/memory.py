@@ -8,16 +8,15 @@ from pdserve.planner.models import ModelShape, param_count
 
 
 def weight_bytes(params: float, bytes_per_param: float) -> float:
-    """Weight memory (seed 003 §7.2: 7B x 2 B = 14 GB; INT4: 3.5 GB)."""
+    """Weight memory (7B x 2 B = 14 GB; INT4: 3.5 GB)."""
     return params * bytes_per_param
 
 
 def kv_bytes_per_token_layer(model: ModelShape, bytes_per_element: float) -> float:
     """KV bytes one token adds to one layer.
 
-    MHA/GQA: 2 (K and V) x n_kv_heads x d_head x bytes (seed 000 §3.1 step 3,
-    seed 003 §3.1). MLA: (d_c + d_R) x bytes, the latent plus the decoupled
-    RoPE key, with no factor 2 (seed 003 §3.3).
+    MHA/GQA: 2 (K and V) x n_kv_heads x d_head x bytes. MLA: (d_c + d_R) x bytes, the latent plus the decoupled
+    RoPE key, with no factor 2.
     """
     if model.is_mla:
         return (model.kv_lora_rank + model.qk_rope_head_dim) * bytes_per_element
@@ -25,13 +24,13 @@ def kv_bytes_per_token_layer(model: ModelShape, bytes_per_element: float) -> flo
 
 
 def kv_bytes_per_token(model: ModelShape, bytes_per_element: float) -> float:
-    """KV bytes per token over all layers (seed 000 §3.1: 80 x 4 KB = 320 KB)."""
+    """KV bytes per token over all layers (70B GQA: 80 x 4 KiB = 320 KiB)."""
     return model.layers * kv_bytes_per_token_layer(model, bytes_per_element)
 
 
 def kv_bytes(model: ModelShape, tokens: int, bytes_per_element: float,
              requests: int = 1) -> float:
-    """M_KV = 2 x L x n_kv x d_head x S x B x bytes (seed 003 §3.1)."""
+    """M_KV = 2 x L x n_kv x d_head x S x B x bytes."""
     return kv_bytes_per_token(model, bytes_per_element) * tokens * requests
 
 

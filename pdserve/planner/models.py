@@ -30,7 +30,7 @@ class ModelShape:
     max_context_tokens: int
     tied_embeddings: bool = False
     qkv_bias: bool = False
-    # MLA (seed 003 §3.3): the cache holds a latent of kv_lora_rank plus a
+    # MLA: the cache holds a latent of kv_lora_rank plus a
     # decoupled RoPE key of qk_rope_head_dim per layer, instead of K and V.
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -116,7 +116,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
     ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, 8192, tied_embeddings=True,
                published_params=134.5e6,
                source=HF.format("HuggingFaceTB/SmolLM2-135M-Instruct")
-               + "; shapes re-read from the GGUF in shared/FINDINGS.md"),
+               + "; shapes re-read from its GGUF file"),
 )}
 
 MODEL_ALIASES = {

@@ -1,6 +1,6 @@
-"""A capacity plan: the planner's formulas applied in the seeds' order
-(weights -> KV -> concurrency -> throughput/latency -> GPU count, seed 003),
-each step kept as printable lines plus machine-readable values."""
+"""A capacity plan: the planner's formulas applied in the order capacity is
+worked out by hand (weights -> KV -> concurrency -> throughput/latency -> GPU
+count), each step kept as printable lines plus machine-readable values."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,16 +19,27 @@ class PlanInputs:
     qps: float | None = None      # peak requests/s
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
-    networks_gbps: tuple[int, ...] = (100, 200, 400)
+    # P->D links as (label, effective bytes/s); default: the 100/200/400 Gbps table
+    links: tuple[tuple[str, float], ...] = ()
     nics: int = 1                 # NICs a request's KV crosses in parallel
-    redundancy: float = 0.3       # seed 003 §7.4 adds 30%
+    redundancy: float = 0.3       # spare share of GPUs, 30% as in the capacity worked example
+    binary_units: bool = False    # read a link's "GB/s" as GiB/s, as hand calculations often do
+    decode_batch: int | None = None   # None: memory's limit, lowered to meet the TPOT SLO
+    theta_p: float | None = None  # measured prefill tokens/s per GPU, instead of the model's
+    theta_d: float | None = None  # measured decode tokens/s per GPU
+    occupancy_s: float | None = None          # mean seconds a request holds a slot
+    concurrency_per_gpu: float | None = None  # requests one GPU carries at once
+    spec_k: int | None = None                 # draft tokens per speculative step (gamma)
+    spec_acceptance: float | None = None      # per-token acceptance rate (alpha)
+    spec_draft_cost: float = 0.0              # one draft token's cost, in target steps
 
     def __post_init__(self) -> None:
-        for name in ("context_tokens", "lin", "lout", "nics"):
+        for name in ("context_tokens", "lin", "lout", "nics", "decode_batch", "spec_k"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("qps", "slo_ttft_s", "slo_tpot_s"):
+        for name in ("qps", "slo_ttft_s", "slo_tpot_s", "theta_p", "theta_d", "occupancy_s",
+                     "concurrency_per_gpu"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -36,8 +47,16 @@ class PlanInputs:
             raise ValueError(f"redundancy must be >= 0, got {self.redundancy}")
         if (self.lin is None) != (self.lout is None):
             raise ValueError("give --lin and --lout together")
-        if self.qps is not None and self.lin is None:
-            raise ValueError("--qps needs --lin and --lout")
+        if self.qps is not None and self.lin is None and self.occupancy_s is None:
+            raise ValueError("--qps needs --lin and --lout (or --occupancy-s)")
+        if (self.spec_k is None) != (self.spec_acceptance is None):
+            raise ValueError("give --spec-k and --spec-acceptance together")
+        if self.spec_acceptance is not None and not 0.0 <= self.spec_acceptance < 1.0:
+            raise ValueError(f"spec acceptance must be in [0, 1), got {self.spec_acceptance}")
+        if self.spec_draft_cost < 0:
+            raise ValueError(f"spec draft cost must be >= 0, got {self.spec_draft_cost}")
+        if (self.occupancy_s is None) != (self.concurrency_per_gpu is None):
+            raise ValueError("give --occupancy-s and --concurrency-per-gpu together")
         if self.prefill.model != self.decode.model:
             raise ValueError("prefill and decode must serve the same model")
 
@@ -105,9 +124,15 @@ def make_plan(inp: PlanInputs) -> Plan:
         add(steps_speed.pd_ratio_step(inp, prefill.values, decode.values))
     if inp.qps is not None:
         add(steps_speed.gpu_count_step(inp, prefill.values, decode.values, fit.values))
+    if inp.spec_k is not None:
+        add(steps_speed.spec_step(inp, decode.values))
     if inp.prefill.crosses_node:
         notes.append(f"TP={inp.prefill.tp} spans nodes: every all-reduce crosses the NIC "
-                     "(seed 000 §1.1 keeps TP inside one NVLink node)")
-    notes.append("roofline numbers are upper bounds on speed; derate with "
-                 "--compute-efficiency / --bandwidth-efficiency")
+                     "(keep TP inside one NVLink node)")
+    if inp.prefill.latency_model == "roofline":
+        notes.append("roofline numbers are upper bounds on speed; derate with "
+                     "--compute-efficiency / --bandwidth-efficiency")
+    else:
+        notes.append("times are the fitted model (docs/planner.md); the roofline lower bound "
+                     "is shown beside each, and --latency-model roofline uses it instead")
     return plan

@@ -2,15 +2,17 @@
 
 time = max(FLOPs / peak, bytes / bandwidth) + TP all-reduces + PP hops.
 Compute and memory traffic overlap inside a kernel, so they take a max;
-the collectives wait on both and are added, as seed 000 §1.1 adds them.
+the collectives wait on both and are added, as a hand count of the all-reduces adds them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdserve.planner.deployment import Deployment
-from pdserve.planner.hardware import (ALLREDUCE_LATENCY_INTER_NODE_S,
-                                      ALLREDUCE_LATENCY_INTRA_NODE_S)
+from pdserve.planner.hardware import (
+    ALLREDUCE_LATENCY_INTER_NODE_S,
+    ALLREDUCE_LATENCY_INTRA_NODE_S,
+)
 from pdserve.planner.memory import kv_bytes_per_token, kv_shards
 from pdserve.planner.models import ModelShape, param_count
 
@@ -18,7 +20,7 @@ ACTIVATION_BYTES = 2  # activations cross the wire in bf16 even with fp8 GEMMs
 
 
 def ridge_point(peak_flops: float, bytes_per_s: float) -> float:
-    """FLOP/byte where a kernel turns compute-bound (seed 003 §2.1: H100 ≈ 295)."""
+    """FLOP/byte where a kernel turns compute-bound (H100: 989e12 / 3.35e12 ≈ 295)."""
     return peak_flops / bytes_per_s
 
 
@@ -32,12 +34,12 @@ def roofline_time_s(flops: float, bytes_: float, peak_flops: float,
 
 
 def matmul_flops(m: int, k: int, n: int) -> float:
-    """[m, k] x [k, n]: one multiply and one add each (seed 000 §2.1: 2 x S x d^2)."""
+    """[m, k] x [k, n]: one multiply and one add each (S x d by d x d: 2 x S x d^2)."""
     return 2.0 * m * k * n
 
 
 def prefill_flops(model: ModelShape, tokens: int) -> float:
-    """2 x N_active per token (seed 003 §1.1) plus causal attention: QK^T and
+    """2 x N_active per token plus causal attention: QK^T and
     AV over half the S x S square, per head and layer."""
     linear = 2.0 * param_count(model, active=True) * tokens
     attention = model.layers * model.heads * (model.qk_dim + model.v_dim) * tokens**2
@@ -86,7 +88,7 @@ def _link(dep: Deployment, gpus: int) -> tuple[float, float]:
 
 def tp_comm_time_s(dep: Deployment, tokens: int) -> float:
     """2 all-reduces per layer (attention output and MLP down projection,
-    seed 000 §1.1: 80 layers -> 160), each over tokens x hidden activations."""
+    80 layers -> 160), each over tokens x hidden activations."""
     latency, bw = _link(dep, dep.tp)
     message = tokens * dep.model.hidden * ACTIVATION_BYTES
     return 2 * dep.model.layers * allreduce_time_s(dep.tp, message, latency, bw)
@@ -101,7 +103,7 @@ def pp_hop_time_s(dep: Deployment, tokens: int) -> float:
 
 
 def pp_bubble_ratio(pp: int, micro_batches: int) -> float:
-    """Idle share of a pipeline: (P - 1) / (P + B - 1) (seed 000 §1.2)."""
+    """Idle share of a pipeline: (P - 1) / (P + B - 1) (P = 4, B = 1: 75%)."""
     return (pp - 1) / (pp + micro_batches - 1)
 
 
@@ -142,7 +144,7 @@ def prefill_time(dep: Deployment, tokens: int) -> StepTime:
 
 def decode_step_time(dep: Deployment, batch: int, context_tokens: int) -> StepTime:
     """One decode iteration for ``batch`` sequences of ``context_tokens``:
-    every step reads the weights and all their KV (seed 003 §2.2)."""
+    every step reads the weights and all their KV."""
     m = dep.model
     weights = weight_bytes_read(m, batch, dep.weight_bytes_per_param) / dep.tp
     kv = (kv_bytes_per_token(m, dep.kv_bytes_per_element) * context_tokens * batch

@@ -1,11 +1,10 @@
-"""The plan's steps. Each computes with the pure functions and writes what the
-seeds write by hand: the formula, the numbers put into it, the result."""
+"""The plan's steps. Each computes with the pure functions and writes what one
+writes by hand: the formula, the numbers put into it, the result."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.planner import memory as mem
 from pdserve.planner.deployment import Deployment
@@ -20,7 +19,7 @@ if TYPE_CHECKING:  # plan.py imports this module
 class Step:
     key: str
     title: str
-    section: str       # where in the seeds the formula comes from
+    section: str       # the formula or idea the step applies
     lines: list[str]
     values: dict       # base units: bytes, seconds, tokens/s
 
@@ -50,8 +49,10 @@ def describe_inputs(inp: PlanInputs) -> dict:
             "kv_dtype": p.kv_dtype, "gpu_memory_utilization": p.gpu_memory_utilization,
             "context_tokens": inp.context_tokens, "lin": inp.lin, "lout": inp.lout,
             "qps": inp.qps, "slo_ttft_s": inp.slo_ttft_s, "slo_tpot_s": inp.slo_tpot_s,
-            "networks_gbps": list(inp.networks_gbps), "nics": inp.nics,
-            "redundancy": inp.redundancy}
+            "links": [{"network": n, "bytes_per_s": b} for n, b in inp.links],
+            "nics": inp.nics, "redundancy": inp.redundancy, "units":
+            "binary" if inp.binary_units else "decimal", "decode_batch": inp.decode_batch,
+            "theta_p": inp.theta_p, "theta_d": inp.theta_d, "latency_model": p.latency_model}
 
 
 def _gpu_line(g) -> list[str]:
@@ -98,7 +99,7 @@ def weights_step(inp: PlanInputs) -> Step:
                       fmt_bytes(per_gpu))
     values = {"params": params, "bytes_per_param": bpp, "weight_bytes": total,
               "weight_bytes_per_gpu": per_gpu}
-    return Step("weights", "Weight memory", "seed 003 §7.2", lines, values)
+    return Step("weights", "Weight memory", "weights = params x bytes per param", lines, values)
 
 
 def kv_step(inp: PlanInputs) -> Step:
@@ -129,11 +130,11 @@ def kv_step(inp: PlanInputs) -> Step:
               "kv_bytes_per_token_layer": layer, "kv_bytes_per_token": token,
               "kv_bytes_per_request": request, "kv_shards": shards,
               "kv_bytes_per_request_per_gpu": per_gpu}
-    return Step("kv", "KV cache size", "seed 000 §3.1, seed 003 §3.1-3.3", lines, values)
+    return Step("kv", "KV cache size", "KV = 2 x L x n_kv x d_head x S x bytes (MLA: latent + RoPE key)", lines, values)
 
 
 def _suggestions(dep: Deployment, ctx: int) -> list[str]:
-    """Single changes that make one request fit (seed 003 §7.2's list)."""
+    """Single changes that make one request fit: quantize weights or KV, or add TP."""
     tries = [("--weight-quant int4", {"weight_quant": "int4"}),
              ("--kv-dtype fp8", {"kv_dtype": "fp8"})]
     tries += [(f"--tp {tp}", {"tp": tp}) for tp in (2, 4, 8, 16, 32, 64) if tp > dep.tp]
@@ -177,4 +178,4 @@ def fit_step(inp: PlanInputs, notes: list[str]) -> Step:
         values["prefill_max_concurrency"] = p_n
         if p_n < 1:
             notes.append("one request does not fit the prefill instance")
-    return Step("fit", "Fit and max concurrency", "seed 003 §7.2, §Q9", lines, values)
+    return Step("fit", "Fit and max concurrency", "weights + KV x concurrency <= usable memory", lines, values)

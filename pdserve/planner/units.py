@@ -2,7 +2,7 @@
 
 Decimal units (KB, MB, GB, TB = 10^3 .. 10^12 bytes) are used for weights,
 bandwidths and network rates, as vendors quote them. Binary units (KiB, MiB,
-GiB = 2^10 .. 2^30 bytes) are used for KV sizes and GPU memory: the seeds'
+GiB = 2^10 .. 2^30 bytes) are used for KV sizes and GPU memory: the usual
 "320 KB per token" is 80 x 4,096 bytes = 320 KiB, and an "80 GB" HBM stack is
 80 GiB of DRAM. Every figure the planner prints names which one it is.
 """
@@ -13,7 +13,7 @@ import math
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
-# Bytes per stored element (seed 003 §3.1: "FP16=2, FP8=1, INT4=0.5").
+# Bytes per stored element: FP16 2, FP8 1, INT4 0.5.
 BYTES_PER_ELEMENT = {
     "fp32": 4.0,
     "bf16": 2.0,

@@ -1,11 +1,15 @@
-"""How long one engine iteration takes: roofline from the planner, or a fitted profile.
+"""How long one engine iteration takes: the planner's fitted model, its roofline, or a profile.
 
 An iteration is described by a `StepShape`: what the scheduler put in the
-batch. Both models answer `step_s(shape)`; the simulator needs nothing else.
+batch. Every model answers `step_s(shape)`; the simulator needs nothing else.
 
-- `RooflineLatency`: the planner's roofline (pdserve/planner/roofline.py) for
-  a mixed batch, with per-accelerator efficiency factors (the share of peak
-  FLOP/s and bandwidth real kernels reach) and a fixed per-step overhead.
+- `FittedLatency` (the default for a catalog GPU): the planner's step-time
+  model (pdserve/planner/perf.py) -- per-operator efficiencies and launches,
+  all-reduces and per-step CPU work fitted on operator profiles. The planner
+  prints the same numbers: one model, two users.
+- `RooflineLatency`: the planner's roofline (pdserve/planner/roofline.py), the
+  lower bound, with optional efficiency factors and a fixed per-step overhead;
+  used when efficiencies are given, and for this machine's CPU.
 - `ProfileLatency`: t = a + b*prefill_tokens + c*decode_seqs + d*decode_context
   + e*prefill_attention (+ f for a step with prompt tokens, + g per pass over
   the weights of a small decode batch), least squares over steps of our engine
@@ -18,12 +22,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pdserve.planner import perf
 from pdserve.planner.deployment import Deployment
-from pdserve.planner.hardware import NETWORK_BYTES_PER_S
 from pdserve.planner.memory import kv_bytes_per_token, kv_shards
 from pdserve.planner.models import ModelShape, param_count
 from pdserve.planner.roofline import pp_hop_time_s, tp_comm_time_s, weight_bytes_read
 from pdserve.planner.transfer import exposed_transfer_s
+from pdserve.planner.transfer import network_bytes_per_s as _link_bytes_per_s
 
 
 @dataclass
@@ -63,13 +68,10 @@ def chunk_attention(ctx_before: int, n: int) -> float:
     return n * (ctx_before + (n + 1) / 2.0)
 
 
-# Share of the datasheet peak that serving kernels reach: (compute, bandwidth).
-# Source: vLLM/SGLang H100 reports put dense prefill MFU at ~50-60% and decode
-# bandwidth utilisation at ~70-85%; one pair for all GPUs until we measure more.
+# Roofline derating where no fitted model applies: (compute, bandwidth) shares of peak.
+# cpu-local: our engine on this machine reaches about 1/3 of the matmul peak, attention less.
 DEFAULT_EFFICIENCY = (0.55, 0.8)
-EFFICIENCY: dict[str, tuple[float, float]] = {
-    "cpu-local": (0.35, 0.5),  # our engine here: matmuls ~1/3 of peak, attention worse (shared/FINDINGS.md)
-}
+EFFICIENCY: dict[str, tuple[float, float]] = {"cpu-local": (0.35, 0.5)}
 
 
 class LatencyModel:
@@ -129,6 +131,43 @@ class RooflineLatency(LatencyModel):
         flops = self._linear_flops * batch + self._attn_flops * ctx
         bytes_ = self._weights[batch] + self._kv_bytes * (ctx + batch)
         return np.maximum(flops / self._peak, bytes_ / self._bw) + (self._comm[batch] + self.overhead_s)
+
+    def layers(self) -> int:
+        return self.dep.model.layers
+
+    def kv_bytes_per_token(self) -> float:
+        return kv_bytes_per_token(self.dep.model, self.dep.kv_bytes_per_element)
+
+
+class FittedLatency(LatencyModel):
+    """The planner's fitted step time (perf.step_time) for a mixed batch, plus an optional overhead."""
+
+    def __init__(self, dep: Deployment, overhead_s: float = 0.0):
+        self.dep = dep
+        self.overhead_s = overhead_s
+        kind, _ = perf.fit_for(dep.gpu.name)
+        m = dep.model
+        self.name = f"fitted ({kind} profiles) {m.name} on {dep.gpu.name} tp={dep.tp}"
+        self._pair_s, self._kv_token_s, self._kv_fixed_s = perf.attention_rates(dep)
+        self._base: dict[tuple[int, int, int], float] = {}
+
+    def step_s(self, s: StepShape) -> float:
+        if s.prefill_tokens + s.decode_seqs == 0:
+            return 0.0
+        key = (s.prefill_tokens, s.decode_seqs, s.prefill_seqs)
+        base = self._base.get(key)
+        if base is None:  # memoised: all but the context-dependent attention terms
+            base = self._base[key] = perf.step_time(self.dep, s.prefill_tokens, 0.0, s.decode_seqs, 0.0,
+                                                    s.prefill_seqs).total_s + self.overhead_s
+        kv_read = s.decode_context + s.prefill_context
+        extra = self._kv_fixed_s if kv_read and not s.decode_seqs else 0.0
+        return base + extra + self._pair_s * s.prefill_attention + self._kv_token_s * kv_read
+
+    def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
+        # only the KV read grows with the context, linearly: two evaluations give the line
+        t0 = self.step_s(StepShape(decode_seqs=batch, decode_context=context0))
+        t1 = self.step_s(StepShape(decode_seqs=batch, decode_context=context0 + batch))
+        return t0 + (t1 - t0) * np.arange(k, dtype=np.float64)
 
     def layers(self) -> int:
         return self.dep.model.layers
@@ -228,7 +267,7 @@ class ProfileLatency(LatencyModel):
         return self.kv_bytes_per_token_
 
     @classmethod
-    def fit(cls, samples: list[tuple[StepShape, float]], **kw) -> "ProfileLatency":
+    def fit(cls, samples: list[tuple[StepShape, float]], **kw) -> ProfileLatency:
         """Least squares on relative error, every coefficient >= 0: a term fitted negative (noise
         over a short range) is dropped and the rest refitted, so a longer batch is never
         predicted faster.
@@ -260,7 +299,7 @@ class ProfileLatency(LatencyModel):
             json.dump(d, f, indent=1)
 
     @classmethod
-    def load(cls, path: str) -> "ProfileLatency":
+    def load(cls, path: str) -> ProfileLatency:
         with open(path) as f:
             d = json.load(f)
         if d.get("kind") != "pdserve-sim-profile":
@@ -273,16 +312,22 @@ class ProfileLatency(LatencyModel):
 
 
 def roofline_for(model: ModelShape, gpu, tp: int = 1, kv_dtype: str = "bf16", dtype: str = "bf16",
-                 efficiency: tuple[float, float] | None = None, overhead_s: float = 0.0) -> RooflineLatency:
+                 efficiency: tuple[float, float] | None = None,
+                 overhead_s: float = 0.0) -> FittedLatency | RooflineLatency:
+    """The latency model of one instance: the fitted model by default; the roofline
+    derated by `efficiency` when one is given ((1, 1): the pure lower bound), and for
+    accelerators the fitted model does not describe."""
+    if efficiency is None and perf.has_fit(gpu.name):
+        return FittedLatency(Deployment(model, gpu, tp=tp, dtype=dtype, kv_dtype=kv_dtype), overhead_s)
     ce, be = efficiency or EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
     dep = Deployment(model, gpu, tp=tp, dtype=dtype, kv_dtype=kv_dtype, compute_efficiency=ce,
-                     bandwidth_efficiency=be)
+                     bandwidth_efficiency=be, latency_model="roofline")
     return RooflineLatency(dep, overhead_s)
 
 
 def network_bytes_per_s(gbps: float) -> float:
-    """Effective bytes/s of a network: the seeds' figures for 100/200/400 Gbps, else 90% of line rate."""
-    return NETWORK_BYTES_PER_S.get(int(gbps), gbps * 1e9 / 8 * 0.9) if gbps == int(gbps) else gbps * 1e9 / 8 * 0.9
+    """Effective bytes/s of a link: the planner's figures for 100/200/400 Gbps, else 90% of line rate."""
+    return _link_bytes_per_s(gbps)
 
 
 @dataclass(frozen=True)

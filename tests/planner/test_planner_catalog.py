@@ -5,8 +5,14 @@ import json
 import pytest
 
 from pdserve.planner.hardware import GPU_ALIASES, GPUS, resolve_gpu
-from pdserve.planner.models import (MODEL_ALIASES, MODELS, load_hf_config,
-                                    model_from_hf_config, param_count, resolve_model)
+from pdserve.planner.models import (
+    MODEL_ALIASES,
+    MODELS,
+    load_hf_config,
+    model_from_hf_config,
+    param_count,
+    resolve_model,
+)
 
 REQUIRED_MODELS = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
                    "llama-3-405b", "qwen2.5-7b", "qwen2.5-72b", "mistral-7b", "deepseek-v2",

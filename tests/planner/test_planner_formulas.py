@@ -1,4 +1,4 @@
-"""The planner's formulas beyond the seeds' worked numbers: edge cases,
+"""The planner's formulas beyond the worked examples' numbers: edge cases,
 rounding, and checks against brute force or measurements on this machine."""
 import random
 from dataclasses import replace
@@ -95,8 +95,8 @@ def test_decode_gets_compute_bound_past_the_ridge():
 
 
 def test_cpu_local_decode_roofline_matches_findings():
-    """shared/FINDINGS.md: at ~38 GB/s "the bf16 batch-1 decode roofline is
-    ~140 tok/s" for SmolLM2-135M on this machine."""
+    """Measured on this machine: at ~38 GB/s the bf16 batch-1 decode roofline of
+    SmolLM2-135M is about 140 tokens/s."""
     dep = Deployment(MODELS["smollm2-135m"], GPUS["cpu-local"])
     tok_s = 1 / rl.decode_step_time(dep, 1, 0).total_s
     assert tok_s == pytest.approx(140, rel=0.05)

@@ -2,11 +2,21 @@
 import numpy as np
 import pytest
 
+from pdserve.planner import perf
 from pdserve.planner.hardware import resolve_gpu
 from pdserve.planner.models import resolve_model
 from pdserve.planner.roofline import decode_step_time, prefill_time
 from pdserve.sim.events import EventLoop
-from pdserve.sim.latency import ProfileLatency, StepShape, TransferModel, chunk_attention, roofline_for
+from pdserve.sim.latency import (
+    FittedLatency,
+    ProfileLatency,
+    RooflineLatency,
+    StepShape,
+    TransferModel,
+    chunk_attention,
+    network_bytes_per_s,
+    roofline_for,
+)
 
 
 def test_events_run_in_time_order_and_ties_in_schedule_order():
@@ -50,9 +60,30 @@ def test_roofline_efficiency_slows_steps_and_tp_speeds_prefill():
     assert _dep_roofline(tp=2).step_s(shape) > 2 * fast.step_s(shape)
 
 
-@pytest.mark.parametrize("model", ["roofline", "profile"])
+def test_simulator_prices_steps_with_the_planners_fitted_model():
+    """One model, two users: a default pool's step is perf.step_time, whatever the batch mix."""
+    lat = roofline_for(resolve_model("llama-3-70b"), resolve_gpu("h100"), 4)
+    assert isinstance(lat, FittedLatency)
+    shapes = [StepShape(prefill_tokens=512, prefill_seqs=1, prefill_attention=chunk_attention(0, 512)),
+              StepShape(decode_seqs=16, decode_context=16 * 900),
+              StepShape(prefill_tokens=256, prefill_seqs=1, prefill_attention=chunk_attention(300, 256),
+                        prefill_context=300, decode_seqs=7, decode_context=7000),
+              StepShape(prefill_tokens=64, prefill_seqs=1, prefill_attention=chunk_attention(64, 64),
+                        prefill_context=64)]
+    for s in shapes:
+        want = perf.step_time(lat.dep, s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context,
+                              s.prefill_seqs, s.prefill_context).total_s
+        assert lat.step_s(s) == pytest.approx(want, rel=1e-12)
+        assert lat.step_s(s) > _dep_roofline(4).step_s(s)  # the roofline stays a lower bound
+    assert isinstance(roofline_for(resolve_model("llama-3-8b"), resolve_gpu("cpu")), RooflineLatency)
+    assert network_bytes_per_s(400) == 45e9 and network_bytes_per_s(10) == pytest.approx(1.125e9)
+
+
+@pytest.mark.parametrize("model", ["roofline", "fitted", "profile"])
 def test_vectorised_decode_steps_equal_single_steps(model):
-    lat = _dep_roofline() if model == "roofline" else ProfileLatency([0.01, 1e-4, 2e-4, 3e-7, 1e-9])
+    lat = {"roofline": _dep_roofline, "fitted": lambda: roofline_for(resolve_model("llama-3-70b"),
+                                                                     resolve_gpu("h100"), 8),
+           "profile": lambda: ProfileLatency([0.01, 1e-4, 2e-4, 3e-7, 1e-9])}[model]()
     got = lat.decode_steps_s(24, 24 * 700, 50)
     want = [lat.step_s(StepShape(decode_seqs=24, decode_context=24 * 700 + i * 24)) for i in range(50)]
     assert np.allclose(got, want, rtol=1e-12)
@@ -81,8 +112,8 @@ def test_profile_prefill_steps_pay_their_own_fixed_cost_and_old_profiles_load():
     assert ProfileLatency([0.01, 1e-3, 2e-3, 0.0, 0.0]).coef[-1] == 0.0  # a five-term profile
 
 
-def test_kv_transfer_seed000_3_3_layerwise_hides_all_but_the_last_layer():
-    """Seed 000 §3.1/§3.3: 64K tokens x 320 KiB = 20 GiB; at 45 GB/s eager costs ~477 ms, layer-wise
+def test_kv_transfer_layerwise_hides_all_but_the_last_layer():
+    """64K tokens x 320 KiB = 20 GiB; at 45 GB/s eager costs ~477 ms, layer-wise
     leaves one layer of 80 (~6 ms) exposed when a layer computes longer than it transfers."""
     kv_bytes = 65536 * 327680
     eager = TransferModel(45e9, layerwise=False).exposed_s(kv_bytes, 80, prefill_s=20.0)

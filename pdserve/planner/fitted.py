@@ -1,0 +1,77 @@
+"""Fitted constants of the step-time model (``perf.py``), with their provenance.
+
+Data, not code: every number below was produced by
+``python -m pdserve.planner.fit_profiles --vidur-git <clone of microsoft/vidur>``
+from the operator-level profiles named in ``SOURCES``. Times are seconds,
+rates bytes/s, efficiencies shares of the datasheet peak in ``hardware.py``.
+"""
+SOURCES = {
+    "vidur": {
+        "repo": "github.com/microsoft/vidur",
+        "commit": "7d47513363ec447a741ac5e47241580b47724fbf",
+        "attention_commit": "e2d00e9afba96cec9f0e7ea560bbfc4a539fae6a",
+        "cpu_commit": "6d98aa8f71696520acc603d87439e77cc78160a7",
+        "models": {
+            "a100": ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf",
+                     "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-70B",
+                     "codellama/CodeLlama-34b-Instruct-hf"],
+            "h100": ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf",
+                     "codellama/CodeLlama-34b-Instruct-hf"],
+        },
+    },
+}
+
+# What each term was fitted on (see docs/planner.md for the method and the errors).
+# - gemm: the q/k/v, o, gate/up and down projections of the models above, every
+#   profiled token count (1..4,096+) and TP size (1, 2, 4, 8); median kernel times.
+# - elementwise: the same rows' RMSNorms, RoPE, SwiGLU and residual adds.
+# - allreduce: `network/{a100,h100}_dgx/all_reduce.csv`, TP groups inside one node,
+#   messages up to 64 MiB.
+# - attention: Vidur published attention kernels for A100 only (Llama-2-70B shape,
+#   TP 2, FlashAttention prefill and paged decode, file `data/profiling/a100/attention.csv`
+#   at `attention_commit`); the H100 rows reuse its shares of peak. The H100
+#   attention CSVs at `commit` are stored outside git and were not available.
+# - cpu: `data/profiling/a100/cpu_overheads.csv` at `cpu_commit` (vLLM with Ray
+#   workers: schedule + sampler + prepare inputs + process outputs + Ray hop), by
+#   TP 1, 2, 4; TP 8 extrapolates TP 2 -> 4 linearly. CPU work does not depend on the GPU, so H100
+#   shares it.
+FITS = {
+    "a100": {
+        "gemm": {"compute_eff": 0.70, "bandwidth_eff": 0.77, "launch_s": 6.6e-06,
+                 "rms_rel_err": 0.106, "rows": 27120},
+        "elementwise": {"fixed_s": 1.24e-05, "bytes_per_token_hidden": 24.26},
+        "allreduce": {2: {"latency_s": 3.58e-05, "bytes_per_s": 158.4e9},
+                      4: {"latency_s": 2.87e-05, "bytes_per_s": 102.6e9},
+                      8: {"latency_s": 3.90e-05, "bytes_per_s": 86.8e9}},
+        "attention": {"prefill": {"fixed_s": 1.79e-05, "eff": 0.284},
+                      "decode": {"fixed_s": 1.34e-05, "eff": 0.766}},
+        "cpu": {1: {"fixed_s": 0.000968, "per_seq_s": 4.87e-05},
+                2: {"fixed_s": 0.007677, "per_seq_s": 4.43e-05},
+                4: {"fixed_s": 0.008484, "per_seq_s": 3.49e-05}},
+    },
+    "h100": {
+        "gemm": {"compute_eff": 0.67, "bandwidth_eff": 0.85, "launch_s": 6.8e-06,
+                 "rms_rel_err": 0.146, "rows": 12528},
+        "elementwise": {"fixed_s": 1.22e-05, "bytes_per_token_hidden": 21.17},
+        "allreduce": {2: {"latency_s": 1.66e-05, "bytes_per_s": 282.1e9},
+                      4: {"latency_s": 3.06e-05, "bytes_per_s": 253.0e9},
+                      8: {"latency_s": 2.86e-05, "bytes_per_s": 193.7e9}},
+        "attention": {"prefill": {"fixed_s": 1.79e-05, "eff": 0.284},
+                      "decode": {"fixed_s": 1.34e-05, "eff": 0.766}},
+        "cpu": {1: {"fixed_s": 0.000968, "per_seq_s": 4.87e-05},
+                2: {"fixed_s": 0.007677, "per_seq_s": 4.43e-05},
+                4: {"fixed_s": 0.008484, "per_seq_s": 3.49e-05}},
+    },
+}
+
+# Catalog GPUs and the profiled kind whose constants they use. H800 and H200
+# are H100 silicon (different NVLink, HBM); their own peaks enter the formulas.
+GPU_KIND = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-sxm": "h100",
+            "h800": "h100", "h200": "h100"}
+# This machine's CPU stands in for a GPU in tests: no GPU profile describes it.
+NO_FIT = ("cpu-local",)
+# Other accelerators have no profile: A100's shares of peak, on their own peaks.
+DEFAULT_KIND = "a100"
+# NVLink bytes/s (both directions, as in hardware.py) of the profiled DGX nodes:
+# another chip's all-reduce bandwidth scales by its fabric over this one.
+FABRIC_BYTES_PER_S = {"a100": 600e9, "h100": 900e9}
