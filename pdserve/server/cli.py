@@ -93,6 +93,15 @@ def run(args) -> int:
     logs.configure(args.log_level, args.log_format)
     if args.host is None and not (args.ray and args.ray_address):
         args.host = "127.0.0.1"
+    if getattr(args, "kv_store", "") and not args.kv_store_master:
+        if args.ray and args.ray_address:
+            print("pdserve serve: with --ray-address, start a Mooncake master every host can reach and pass "
+                  "--kv-store-master HOST:PORT", file=sys.stderr)
+            return 2
+        err = _start_store_master(args)
+        if err:
+            print(f"pdserve serve: {err}", file=sys.stderr)
+            return 2
     if args.mode == "disaggregated":
         if args.prefill < 1 or args.decode < 1:
             print("pdserve serve: --prefill and --decode must be at least 1", file=sys.stderr)
@@ -122,6 +131,25 @@ def run(args) -> int:
                                           "auth": args.api_key is not None}})
     server = serving.serve(app, args.host, args.port, engine, args.shutdown_timeout)
     return 0 if server.started else 1
+
+
+def _start_store_master(args) -> str | None:
+    """`--kv-store mooncake` without a master: run one on loopback for this deployment's lifetime."""
+    import atexit
+
+    from pdserve.kvstore.master import MooncakeMaster, mooncake_missing
+
+    missing = mooncake_missing()
+    if missing:
+        return missing
+    try:
+        master = MooncakeMaster(host="127.0.0.1").start()
+    except RuntimeError as e:
+        return f"the Mooncake master did not start: {e}"
+    atexit.register(master.stop)
+    args.kv_store_master, args.kv_store_metadata_url = master.rpc_address, master.metadata_url
+    log.info("Mooncake master for the shared KV tier at %s (metadata %s)", master.rpc_address, master.metadata_url)
+    return None
 
 
 def _build(args):

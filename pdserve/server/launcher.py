@@ -25,6 +25,7 @@ import time
 import httpx
 
 from pdserve import auth
+from pdserve.engine.cli import TIER_FLAGS
 from pdserve.server.worker_cli import RESTARTS_ENV
 
 log = logging.getLogger("pdserve.launcher")
@@ -53,6 +54,10 @@ def _engine_args(args) -> list[str]:
         out.append("--int8-activations")
     if getattr(args, "policy", "fcfs") != "fcfs":
         out += ["--scheduling-policy", args.policy]
+    for name in TIER_FLAGS + ("kv_transfer_headroom",):
+        v = getattr(args, name, None)
+        if v not in (None, ""):
+            out += [f"--{name.replace('_', '-')}", str(v)]
     return out + (["--model", args.model] if args.model else [])
 
 
@@ -102,6 +107,8 @@ def _worker_cmd(py, args, role: str, index: int, pinned_cores: list[int] | None)
     cmd += ["--kv-wire", args.kv_wire, "--kv-transport", args.kv_transport]
     if getattr(args, "step_trace", None):
         cmd += ["--step-trace", f"{args.step_trace}.{role}-{index}.jsonl"]
+    if getattr(args, "kv_disk_dir", ""):  # a directory each: a disk tier's bound is its own
+        cmd += ["--kv-disk-dir", os.path.join(args.kv_disk_dir, f"{role}-{index}")]
     return cmd
 
 

@@ -167,6 +167,39 @@ class _Collector:
                        s["prefix_cache_hits_tokens"])
         yield _counter("pdserve:num_preemptions", "Sequences preempted for lack of KV blocks.", name,
                        s["num_preemptions"])
+        if s.get("kv_store"):
+            yield from _kv_tiers(s["kv_store"], name)
+
+
+_TIER_COUNTERS = (
+    ("hits", "KV blocks loaded from the tier instead of recomputed."),
+    ("misses", "KV blocks looked for in the tier and not usable there (absent, corrupt or foreign)."),
+    ("bytes_in", "Bytes written to the tier."),
+    ("bytes_out", "Bytes read from the tier."),
+    ("stores", "KV blocks written to the tier."),
+    ("evictions", "KV blocks the tier dropped to stay within its bound."),
+    ("errors", "Failed tier calls, corrupt or foreign blocks, refused writes."),
+    ("load_seconds", "Seconds spent loading blocks from the tier (read, check, copy in)."),
+)
+
+
+def _kv_tiers(kv: dict, name: str):
+    """Per-tier counters of the KV store (host, disk, mooncake): `pdserve:kv_tier_*_total{tier=...}`."""
+    for key, doc in _TIER_COUNTERS:
+        c = CounterMetricFamily(f"pdserve:kv_tier_{key}", doc, labels=["model_name", "tier"])
+        for tier, t in kv["tiers"].items():
+            c.add_metric([name, tier], t[key])
+        yield c
+    up = GaugeMetricFamily("pdserve:kv_tier_healthy", "1 while the tier's backend answers.",
+                           labels=["model_name", "tier"])
+    for tier, t in kv["tiers"].items():
+        up.add_metric([name, tier], 1.0 if t["healthy"] else 0.0)
+    yield up
+    yield _counter("pdserve:kv_tier_queried_blocks", "Blocks beyond the pool's own prefix hits looked up in the "
+                   "tiers.", name, kv["queried_blocks"])
+    yield _counter("pdserve:kv_tier_hit_blocks", "Of those, blocks some tier held.", name, kv["hit_blocks"])
+    yield _counter("pdserve:kv_tier_dropped_saves", "Blocks not written down because the tiers fell behind.",
+                   name, kv["dropped_saves"])
 
 
 def _counter(metric: str, doc: str, model: str, value: float) -> CounterMetricFamily:

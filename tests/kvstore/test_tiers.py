@@ -92,19 +92,6 @@ def _run(llm, prompts, max_tokens=6):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def sharp_model(tmp_path_factory):
-    from tests.tiny import write_tiny_model
-
-    return write_tiny_model(str(tmp_path_factory.mktemp("sharp")), logit_scale=4.0)
-
-
-@pytest.fixture(scope="module")
-def reference(sharp_model):
-    llm = _llm(sharp_model, enable_prefix_caching=False, num_gpu_blocks=256)
-    return [_run(llm, [p])[0] for p in PROMPTS]
-
-
 def _tier(llm, name):
     return llm.engine.stats()["kv_store"]["tiers"][name]
 
