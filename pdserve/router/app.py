@@ -139,7 +139,7 @@ def _mean_stat(workers, key: str) -> float | None:
 
 
 def conductor_status(metrics, registry: Registry) -> dict:
-    """Observed mean Lin / Lout and the P:D ratio seed 000 §5.3 recommends for them.
+    """Observed mean Lin / Lout and the decode-per-prefill ratio that balances the pools for them.
 
     Theta_P / Theta_D are the means of what live workers report in their stats
     (`prefill_tokens_per_s`, `decode_tokens_per_s`); until they do, the ratio is null."""
@@ -254,7 +254,7 @@ class _RouterCollector:
         for key, name, doc in (("mean_lin_tokens", "observed_mean_prompt_tokens", "Mean prompt tokens (Lin)."),
                                ("mean_lout_tokens", "observed_mean_generation_tokens", "Mean generated tokens (Lout)."),
                                ("recommended_nd_per_np", "recommended_pd_ratio",
-                                "N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D), seed 000 §5.3.")):
+                                "N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D).")):
             if st[key] is not None:
                 g = GaugeMetricFamily(f"pdserve:{name}", doc)
                 g.add_metric([], st[key])

@@ -19,7 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--policy", default="cache_aware", choices=list(POLICIES),
-                   help="prefill placement (cache_aware: seed 000 §5.1 score over the prefix index); "
+                   help="prefill placement (cache_aware: lowest (1 - cache hit) x prefill time + alpha x queue wait, "
+                        "from the prefix index); "
                         "decode goes to the worker with the most free KV")
     p.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="refuse (429) requests whose predicted TTFT exceeds this, before any prefill (off by default)")

@@ -160,7 +160,7 @@ class DisaggEngine:
         self.registry = registry
         self.metrics = metrics
         self.placer = placer or Placer()
-        self.admitter = admitter  # router.admission.Admitter: early rejection (seed 000 §5.2), or None
+        self.admitter = admitter  # router.admission.Admitter: early rejection, or None
         self.kv_timeout_s = kv_timeout_s
         if kv_mode not in ("push", "pull"):
             raise ValueError("kv_mode must be push or pull")

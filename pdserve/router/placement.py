@@ -26,7 +26,7 @@ def prefill_cost(w: WorkerInfo) -> conductor.PrefillCostModel:
 
 
 class Placer:
-    """Prefill by `prefill_policy`, decode by KV headroom (seed 000 §5.1)."""
+    """Prefill by `prefill_policy`, decode by KV headroom (the worker with the most free KV)."""
 
     def __init__(self, prefill_policy: str = "cache_aware", index: PrefixIndex | None = None,
                  alpha: float | None = None, clock=time.monotonic):

@@ -1,7 +1,7 @@
 """Placement decisions as pure functions of (candidates, request, load).
 
 The router calls these; the simulator will call the very same ones. The
-conductor's cache-aware score (seed 000 §5.1) joins them here.
+conductor's cache-aware score (router/conductor.py's `prefill_score`) joins them here.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _ring_point(key: bytes) -> int:
 
 
 def consistent_hash(key: int, worker_ids: Sequence[str], vnodes: int = 64) -> str:
-    """The worker owning `key` on a hash ring (seed 000 §1.3): requests sharing a
+    """The worker owning `key` on a hash ring: requests sharing a
     prefix go to one worker, and a worker joining or leaving moves only ~1/N keys.
     `vnodes` points per worker even out the arcs."""
     if not worker_ids:

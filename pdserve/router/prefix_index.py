@@ -97,7 +97,7 @@ class PrefixIndex:
 
     def hit_ratio(self, worker_id: str, request_block_hashes: Sequence[int], block_size: int,
                   prompt_tokens: int) -> float:
-        """H_i of seed 000 §5.1: the cached share of the prompt on this worker."""
+        """H_i of the placement score: the cached share of the prompt on this worker."""
         if prompt_tokens <= 0:
             return 0.0
         cached_tokens = self.hit_blocks(worker_id, request_block_hashes) * block_size

@@ -1,9 +1,10 @@
-"""Start-up and live calibration of a worker's cost models (seed 000 §5.1-5.3).
+"""Start-up and live calibration of a worker's cost models (router/conductor.py's placement,
+admission and capacity decisions use them).
 
 Prefill roles: D_prefill(L), the time to prefill L tokens, for the router's
 placement score and TTFT prediction; reported in heartbeat stats as
 `prefill_cost_s` [a, b, c] of a + b*L + c*L^2 and `prefill_tokens_per_s`
-(Theta_P of §5.3).
+(Theta_P of the capacity ratio).
 
 Decode roles: one decode step's time vs batch size and context, for the
 router's TPOT prediction; reported as `decode_cost_s` [base, per_seq,

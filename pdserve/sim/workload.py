@@ -10,7 +10,8 @@ Three sources:
   requests that share hash ids share exactly those prefix blocks (the chained
   block hash makes equal tokens at different positions different blocks);
 - a `workload.json` written by a measured run (benchmarks/interference.py),
-  replayed with its arrival offsets, and the seed 000 §6.1 scenario.
+  replayed with its arrival offsets, and the interference scenario
+  (`seed_000_6_1`: chats with three long prompts among them).
 
 Block hashes of a prompt are computed once per request (`prompt_hashes`), with
 the real chained hash (pdserve/kv/hashing.py); for Mooncake prompts they are
@@ -154,8 +155,10 @@ def from_workload_json(path: str) -> tuple[list[SimRequest], dict]:
 
 
 def seed_000_6_1() -> list[SimRequest]:
-    """Seed 000 §6.1's traffic, drawn exactly as its script draws it: 20 requests 50-200 ms
-    apart, short chats (300-800 tokens in, 40-80 out) and 16,000-token prompts at i = 5, 10, 15."""
+    """The interference scenario (`--scenario seed-000-6.1`): 20 requests 50-200 ms apart,
+    short chats (300-800 tokens in, 40-80 out) and 16,000-token prompts at i = 5, 10, 15.
+    Collocated, each long prefill stalls every running chat; disaggregated, it does not.
+    Drawn from random.Random(42) in a fixed order, so every run sees the same requests."""
     rng = _random.Random(42)
     out, t = [], 0.0
     for i in range(20):

@@ -2,9 +2,11 @@
 
 Layer-wise (default): after each layer's forward, the K/V this step computed
 for a transferring request are copied out of the cache and handed to the
-sender, which ships them while the next layer computes (seed 000 §3.3).
+sender, which ships them while the next layer computes, so the transfer
+hides behind compute and only the last layer's bytes add to TTFT.
 Eager: nothing moves until the whole prompt is prefilled, then every layer
-goes at once (seed 000 §3.2's baseline; kept to measure the difference).
+goes at once, and TTFT waits for all of it (the baseline; kept to measure
+the difference).
 """
 from __future__ import annotations
 

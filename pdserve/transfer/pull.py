@@ -3,8 +3,9 @@
 The decode worker opens the connection (`KVReceiverServer.pull`), names the
 transfer, and reads the same frames a push would send, layer by layer as
 the prefill produces them; its acknowledgement comes back on that
-connection. Useful when the decode side should control when bytes move
-(admission under memory pressure, seed 000 §3.2).
+connection. Useful when the decode side should control when bytes move: a
+decode worker under memory pressure can take a request's KV only once it
+has room for it.
 
 Only a peer that passed the cluster handshake may pull, and only a transfer
 this worker has begun (or begins within `wait_for_begin_s`); its request and

@@ -3,6 +3,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -11,6 +12,7 @@ from pdserve.bench import RunState, TokenSource, datasets, run_benchmark
 from pdserve.bench.client import BenchError
 from pdserve.cli import main
 from tests.bench.conftest import Server, free_port
+from tests.data import MOONCAKE_SAMPLE
 
 VLLM_FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                "request_goodput", "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts",
@@ -89,7 +91,7 @@ def test_closed_loop_runs_for_a_duration_not_a_count(bench_server, tokens):
 
 
 def test_mooncake_replay_shares_prefixes_and_counts_server_errors(bench_server, tokens, tmp_path):
-    lines = open("/work/shared/traces/mooncake_conversation_trace.jsonl").readlines()[:8]
+    lines = Path(MOONCAKE_SAMPLE).read_text().splitlines(keepends=True)[:8]
     huge = json.loads(lines[3])
     huge["input_length"] = 10**6  # beyond the tiny model's 512 positions: the server refuses this one
     lines[3] = json.dumps(huge) + "\n"

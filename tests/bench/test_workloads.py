@@ -8,6 +8,7 @@ import pytest
 from pdserve.bench import arrivals, datasets
 from pdserve.bench.datasets import DatasetError, MixedConfig, MooncakeScaling
 from pdserve.bench.tokens import TokenSource
+from tests.data import MOONCAKE_SAMPLE
 
 TOK = TokenSource(vocab_size=1000)
 
@@ -76,7 +77,7 @@ def test_mooncake_shared_prefixes_and_scaling(tmp_path):
 
 
 def test_mooncake_real_trace_head():
-    reqs = datasets.mooncake("/work/shared/traces/mooncake_conversation_trace.jsonl", 50, TOK,
+    reqs = datasets.mooncake(MOONCAKE_SAMPLE, 50, TOK,
                              scaling=MooncakeScaling(block_tokens=4))
     assert len(reqs) == 50
     first = [r.prompt[:4] for r in reqs]

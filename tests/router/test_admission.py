@@ -1,4 +1,4 @@
-"""Early rejection and KV backpressure from registry state (seed 000 §5.2), and the 429 it becomes."""
+"""Early rejection and KV backpressure from registry state, and the 429 it becomes."""
 import time
 
 import httpx
@@ -124,7 +124,7 @@ def test_conductor_status_reports_lin_lout_and_ratio():
     reg.heartbeat("d0", {"decode_tokens_per_s": 500})
     st = conductor_status(m, reg)
     assert (st["mean_lin_tokens"], st["mean_lout_tokens"]) == (8000, 500)
-    assert st["recommended_nd_per_np"] == pytest.approx(0.5)  # seed 000 §5.3 scene 1
+    assert st["recommended_nd_per_np"] == pytest.approx(0.5)  # long prompts, short answers: half as many D as P
     from types import SimpleNamespace
 
     from pdserve.auth import Verifier
@@ -190,7 +190,7 @@ def test_router_refuses_on_predicted_tpot(tiny_model_dir):
 
 def test_conductor_status_non_null_after_traffic(tiny_model_dir):
     """Lin / Lout observed, Theta_P and Theta_D from the workers' calibrations: the
-    seed 000 §5.3 ratio is a number on /internal/conductor and /metrics."""
+    decode-per-prefill ratio is a number on /internal/conductor and /metrics."""
     with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"]) as c:
         model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
         for i in range(3):

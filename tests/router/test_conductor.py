@@ -1,31 +1,34 @@
-"""Golden and unit tests of the conductor's pure decisions (seed 000 §5).
+"""Golden and unit tests of the conductor's pure decisions (router/conductor.py).
 
-Seed 000 §5 gives one number per idea: H_i = 0.8 leaves 20% to compute (§5.1),
-SLOs of TTFT < 500 ms / TPOT < 30 ms (its architecture figure), KV watermark
-92% (checklist #7) and the two P:D ratios 0.5 and 32 (§5.3). The tests pin
-those, and the behaviour the seed describes in words around them.
+One worked number per idea: a prefix-cache hit of H_i = 0.8 leaves 20% of the
+prefill to compute (placement); SLOs of TTFT < 500 ms / TPOT < 30 ms
+(admission); a KV watermark of 92% above which long requests wait
+(backpressure); decode-per-prefill ratios of 0.5 for long-prompt, short-answer
+traffic and 32 for short-prompt, long-answer traffic (capacity); and layer-wise
+KV transfer exposing only the last layer's bytes. The tests pin those, and the
+behaviour each decision promises around them.
 """
 import pytest
 
 from pdserve.router import conductor as c
 
+# ---------------------------------------------------------------- placement
 
-# ---------------------------------------------------------------- §5.1
 
-
-def test_seed000_s5_1_hit_0_8_leaves_20_percent_of_prefill():
-    """§5.1: "如果发现 P 节点 i 已经缓存了该请求 80% 的前缀（H_i = 0.8），则意味着只需要计算剩下的 20%"."""
+def test_placement_hit_0_8_leaves_20_percent_of_prefill():
+    """A prefill worker that already caches 80% of the prompt's prefix (H_i = 0.8) has only
+    the remaining 20% to compute."""
     d_prefill_s = 1.0
     assert c.prefill_score(0.8, d_prefill_s, 0.0, alpha=1.0) == pytest.approx(0.2)
     assert c.prefill_score(0.0, d_prefill_s, 0.0, alpha=1.0) == pytest.approx(1.0)
 
 
-def test_seed000_s5_1_score_adds_alpha_times_queue():
+def test_placement_score_adds_alpha_times_queue():
     assert c.prefill_score(0.5, 0.4, 0.3, alpha=2.0) == pytest.approx(0.5 * 0.4 + 2.0 * 0.3)
 
 
-def test_seed000_s5_1_cache_hit_wins_when_calm_queue_wins_at_peak():
-    """§5.1: small alpha in calm periods favours prefix hits; large alpha at peak
+def test_placement_cache_hit_wins_when_calm_queue_wins_at_peak():
+    """Small alpha in calm periods favours prefix hits; large alpha at peak
     favours the node whose queue drains first."""
     cached_busy = c.PrefillCandidate("p0", hit_ratio=0.8, prefill_time_s=1.0, queue_drain_s=0.5)
     cold_idle = c.PrefillCandidate("p1", hit_ratio=0.0, prefill_time_s=1.0, queue_drain_s=0.0)
@@ -89,33 +92,34 @@ def test_fit_decode_cost_and_predict_tpot():
     assert c.predict_tpot(fit, 3, 3000, 1000, 200) == pytest.approx(0.010 + 4 * 0.0005 + 4100e-6)
 
 
-# ---------------------------------------------------------------- §5.2
+# ---------------------------------------------------------------- admission
 
-SLO_TTFT_S, SLO_TPOT_S = 0.500, 0.030  # seed 000 figure: "TTFT < 500ms, TPOT < 30ms"
+SLO_TTFT_S, SLO_TPOT_S = 0.500, 0.030  # TTFT < 500 ms, TPOT < 30 ms: interactive chat
 
 
-def test_seed000_s5_2_predicted_ttft_over_slo_is_rejected_before_prefill():
-    """§5.2: a request predicted to miss its SLO gets 429 at once, with a Retry-After."""
+def test_admission_predicted_ttft_over_slo_is_rejected_before_prefill():
+    """A request predicted to miss its SLO gets 429 at once, with a Retry-After."""
     ttft = c.predict_ttft(queue_s=1.2, prefill_s=0.3, transfer_s=0.05)
     assert ttft == pytest.approx(1.55)
     d = c.admit(ttft, 0.020, SLO_TTFT_S, SLO_TPOT_S)
     assert not d.admitted and d.reason == "ttft_slo" and d.retry_after_s == 2  # ceil(1.05)
 
 
-def test_seed000_s5_2_decode_tpot_over_slo_is_rejected():
-    """§5.2: "预测该请求到达 D 节点后由于显存排队必然会违反 TPOT SLO" -> 429."""
+def test_admission_decode_tpot_over_slo_is_rejected():
+    """A request predicted to break the TPOT SLO once it joins the decode batch -> 429."""
     d = c.admit(0.2, 0.045, SLO_TTFT_S, SLO_TPOT_S)
     assert not d.admitted and d.reason == "tpot_slo" and d.retry_after_s >= 1
 
 
-def test_seed000_s5_2_within_slo_admitted_and_off_by_default():
+def test_admission_within_slo_admitted_and_off_by_default():
     assert c.admit(0.45, 0.025, SLO_TTFT_S, SLO_TPOT_S) == c.ADMIT
     assert c.admit(99.0, 9.0, None, None).admitted  # no SLO set: nothing is refused
     assert c.admit(0.2, 0.001, SLO_TTFT_S, SLO_TPOT_S).retry_after_s == 0
 
 
-def test_seed000_checklist7_kv_watermark_92_stops_long_requests_only():
-    """Checklist #7 / interview Q3: above the 92% watermark, refuse new *long* requests."""
+def test_kv_watermark_92_stops_long_requests_only():
+    """Above the 92% KV watermark of the decode pool, refuse new *long* requests: they would
+    force preemption after their prefill was paid for; short ones still fit."""
     assert c.backpressure(0.93, is_long=True) == c.Admission(False, "kv_backpressure", 1)
     assert c.backpressure(0.93, is_long=False).admitted
     assert c.backpressure(0.92, is_long=True).admitted  # at the mark is still fine
@@ -129,16 +133,16 @@ def test_pool_kv_usage_weights_by_blocks_and_long_request():
     assert c.is_long_request(3096, 1000, 4096) is True
 
 
-# ---------------------------------------------------------------- §5.3
+# ---------------------------------------------------------------- capacity
 
 
-def test_seed000_s5_3_summarisation_long_in_short_out_ratio_0_5():
-    """§5.3 scene 1: Lin 8,000, Lout 500, Theta_P 4,000, Theta_D 500 -> N_D/N_P = 0.5."""
+def test_capacity_summarisation_long_in_short_out_ratio_0_5():
+    """Summarisation: Lin 8,000, Lout 500, Theta_P 4,000, Theta_D 500 -> N_D/N_P = 0.5."""
     assert c.recommended_pd_ratio(8000, 500, 4000, 500) == pytest.approx(0.5)
 
 
-def test_seed000_s5_3_reasoning_short_in_long_out_ratio_32():
-    """§5.3 scene 2: Lin 1,000, Lout 4,000, same GPUs -> N_D/N_P = 32."""
+def test_capacity_reasoning_short_in_long_out_ratio_32():
+    """Reasoning: Lin 1,000, Lout 4,000, same GPUs -> N_D/N_P = 32."""
     assert c.recommended_pd_ratio(1000, 4000, 4000, 500) == pytest.approx(32)
 
 
@@ -176,15 +180,15 @@ def test_decode_tokens_per_s_is_batch_over_step():
     assert m.tokens_per_s(32, 512) == pytest.approx(32 / 0.068384)
 
 
-def test_seed000_s3_3_layerwise_exposes_only_the_last_layer():
-    """Seed 000 §3.3 worked example: 64K tokens x 320 KB = 20.0 GB over 45 GB/s = 444 ms
-    eager; layer-wise over 80 layers exposes 444 / 80 = 5.55 ms (the seed's GB here is 2^30)."""
+def test_layerwise_transfer_exposes_only_the_last_layer():
+    """64 Ki tokens x 320 KiB (llama 70B) = 20 GiB over 45 GiB/s = 444 ms eager; layer-wise
+    over 80 layers exposes 444 / 80 = 5.55 ms, more than 98% less."""
     gib = 2 ** 30
     eager = c.predict_transfer_s(65536, 320 * 1024, 80, 45 * gib, layerwise=False)
     layerwise = c.predict_transfer_s(65536, 320 * 1024, 80, 45 * gib, layerwise=True)
     assert eager == pytest.approx(0.444, abs=1e-3)
     assert layerwise == pytest.approx(0.00555, abs=1e-5)
-    assert 1 - layerwise / eager > 0.98  # "降低了 98% 以上"
+    assert 1 - layerwise / eager > 0.98
     assert c.predict_transfer_s(0, 320 * 1024, 80, 45 * gib, True, latency_s=0.1) == 0.0  # all cached on D
     assert c.predict_ttft(0.1, 0.2, layerwise) == pytest.approx(0.30555, abs=1e-5)
     with pytest.raises(ValueError):

@@ -1,5 +1,5 @@
 """The simulated cluster: the engine's scheduler and block manager under a latency model,
-the router's placement and admission, and the seed's worked scenario."""
+the router's placement and admission, and the interference scenario."""
 import numpy as np
 import pytest
 
@@ -8,13 +8,13 @@ from pdserve.router.admission import AdmissionConfig
 from pdserve.sim.cluster import Cluster, ClusterConfig, PoolConfig
 from pdserve.sim.latency import ProfileLatency, TransferModel
 from pdserve.sim.workload import SimRequest, mooncake_trace, seed_000_6_1
+from tests.data import MOONCAKE_SAMPLE as TRACE
 
-KV_70B = 327680  # bytes per token, llama 70B in bf16 (seed 000 §3.1)
-TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+KV_70B = 327680  # bytes per token, llama 70B in bf16: 80 layers x 2 (K, V) x 8 KV heads x 128 x 2 bytes
 
 
-def seed_latency(prefill_tokens_per_s: float) -> ProfileLatency:
-    """Seed 000 §6.1's hardware: a 25 ms decode step, prefill at a fixed token rate."""
+def step_latency(prefill_tokens_per_s: float) -> ProfileLatency:
+    """The interference scenario's hardware: a 25 ms decode step, prefill at a fixed token rate."""
     return ProfileLatency([0.025, 1 / prefill_tokens_per_s, 0, 0, 0], model_layers=80, kv_bytes_per_token_=KV_70B)
 
 
@@ -34,15 +34,15 @@ def one_pool(mode="collocated", lat=None, blocks=20_000, sched=None, ff=None, **
     return c
 
 
-def test_seed000_6_1_collocated_p99_step_in_seconds_disaggregated_near_p50():
-    """Seed 000 §6.1: 20 requests, three 16,000-token prompts. Collocated, each long prefill
-    freezes every running stream for ~4 s (the seed prints P99 step 4,025 ms, P50 25 ms);
-    disaggregated, decode steps stay near the 25 ms base (the seed: P99 25.98 ms)."""
+def test_interference_collocated_p99_step_in_seconds_disaggregated_near_p50():
+    """The interference scenario: 20 requests, three 16,000-token prompts. Collocated, each long
+    prefill freezes every running stream for ~4 s (P99 step 4,025 ms = 16,000 tokens at 4,000
+    tokens/s + one 25 ms step; P50 25 ms); disaggregated, decode steps stay near the 25 ms base."""
     sched = SchedulerConfig(max_num_batched_tokens=16384, enable_chunked_prefill=False)
-    col = one_pool("collocated", seed_latency(4000), sched=sched).run(seed_000_6_1())
+    col = one_pool("collocated", step_latency(4000), sched=sched).run(seed_000_6_1())
     dis = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, seed_latency(4500), 20_000, 8, sched),
-        "decode": PoolConfig(1, seed_latency(4000), 20_000, 8, sched)},
+        "prefill": PoolConfig(1, step_latency(4500), 20_000, 8, sched),
+        "decode": PoolConfig(1, step_latency(4000), 20_000, 8, sched)},
         transfer=TransferModel(45e9, layerwise=True))).run(seed_000_6_1())
     assert col["completed"] == dis["completed"] == 20
     assert col["median_itl_ms"] == pytest.approx(25.0)
@@ -108,7 +108,7 @@ def test_cache_aware_placement_finds_more_prefix_hits_than_round_robin():
     hit = {}
     for policy in ("cache_aware", "round_robin"):
         c = Cluster(ClusterConfig("disagg", {
-            "prefill": PoolConfig(2, seed_latency(4000), 10_000), "decode": PoolConfig(1, seed_latency(4000), 10_000)},
+            "prefill": PoolConfig(2, step_latency(4000), 10_000), "decode": PoolConfig(1, step_latency(4000), 10_000)},
             transfer=TransferModel(45e9), policy=policy))
         assert c.run(reqs)["completed"] == 48
         bms = [c.instances[f"prefill-{i}"].bm for i in range(2)]
@@ -120,7 +120,7 @@ def test_early_rejection_refuses_what_would_miss_the_ttft_slo():
     reqs = [SimRequest(i, 8000, 8, 0.0, token_ids=[-1 - i] * 8000) for i in range(12)]
     adm = AdmissionConfig(slo_ttft_s=5.0)
     c = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, seed_latency(4000), 10_000), "decode": PoolConfig(1, seed_latency(4000), 10_000)},
+        "prefill": PoolConfig(1, step_latency(4000), 10_000), "decode": PoolConfig(1, step_latency(4000), 10_000)},
         transfer=TransferModel(45e9), admission=adm))
     res = c.run(reqs, goodput={"ttft": 5000})
     assert 0 < res["completed"] < 12
@@ -135,8 +135,8 @@ def test_eager_transfer_delays_the_second_token_more_than_layerwise():
     one_step = SchedulerConfig(max_num_batched_tokens=16384)
     for lw in (True, False):
         c = Cluster(ClusterConfig("disagg", {
-            "prefill": PoolConfig(1, seed_latency(4000), 10_000, 1, one_step),
-            "decode": PoolConfig(1, seed_latency(4000), 10_000)}, transfer=TransferModel(10e9, layerwise=lw)))
+            "prefill": PoolConfig(1, step_latency(4000), 10_000, 1, one_step),
+            "decode": PoolConfig(1, step_latency(4000), 10_000)}, transfer=TransferModel(10e9, layerwise=lw)))
         second[lw] = c.run(reqs)["itls"][0][0]
     # eager: 16,000 x 320 KiB over 10 GB/s = 0.524 s more before the decode instance starts
     assert second[False] - second[True] == pytest.approx(16000 * KV_70B / 10e9 * (1 - 1 / 80), rel=0.01)
@@ -147,8 +147,8 @@ def test_layerwise_transfer_of_chunked_prefill_overlaps_every_chunk():
     its own step, so only the last chunk's lag shows, not the whole prompt's."""
     reqs = [SimRequest(0, 16000, 4, 0.0, token_ids=[-1] * 16000)]
     c = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, seed_latency(4000), 10_000, 1, SchedulerConfig(max_num_batched_tokens=2048)),
-        "decode": PoolConfig(1, seed_latency(4000), 10_000)}, transfer=TransferModel(4e9, layerwise=True)))
+        "prefill": PoolConfig(1, step_latency(4000), 10_000, 1, SchedulerConfig(max_num_batched_tokens=2048)),
+        "decode": PoolConfig(1, step_latency(4000), 10_000)}, transfer=TransferModel(4e9, layerwise=True)))
     gap = c.run(reqs)["itls"][0][0] - 0.025  # second token: exposed transfer + one decode step
     whole_s = 16000 * KV_70B / 4e9
     assert gap < whole_s / 2

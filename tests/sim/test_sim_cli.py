@@ -1,11 +1,8 @@
 """`pdserve sim` from the command line: the bench's JSON fields, search, bad input."""
 import json
 
-import pytest
-
 from pdserve.cli import main
-
-TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+from tests.data import MOONCAKE_SAMPLE as TRACE
 
 
 def test_sim_prints_bench_json_fields(capsys):
