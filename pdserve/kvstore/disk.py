@@ -33,7 +33,8 @@ class DiskTier(KVTier):
         self.capacity_bytes = capacity_bytes
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
-        self.used_bytes = 0
+        self._writing: dict[str, int] = {}  # key -> size of blocks being written (not readable yet)
+        self.used_bytes = 0  # both of the above
         self._index()
 
     def _path(self, key: str) -> str:
@@ -102,9 +103,12 @@ class DiskTier(KVTier):
             if key in self._files:
                 self._files.move_to_end(key)
                 return True
+            if key in self._writing:
+                return True
             self._shrink(len(data))
-            # counted before the write, so concurrent puts cannot overshoot the bound together
-            self._files[key] = len(data)
+            # counted before the write, so concurrent puts cannot overshoot the bound together; indexed
+            # (readable) only once the file is in place under its name
+            self._writing[key] = len(data)
             self.used_bytes += len(data)
         tmp = os.path.join(self.directory, f".{uuid.uuid4().hex}.tmp")
         try:
@@ -116,11 +120,13 @@ class DiskTier(KVTier):
             _unlink(tmp)
             log.warning("disk KV tier: cannot write %s: %s", key, e)
             with self.lock:
-                if self._files.pop(key, None) is not None:
-                    self.used_bytes -= len(data)
+                self._writing.pop(key, None)
+                self.used_bytes -= len(data)
                 self.stats.errors += 1
             return False
         with self.lock:
+            self._writing.pop(key, None)
+            self._files[key] = len(data)
             self.stats.bytes_in += len(data)
             self.stats.stores += 1
         return True

@@ -226,7 +226,11 @@ class TieredKVStore:
     def stats(self) -> dict:
         return {"tiers": {t.name: {**t.stats.as_dict(), "healthy": t.healthy()} for t in self.tiers},
                 "queried_blocks": self.queried_blocks, "hit_blocks": self.hit_blocks,
-                "dropped_saves": self.dropped_saves, "pending_loads": self.pending_loads}
+                "dropped_saves": self.dropped_saves, "pending_loads": self.pending_loads,
+                # for the router's prefix index: how many blocks the local tiers hold at most
+                "lower_capacity_blocks": sum(getattr(t, "capacity_bytes", 0) for t in self.local) // max(
+                    1, self.block_bytes + 512),
+                "shared": bool(self.shared)}
 
     def close(self) -> None:
         if self._closed:
