@@ -57,6 +57,7 @@ class LLMEngine:
         self.bridge = None
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
         self.load_time_s = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
@@ -244,6 +245,8 @@ class LLMEngine:
         if self.bridge is not None:
             self.bridge.after_step(sched.scheduled, self.runner, self.block_manager)
         for s in sched.scheduled:
+            start = s.seq.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + s.num_new_tokens, s.seq.num_prompt_tokens) - start)
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)
         outputs = []
@@ -339,6 +342,7 @@ class LLMEngine:
                 "prefix_cache_queries_tokens": bm.stats.queries_tokens,
                 "prefix_cache_hits_tokens": bm.stats.hits_tokens,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "prompt_tokens_computed": self.num_prompt_tokens_computed,
                 **({"kv_store": self.kv_store.stats()} if self.kv_store is not None else {})}
 
     def close(self) -> None:

@@ -55,7 +55,9 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         engine.refresh_stats()
         if not isinstance(b.get("kv_events"), dict):
             return {"ok": True}
-        return {"ok": True, "kv_snapshot": _feed_index(engine.placer.index, wid, b["kv_events"])}
+        kv_snapshot = _feed_index(engine.placer.index, wid, b["kv_events"])
+        _feed_tiers(engine.placer.index, wid, b.get("stats") or {})
+        return {"ok": True, "kv_snapshot": kv_snapshot}
 
     async def workers(request: Request):
         return {"workers": [{"worker_id": w.worker_id, "url": w.url, "role": w.role, "alive": w.alive,
@@ -174,6 +176,17 @@ def _feed_index(index, worker_id: str, kv: dict) -> bool:
     except (KeyError, TypeError, ValueError) as e:
         raise APIError(400, f"bad kv_events: {e}") from None
     return index.needs_snapshot(worker_id)
+
+
+def _feed_tiers(index, worker_id: str, stats: dict) -> None:
+    """A worker's KV tiers as its heartbeat reports them (capacity in blocks, shared or not)."""
+    kv = stats.get("kv_store")
+    if not isinstance(kv, dict):
+        return
+    try:
+        index.set_tiers(worker_id, int(kv.get("lower_capacity_blocks", 0)), bool(kv.get("shared", False)))
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"bad kv_store stats: {e}") from None
 
 
 def _json(raw: bytes) -> dict:

@@ -156,6 +156,18 @@ def prefill_score(hit_ratio: float, prefill_time_s: float, queue_drain_s: float,
     return (1.0 - hit_ratio) * prefill_time_s + alpha * queue_drain_s
 
 
+def effective_hit_ratio(local_blocks: int, lower_blocks: int, block_size: int, prompt_tokens: int,
+                        lower_load_cost: float) -> float:
+    """H_i with lower KV tiers: a block in the worker's pool saves its whole prefill, one it can
+    load from a lower tier (its host memory or disk, the shared store) saves all but the load
+    (`lower_load_cost`: load time over prefill time of a block), so a store hit ranks between
+    a local hit and a miss."""
+    if prompt_tokens <= 0:
+        return 0.0
+    saved = local_blocks + lower_blocks * (1.0 - min(1.0, max(0.0, lower_load_cost)))
+    return min(1.0, saved * block_size / prompt_tokens)
+
+
 @dataclass(frozen=True)
 class PrefillCandidate:
     worker_id: str

@@ -265,8 +265,12 @@ class DisaggEngine:
                       "num_free_blocks": free, "num_blocks": num_blocks,
                       "kv_usage": 1 - free / num_blocks if num_blocks else 0.0,
                       "workers_alive": {r: len(self.registry.alive(r)) for r in ("prefill", "decode")}}
-        for key in ("prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "num_preemptions"):
+        for key in ("prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "num_preemptions",
+                    "prompt_tokens_computed"):
             self.stats[key] = sum(w.stats.get(key, 0) for w in alive if w.stats)
+        stores = [w.stats["kv_store"] for w in alive if w.stats and isinstance(w.stats.get("kv_store"), dict)]
+        if stores:
+            self.stats["kv_store"] = sum_kv_store_stats(stores)
         self.metrics.set_engine_stats(self.stats)
 
     async def shutdown(self, reason: str = "the router is shutting down") -> None:
@@ -587,3 +591,19 @@ def _api_error(status: int, text: str, headers) -> APIError:
         message, param, code = text, None, None
     keep = {k: v for k, v in headers.items() if k.lower() == "retry-after"}
     return APIError(status, message, param=param, code=code, headers=keep)
+
+
+def sum_kv_store_stats(stores: list[dict]) -> dict:
+    """The workers' KV store counters added up, per tier (a tier is healthy if it is on every worker)."""
+    out: dict = {"tiers": {}, "queried_blocks": 0, "hit_blocks": 0, "dropped_saves": 0, "pending_loads": 0}
+    for st in stores:
+        for key in ("queried_blocks", "hit_blocks", "dropped_saves", "pending_loads"):
+            out[key] += st.get(key, 0)
+        for name, t in (st.get("tiers") or {}).items():
+            acc = out["tiers"].setdefault(name, {"healthy": True})
+            for key, value in t.items():
+                if key == "healthy":
+                    acc["healthy"] = acc["healthy"] and bool(value)
+                elif isinstance(value, (int, float)):
+                    acc[key] = acc.get(key, 0) + value
+    return out

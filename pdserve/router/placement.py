@@ -25,6 +25,23 @@ def prefill_cost(w: WorkerInfo) -> conductor.PrefillCostModel:
     return conductor.PrefillCostModel(*map(float, abc)) if abc else DEFAULT_PREFILL_COST
 
 
+DEFAULT_TIER_LOAD_COST = 0.2  # a lower-tier block's load time over its prefill time, until measured
+
+
+def tier_load_cost(w: WorkerInfo) -> float:
+    """What loading a block from this worker's lower tiers costs, as a share of computing it:
+    the tiers' measured load seconds per block over the prefill model's seconds per block."""
+    s = w.stats or {}
+    tiers = ((s.get("kv_store") or {}).get("tiers") or {}).values()
+    hits = sum(t.get("hits", 0) for t in tiers if isinstance(t, dict))
+    bs = int(s.get("kv_block_size", 0) or 0)
+    if hits < 8 or not bs:
+        return DEFAULT_TIER_LOAD_COST
+    load_s = sum(t.get("load_seconds", 0.0) for t in tiers if isinstance(t, dict)) / hits
+    compute_s = prefill_cost(w)(1024) / 1024 * bs
+    return min(1.0, max(0.0, load_s / compute_s)) if compute_s > 0 else DEFAULT_TIER_LOAD_COST
+
+
 class Placer:
     """Prefill by `prefill_policy`, decode by KV headroom (the worker with the most free KV)."""
 
@@ -79,7 +96,11 @@ class Placer:
             bs = int((w.stats or {}).get("kv_block_size", 0))
             if bs and bs not in hashes:
                 hashes[bs] = block_hashes(prompt, bs)
-            hit = self.index.hit_ratio(w.worker_id, hashes[bs], bs, len(prompt)) if bs else 0.0
+            hit = 0.0
+            if bs:
+                local = self.index.hit_blocks(w.worker_id, hashes[bs])
+                lower = self.index.lower_hit_blocks(w.worker_id, hashes[bs], local)
+                hit = conductor.effective_hit_ratio(local, lower, bs, len(prompt), tier_load_cost(w))
             prefill_s = prefill_cost(w)(len(prompt))
             # the router's own bookings, or what the last heartbeat saw waiting (work other
             # routers sent, or a cost model that runs slow): whichever is longer

@@ -14,6 +14,16 @@ the worker lived on) marks the worker unsynced: it then counts as holding
 nothing (placement falls back to load) until it sends a full snapshot, which
 the router asks for in its heartbeat reply (`needs_snapshot`).
 
+Below a worker's pool there may be KV tiers (pdserve/kvstore). The index
+follows them from the same events, without more traffic: a worker with local
+tiers (host memory, disk) writes what its pool evicts down to them, so an
+"evicted" block moves to that worker's lower set (bounded by the tiers'
+capacity in blocks, least recent out); a worker with the shared store
+publishes what it computes, so a "stored" block joins the cluster-wide store
+set, which every worker can load from. Both sets are estimates (a tier drops
+blocks without telling), priced as such: a lower-tier block costs its load,
+and a wrong guess costs only a recompute.
+
 Wire format, JSON only (ints are the 64-bit hashes):
   events:   {"epoch": str, "events": [{"seq": int, "kind": "stored"|"evicted"|"cleared",
                                       "block_hashes": [int, ...]}, ...]}
@@ -22,6 +32,7 @@ Wire format, JSON only (ints are the 64-bit hashes):
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -33,6 +44,12 @@ class _WorkerCache:
     synced: bool = False
     hashes: set[int] = field(default_factory=set)
     num_gaps: int = 0
+    lower: OrderedDict = field(default_factory=OrderedDict)  # blocks in its own lower tiers (estimate)
+    lower_capacity: int = 0  # how many blocks those tiers hold at most
+    shares: bool = False  # it publishes what it computes to the shared store
+
+
+STORE_CAPACITY_BLOCKS = 1 << 20  # bound on the router's estimate of the shared store's contents
 
 
 class PrefixIndex:
@@ -40,7 +57,19 @@ class PrefixIndex:
 
     def __init__(self):
         self._workers: dict[str, _WorkerCache] = {}
+        self._store: OrderedDict[int, None] = OrderedDict()  # blocks in the shared store (estimate)
+        self.store_capacity = STORE_CAPACITY_BLOCKS
         self._lock = threading.Lock()
+
+    def set_tiers(self, worker_id: str, lower_capacity_blocks: int, shares: bool) -> None:
+        """What a worker's heartbeat says of its tiers (its KV store's capacity, whether it shares)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None:
+                return
+            w.lower_capacity, w.shares = max(0, int(lower_capacity_blocks)), bool(shares)
+            while len(w.lower) > w.lower_capacity:
+                w.lower.popitem(last=False)
 
     # ---- updates from workers
     def apply_events(self, worker_id: str, epoch: str, events: Iterable[dict]) -> bool:
@@ -49,7 +78,10 @@ class PrefixIndex:
         with self._lock:
             w = self._workers.get(worker_id)
             if w is None or w.epoch != epoch:  # new or restarted: expect event 1 of an empty cache
+                old = w
                 w = self._workers[worker_id] = _WorkerCache(epoch=epoch, synced=True)
+                if old is not None:  # a restart empties the pool, not the disk: keep the estimate
+                    w.lower, w.lower_capacity, w.shares = old.lower, old.lower_capacity, old.shares
             for ev in events:
                 seq = int(ev["seq"])
                 if seq < w.next_seq:  # already covered by a snapshot or a resent batch
@@ -61,6 +93,7 @@ class PrefixIndex:
                     self._unsync(w)
                     continue
                 self._apply_one(w, ev["kind"], ev.get("block_hashes") or [])
+                self._follow_tiers(w, ev["kind"], ev.get("block_hashes") or [])
                 w.next_seq = seq + 1
             return w.synced
 
@@ -68,9 +101,11 @@ class PrefixIndex:
         """Replace a worker's set with everything it caches as of event `seq`."""
         with self._lock:
             old = self._workers.get(worker_id)
-            self._workers[worker_id] = _WorkerCache(epoch=epoch, next_seq=int(seq) + 1, synced=True,
-                                                    hashes=set(int(h) for h in block_hashes),
-                                                    num_gaps=old.num_gaps if old else 0)
+            w = self._workers[worker_id] = _WorkerCache(epoch=epoch, next_seq=int(seq) + 1, synced=True,
+                                                        hashes=set(int(h) for h in block_hashes),
+                                                        num_gaps=old.num_gaps if old else 0)
+            if old is not None:
+                w.lower, w.lower_capacity, w.shares = old.lower, old.lower_capacity, old.shares
 
     def remove(self, worker_id: str) -> None:
         with self._lock:
@@ -95,6 +130,20 @@ class PrefixIndex:
                 n += 1
             return n
 
+    def lower_hit_blocks(self, worker_id: str, request_block_hashes: Sequence[int], start: int) -> int:
+        """How many blocks from `start` on this worker can load from a lower tier: its own host or
+        disk tier, or the shared store (0 for a worker that has none)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is None or not (w.lower_capacity or w.shares):
+                return 0
+            n = 0
+            for h in request_block_hashes[start:]:
+                if not (h in w.lower or (w.shares and h in self._store)):
+                    break
+                n += 1
+            return n
+
     def hit_ratio(self, worker_id: str, request_block_hashes: Sequence[int], block_size: int,
                   prompt_tokens: int) -> float:
         """H_i of the placement score: the cached share of the prompt on this worker."""
@@ -106,10 +155,25 @@ class PrefixIndex:
     def stats(self) -> dict[str, dict]:
         with self._lock:
             return {wid: {"epoch": w.epoch, "synced": w.synced, "num_blocks": len(w.hashes),
-                          "next_seq": w.next_seq, "num_gaps": w.num_gaps}
+                          "next_seq": w.next_seq, "num_gaps": w.num_gaps, "num_lower_blocks": len(w.lower),
+                          "shares": w.shares}
                     for wid, w in self._workers.items()}
 
     # ---- internals
+    def _follow_tiers(self, w: _WorkerCache, kind: str, hashes: list[int]) -> None:
+        if kind == "evicted" and w.lower_capacity:
+            for h in hashes:
+                w.lower[int(h)] = None
+                w.lower.move_to_end(int(h))
+            while len(w.lower) > w.lower_capacity:
+                w.lower.popitem(last=False)
+        elif kind == "stored" and w.shares:
+            for h in hashes:
+                self._store[int(h)] = None
+                self._store.move_to_end(int(h))
+            while len(self._store) > self.store_capacity:
+                self._store.popitem(last=False)
+
     @staticmethod
     def _unsync(w: _WorkerCache) -> None:
         w.synced, w.next_seq = False, 1

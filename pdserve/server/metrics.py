@@ -167,6 +167,9 @@ class _Collector:
                        s["prefix_cache_hits_tokens"])
         yield _counter("pdserve:num_preemptions", "Sequences preempted for lack of KV blocks.", name,
                        s["num_preemptions"])
+        yield _counter("pdserve:prompt_tokens_computed", "Prompt tokens the model computed (not found in the "
+                       "prefix cache, not loaded from a KV tier or another worker).", name,
+                       s.get("prompt_tokens_computed", 0))
         if s.get("kv_store"):
             yield from _kv_tiers(s["kv_store"], name)
 
