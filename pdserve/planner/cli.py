@@ -11,6 +11,7 @@ import sys
 from pdserve.planner.deployment import (
     COMPUTE_DTYPES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    ENGINES,
     KV_DTYPES,
     LATENCY_MODELS,
     WEIGHT_QUANTS,
@@ -64,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="one draft token's cost in target decode steps (default 0)")
     a("--latency-model", choices=LATENCY_MODELS, default="fitted",
       help="fitted: profile-fitted step times (default); roofline: the lower bound")
+    a("--engine", choices=ENGINES, default="vidur",
+      help="host-side costs the fitted model adds: vidur (Vidur's CPU profile, default) or "
+      "vllm-2023 (plus the per-sequence and per-prefill costs of 2023 vLLM, fitted on "
+      "Splitwise's BLOOM-176B runs; measured for batches up to 64)")
     a("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
       help="share of GPU memory for weights + KV, as in vLLM")
     a("--compute-efficiency", type=float, default=1.0,
@@ -111,7 +116,7 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   compute_efficiency=args.compute_efficiency,
                   bandwidth_efficiency=args.bandwidth_efficiency,
-                  latency_model=args.latency_model)
+                  latency_model=args.latency_model, engine=args.engine)
     prefill = Deployment(gpu=resolve_gpu(args.gpu), **common)
     decode = Deployment(gpu=resolve_gpu(args.decode_gpu), **common) if args.decode_gpu else prefill
     context = args.context

@@ -15,6 +15,10 @@ COMPUTE_DTYPES = ("bf16", "fp8")
 WEIGHT_QUANTS = ("none", "int8", "fp8", "int4")
 KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 LATENCY_MODELS = ("fitted", "roofline")
+# Whose host-side costs the fitted model adds (fitted.ENGINES): "vidur", the
+# per-step CPU work Vidur profiled; "vllm-2023", that plus the per-sequence and
+# per-prefill costs of the vLLM Splitwise measured (fitted on its BLOOM runs).
+ENGINES = ("vidur", "vllm-2023")
 
 # vLLM's default --gpu-memory-utilization: the other 10% is left to
 # activations, temporary buffers and the framework: a plan that fills memory
@@ -38,6 +42,7 @@ class Deployment:
     # "fitted": per-operator efficiencies, launches, all-reduces and per-step CPU
     # work fitted on profiles (perf.py); "roofline": the pure lower bound.
     latency_model: str = "fitted"
+    engine: str = "vidur"
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -45,6 +50,7 @@ class Deployment:
         if self.pp > self.model.layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {self.model.layers} layers")
         for value, allowed, what in ((self.latency_model, LATENCY_MODELS, "latency model"),
+                                     (self.engine, ENGINES, "engine"),
                                      (self.dtype, COMPUTE_DTYPES, "dtype"),
                                      (self.weight_quant, WEIGHT_QUANTS, "weight quant"),
                                      (self.kv_dtype, KV_DTYPES, "kv dtype")):

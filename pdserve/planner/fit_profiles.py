@@ -1,6 +1,7 @@
 """Refit the step-time model's constants from Vidur's operator profiles.
 
-    python -m pdserve.planner.fit_profiles --vidur-git PATH/TO/vidur/.git
+    python -m pdserve.planner.fit_profiles --vidur-git PATH/TO/vidur/.git \
+        --splitwise-git PATH/TO/splitwise-sim/.git
 
 reads the per-operator CSVs of microsoft/vidur (``git show`` at the commits
 named in ``fitted.SOURCES``), fits each operator class's terms per GPU kind,
@@ -17,7 +18,15 @@ What is fitted, with ``t`` a kernel's measured median time:
   query-key pairs, attention decode ``t = fixed + KV bytes / (eff x bw)``;
 - all-reduce per TP size: ``t = latency + bytes / bus_bytes_per_s``;
 - per-step CPU work (schedule, sample, prepare inputs, process outputs, and the
-  driver-to-worker hop under TP): ``t = fixed + per_seq x batch``.
+  driver-to-worker hop under TP): ``t = fixed + per_seq x batch``;
+- with ``--splitwise-git``, the "vllm-2023" engine's extra host costs: what
+  Splitwise measured end to end for BLOOM-176B (TP 8, DGX-A100 and DGX-H100)
+  minus what the operator-level model above predicts for it. Decode:
+  ``fixed + per_seq x batch`` over batches 1-64 (prompt 512); prefill: the
+  median over prompts of 128-1,024 tokens, less the decode term at batch 1
+  (longer BLOOM prompts pay ALiBi's materialised bias in that vLLM, which a
+  RoPE model does not). Llama-2-70B's rows of the same file are the held-out
+  set and are not read.
 """
 from __future__ import annotations
 
@@ -160,6 +169,55 @@ def fit_cpu(rows: list[dict]) -> dict:
     return out
 
 
+# BLOOM-176B (huggingface.co/bigscience/bloom config.json: 70 layers, hidden
+# 14,336, 112 heads, vocab 250,880, tied embeddings). Its 4h GELU MLP (8h^2
+# weights) is priced as a gated MLP of the same weights: intermediate 8h/3.
+BLOOM = {"name": "bloom-176b", "layers": 70, "hidden": 14336, "heads": 112,
+         "kv_heads": 112, "head_dim": 128, "intermediate": 38229, "vocab": 250880,
+         "max_context_tokens": 2048, "tied_embeddings": True}
+SPLITWISE_GPUS = {"a100-80gb": ("a100", "a100-80gb"), "h100-80gb": ("h100", "h100-sxm")}
+
+
+def fit_engine(rows: list[dict]) -> dict:
+    """Host costs of Splitwise's vLLM beyond the operator model, per GPU kind."""
+    import statistics
+
+    import numpy as np
+
+    from pdserve.planner import perf
+    from pdserve.planner.deployment import Deployment
+    from pdserve.planner.hardware import resolve_gpu
+    from pdserve.planner.models import ModelShape
+
+    model = ModelShape(**BLOOM)
+    runs: dict = {}
+    for r in rows:
+        if r["model"] == "bloom-176b" and r["hardware"] in SPLITWISE_GPUS:
+            key = (r["hardware"], int(r["tensor_parallel"]), int(r["prompt_size"]),
+                   int(r["batch_size"]))
+            runs.setdefault(key, []).append((float(r["prompt_time"]) * MS,
+                                             float(r["token_time"]) * MS))
+    out = {}
+    for hw, (kind, gpu) in SPLITWISE_GPUS.items():
+        b, dec, pre = [], [], []
+        for (h, tp, prompt, batch), v in sorted(runs.items()):
+            if h != hw:
+                continue
+            dep = Deployment(model, resolve_gpu(gpu), tp=tp)
+            if prompt == 512:  # decode steps hold the prompt plus half the 128 outputs
+                b.append(batch)
+                dec.append(statistics.median(t for _, t in v)
+                           - perf.decode_cost(dep, batch, prompt + 64).total_s)
+            if batch == 1 and prompt <= 1024:
+                pre.append(statistics.median(p for p, _ in v)
+                           - perf.prefill_cost(dep, prompt).total_s)
+        per_seq, fixed = np.polyfit(np.array(b, float), np.array(dec), 1)
+        out[kind] = {"fixed_s": round(float(fixed), 5), "per_seq_s": round(float(per_seq), 6),
+                     "prefill_fixed_s": round(float(statistics.median(pre) - fixed - per_seq), 4),
+                     "max_batch_fitted": max(b)}
+    return out
+
+
 def fit_all(git_dir: str) -> dict:
     src = SOURCES["vidur"]
     head, attn_commit, cpu_commit = src["commit"], src["attention_commit"], src["cpu_commit"]
@@ -186,11 +244,18 @@ def fit_all(git_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vidur-git", required=True, help="git directory of a microsoft/vidur clone")
+    p.add_argument("--vidur-git", help="git directory of a microsoft/vidur clone")
+    p.add_argument("--splitwise-git", help="git directory of a Mutinifni/splitwise-sim clone: "
+                   "fit the vllm-2023 engine terms (fitted.ENGINES)")
     args = p.parse_args(argv)
     import pprint
 
-    pprint.pprint(fit_all(args.vidur_git), sort_dicts=False, width=100)
+    if args.vidur_git:
+        pprint.pprint(fit_all(args.vidur_git), sort_dicts=False, width=100)
+    if args.splitwise_git:
+        src = SOURCES["splitwise_bloom"]
+        rows = _csv(args.splitwise_git, src["commit"], src["path"])
+        pprint.pprint(fit_engine(rows), sort_dicts=False, width=100)
     return 0
 
 

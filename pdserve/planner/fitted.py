@@ -1,8 +1,10 @@
 """Fitted constants of the step-time model (``perf.py``), with their provenance.
 
 Data, not code: every number below was produced by
-``python -m pdserve.planner.fit_profiles --vidur-git <clone of microsoft/vidur>``
-from the operator-level profiles named in ``SOURCES``. Times are seconds,
+``python -m pdserve.planner.fit_profiles --vidur-git <clone of microsoft/vidur>
+--splitwise-git <clone of Mutinifni/splitwise-sim>`` from the sources named in
+``SOURCES`` (``FITS``: Vidur's operator profiles; ``ENGINES``: Splitwise's
+BLOOM-176B runs). Times are seconds,
 rates bytes/s, efficiencies shares of the datasheet peak in ``hardware.py``.
 """
 SOURCES = {
@@ -18,6 +20,14 @@ SOURCES = {
             "h100": ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf",
                      "codellama/CodeLlama-34b-Instruct-hf"],
         },
+    },
+    # End-to-end runs of another model on the engine and nodes of the held-out
+    # Splitwise set; only the BLOOM-176B rows are read (Llama-2-70B's are held out).
+    "splitwise_bloom": {
+        "repo": "github.com/Mutinifni/splitwise-sim",
+        "commit": "8f99e7dc9b407f4ce2488d03dd44c0b8b946dab0",
+        "path": "data/perf_model.csv",
+        "rows": "model bloom-176b, hardware a100-80gb and h100-80gb, tensor_parallel 8",
     },
 }
 
@@ -75,3 +85,23 @@ DEFAULT_KIND = "a100"
 # NVLink bytes/s (both directions, as in hardware.py) of the profiled DGX nodes:
 # another chip's all-reduce bandwidth scales by its fabric over this one.
 FABRIC_BYTES_PER_S = {"a100": 600e9, "h100": 900e9}
+
+# Host-side costs an engine adds to the operator-level step above (perf._engine_s).
+# "vidur": nothing beyond the CPU terms in FITS. "vllm-2023": the vLLM that
+# Splitwise measured (Patel et al., ISCA 2024; eager PyTorch, Ray workers),
+# fitted by ``fit_profiles --splitwise-git`` on its BLOOM-176B rows (TP 8):
+# the measured decode step minus the operator model's, over batches 1-64,
+# as ``fixed + per_seq x batch``; ``prefill_fixed_s`` is the further cost of a
+# step that prefills (prompts of 128-1,024 tokens). The host CPU differs by
+# node (DGX-A100: AMD EPYC 7742; DGX-H100: Intel Xeon 8480C), hence per kind.
+# Only TP 8 was measured: other TP sizes take the same terms (an assumption),
+# and batches beyond ``max_batch_fitted`` extrapolate the line.
+ENGINES = {
+    "vidur": {},
+    "vllm-2023": {
+        "a100": {"fixed_s": -0.00014, "per_seq_s": 0.000444, "prefill_fixed_s": 0.0176,
+                 "max_batch_fitted": 64},
+        "h100": {"fixed_s": 0.00185, "per_seq_s": 0.000244, "prefill_fixed_s": 0.0084,
+                 "max_batch_fitted": 64},
+    },
+}

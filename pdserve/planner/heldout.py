@@ -1,7 +1,8 @@
 """Held-out end-to-end measurements the fitted step-time model is checked on.
 
 None of these entered the fit (``fitted.py`` comes from Vidur's operator
-profiles only). Each row: (gpu kind, TP, phase, tokens, batch, measured s).
+profiles and, for the "vllm-2023" engine terms, from the BLOOM-176B rows of
+Splitwise's file, whose Llama-2-70B rows below are held out). Each row: (gpu kind, TP, phase, tokens, batch, measured s).
 For "prefill", ``tokens`` is the prompt length of one request alone (the time
 to its first token); for "decode", ``tokens`` is the mean context a sequence
 holds during the step and ``batch`` the sequences decoding together (the
@@ -17,6 +18,9 @@ SPLITWISE = {
            "every other prompt length (128, 512, 2048, 8192) and batch (1, 4, 16, 64) "
            "of the published grid",
     "engine": "vLLM",
+    # the host-cost terms of this engine were fitted on the same file's BLOOM-176B
+    # rows (fitted.ENGINES); these Llama-2-70B rows were not read by any fit
+    "engine_profile": "vllm-2023",
     "points": [
     ("a100", 2, "prefill", 128, 1, 0.0811),
     ("a100", 2, "prefill", 512, 1, 0.1969),
@@ -76,6 +80,7 @@ LMDEPLOY = {
            "worth of first-token latency); the 50th percentile per-token latency for "
            "decode at batch 1 (prompt 1, 128 outputs) and batch 64 (prompt 128, 2048 outputs)",
     "engine": "TurboMind",
+    "engine_profile": "vidur",  # a C++ engine: no 2023-vLLM host costs
     "points": [
         ("a100", 4, "prefill", 128, 1, 0.074),
         ("a100", 4, "prefill", 2048, 1, 0.402),
@@ -90,6 +95,7 @@ TRTLLM = {
               "TensorRT-LLM v0.5, LLaMA 70B, TP 4",
     "how": "1st token latency at batch 1, input 128 and 2048",
     "engine": "TensorRT-LLM",
+    "engine_profile": "vidur",
     "points": [
         ("a100", 4, "prefill", 128, 1, 0.047),
         ("a100", 4, "prefill", 2048, 1, 0.377),

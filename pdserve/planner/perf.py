@@ -30,7 +30,7 @@ class StepCost:
     attention_s: float    # prefill (FLOP-bound) and decode (KV-read-bound) attention
     elementwise_s: float  # norms, RoPE, activation, residual adds
     comm_s: float         # TP all-reduces, two per layer
-    overhead_s: float     # per-step CPU work: schedule, sample, prepare, TP hop
+    overhead_s: float     # host work: schedule, sample, prepare, TP hop, engine terms
     pp_s: float = 0.0     # activations handed between pipeline stages
 
     @property
@@ -116,6 +116,14 @@ def _cpu_s(dep: Deployment, fit: dict, seqs: int) -> float:
     return c["fixed_s"] + c["per_seq_s"] * seqs
 
 
+def _engine_s(dep: Deployment, kind: str, seqs: int, prefills: bool) -> float:
+    """Host costs of the serving engine beyond the CPU terms above (fitted.ENGINES)."""
+    e = fitted.ENGINES[dep.engine].get(kind)
+    if not e:
+        return 0.0
+    return e["fixed_s"] + e["per_seq_s"] * seqs + (e["prefill_fixed_s"] if prefills else 0.0)
+
+
 def step_time(dep: Deployment, prefill_tokens: int = 0, prefill_pairs: float = 0.0,
               decode_seqs: int = 0, decode_context: float = 0.0, prefill_seqs: int = 0,
               prefill_context: float = 0.0) -> StepCost:
@@ -126,7 +134,7 @@ def step_time(dep: Deployment, prefill_tokens: int = 0, prefill_pairs: float = 0
     if tokens == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
     m = dep.model
-    _, fit = fit_for(dep.gpu.name)
+    kind, fit = fit_for(dep.gpu.name)
     peak, bw = dep.gpu.peak_flops(dep.dtype), dep.gpu.memory_bytes_per_s
     gemm = m.layers * _layer_gemm_s(dep, fit, tokens)
     # the LM head runs on the last position of each sequence only
@@ -146,8 +154,10 @@ def step_time(dep: Deployment, prefill_tokens: int = 0, prefill_pairs: float = 0
     e = fit["elementwise"]
     elem = e["fixed_s"] + e["bytes_per_token_hidden"] * tokens * m.hidden / bw
     comm = 2 * _allreduce_s(dep, fit, tokens * m.hidden * ACTIVATION_BYTES)
-    return StepCost(gemm, m.layers * attn, m.layers * elem, m.layers * comm,
-                    _cpu_s(dep, fit, prefill_seqs + decode_seqs), pp_hop_time_s(dep, tokens))
+    host = (_cpu_s(dep, fit, prefill_seqs + decode_seqs)
+            + _engine_s(dep, kind, prefill_seqs + decode_seqs, prefill_tokens > 0))
+    return StepCost(gemm, m.layers * attn, m.layers * elem, m.layers * comm, host,
+                    pp_hop_time_s(dep, tokens))
 
 
 def attention_rates(dep: Deployment) -> tuple[float, float, float]:

@@ -17,9 +17,11 @@ GPU_OF_KIND = {"a100": "a100-80gb", "h100": "h100-sxm"}
 BAND = (0.75, 1.33)
 
 
-def predict(kind: str, tp: int, phase: str, tokens: int, batch: int) -> tuple[float, float]:
-    """(fitted, roofline) seconds of one held-out point."""
-    dep = Deployment(resolve_model("llama-2-70b"), resolve_gpu(GPU_OF_KIND[kind]), tp=tp)
+def predict(kind: str, tp: int, phase: str, tokens: int, batch: int,
+            engine: str = "vidur") -> tuple[float, float]:
+    """(fitted, roofline) seconds of one held-out point, with ``engine``'s host costs."""
+    dep = Deployment(resolve_model("llama-2-70b"), resolve_gpu(GPU_OF_KIND[kind]), tp=tp,
+                     engine=engine)
     if phase == "prefill":
         return perf.prefill_cost(dep, tokens).total_s, rl.prefill_time(dep, tokens).total_s
     return (perf.decode_cost(dep, batch, tokens).total_s,
@@ -30,7 +32,7 @@ def rows() -> list[dict]:
     out = []
     for s in SETS:
         for kind, tp, phase, tokens, batch, measured in s["points"]:
-            fitted, roof = predict(kind, tp, phase, tokens, batch)
+            fitted, roof = predict(kind, tp, phase, tokens, batch, s["engine_profile"])
             out.append({"engine": s["engine"], "gpu": kind, "tp": tp, "phase": phase,
                         "tokens": tokens, "batch": batch, "measured_s": measured,
                         "predicted_s": fitted, "ratio": fitted / measured,
