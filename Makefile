@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.pdserve-setup
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
 
@@ -29,8 +29,11 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/pdserve serve --host 127.0.0.1 --port $(PORT)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
 
 bench: setup
 	$(PY) benchmarks/engine.py

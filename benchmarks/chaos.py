@@ -50,8 +50,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import httpx
 import numpy as np
@@ -558,7 +558,7 @@ def fault_stop_decode(ctx: Ctx) -> dict:
     ok = dead_s is not None and back_s is not None
     return {"ok": ok, "marked_dead_s": dead_s, "alive_after_cont_s": back_s, "resumed_at_s": t_cont - ctx.t_inject,
             "check": (f"marked dead after {dead_s:.1f} s" if dead_s is not None else "never marked dead")
-            + ("; alive again %.1f s after SIGCONT" % back_s if back_s is not None else "; not alive after SIGCONT")}
+            + (f"; alive again {back_s:.1f} s after SIGCONT" if back_s is not None else "; not alive after SIGCONT")}
 
 
 def fault_kv(ctx: Ctx, spec: str) -> dict:

@@ -46,7 +46,7 @@ class Deployment:
                              env=self.env, start_new_session=True)
         self.procs.append((name, p, log))
 
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Deployment:
         try:
             self._start("router", "router", *self.model_args, "--host", "127.0.0.1", "--port", str(self.port),
                         "--log-level", "warning", *self.router_args)

@@ -45,8 +45,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.interference_lib import (ServerProcess, TreeCpu, build_kernels, format_table,  # noqa: E402
-                                         load_str, snapshot, warm_up)
+from benchmarks.interference_lib import ServerProcess, TreeCpu, build_kernels, format_table, load_str, snapshot, warm_up  # noqa: E402
 from pdserve.bench import TokenSource, datasets, report, run_benchmark, save_plots  # noqa: E402
 
 # What each deployment is, as data the simulator can mirror. `max_num_batched_tokens=None`:

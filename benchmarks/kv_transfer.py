@@ -21,9 +21,8 @@ import argparse
 import json
 import os
 import socket
-import sys
 import statistics
-import threading
+import sys
 import time
 
 import torch

@@ -131,7 +131,7 @@ def kv_accept(sock: socket.socket, secret: bytes, timeout_s: float = HANDSHAKE_T
         if magic != _MAGIC or not hmac.compare_digest(mac, _mac(secret, b"client", challenge, their_nonce)):
             raise AuthError("KV peer failed authentication (wrong or missing cluster token)")
         sock.sendall(_mac(secret, b"server", their_nonce, challenge))
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         raise AuthError("KV peer did not authenticate in time") from None
     finally:
         sock.settimeout(old)
@@ -151,7 +151,7 @@ def kv_connect(sock: socket.socket, secret: bytes, timeout_s: float = HANDSHAKE_
         proof = _recv(sock, _MAC)
         if not hmac.compare_digest(proof, _mac(secret, b"server", nonce, challenge)):
             raise AuthError("the KV endpoint does not hold this deployment's cluster token")
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         raise AuthError("the KV endpoint did not complete authentication in time") from None
     finally:
         sock.settimeout(old)

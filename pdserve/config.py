@@ -50,7 +50,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive")
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a Hugging Face config.json dict."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         known = {f.name for f in dataclasses.fields(cls)}
@@ -215,7 +215,7 @@ class EngineConfig:
             raise ConfigError("KV tiers find blocks by their prefix hash: they need prefix caching on")
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Accept flat vLLM-style keyword arguments and route each to its part."""
         parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
                  "tiers": KVTierConfig}

@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
 from dataclasses import replace
-from typing import Sequence as Seq
 
 from pdserve.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import RequestOutput
-
-
 
 
 class LLM:

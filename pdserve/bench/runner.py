@@ -16,8 +16,16 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.bench import arrivals, metrics
-from pdserve.bench.client import (CHAT, COMPLETIONS, BenchError, RequestOutput, make_client, request_body, send,
-                                  served_models)
+from pdserve.bench.client import (
+    CHAT,
+    COMPLETIONS,
+    BenchError,
+    RequestOutput,
+    make_client,
+    request_body,
+    send,
+    served_models,
+)
 from pdserve.bench.datasets import Request
 
 

@@ -44,7 +44,7 @@ class TokenSource:
         self.vocab_size = size
 
     @classmethod
-    def from_path(cls, path: str | None, vocab_size: int | None = None) -> "TokenSource":
+    def from_path(cls, path: str | None, vocab_size: int | None = None) -> TokenSource:
         return cls(load_tokenizer(path) if path else None, vocab_size)
 
     @property

@@ -10,8 +10,8 @@ each prefill span runs on its own (its length differs from every other).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

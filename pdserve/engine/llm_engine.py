@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 

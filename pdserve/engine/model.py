@@ -15,7 +15,6 @@ from torch import nn
 from pdserve.config import ModelConfig
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 
-
 Q8_MAX_K = 8192  # widest input the int8-activation kernel takes (gguf_matmul.cpp, kMaxNb blocks of 32)
 
 

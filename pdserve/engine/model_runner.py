@@ -73,7 +73,7 @@ class ModelRunner:
                 pair.append(torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.kv_shape))
             caches.append(tuple(pair))
 
-        def cleanup(paths=list(self.kv_shm_paths)):
+        def cleanup(paths=tuple(self.kv_shm_paths)):
             for p in paths:
                 try:
                     os.unlink(p)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.engine.loader import LoadedModel, ModelLoadError, gguf_field, model_dir_files
 
@@ -63,13 +64,13 @@ class Tokenizer:
 
     # ---- construction
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel) -> "Tokenizer":
+    def from_loaded(cls, loaded: LoadedModel) -> Tokenizer:
         if loaded.gguf_reader is not None:
             return cls.from_gguf(loaded.gguf_reader)
         return cls.from_hf_dir(loaded.source, loaded.config.bos_token_id, loaded.config.eos_token_id)
 
     @classmethod
-    def from_gguf(cls, reader) -> "Tokenizer":
+    def from_gguf(cls, reader) -> Tokenizer:
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelLoadError(
@@ -99,7 +100,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str, bos_token_id=None, eos_token_ids=()) -> "Tokenizer":
+    def from_hf_dir(cls, path: str, bos_token_id=None, eos_token_ids=()) -> Tokenizer:
         files = model_dir_files(path)
         if "tokenizer.json" not in files:
             raise ModelLoadError(f"{path} has no tokenizer.json")

@@ -8,7 +8,7 @@ index and the tiered cache on disk compare hashes computed by different workers.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -21,8 +21,8 @@ policy is written once. Every time is in seconds (`_s`), every length in tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -81,7 +81,7 @@ class DecodeCostModel:
         return self.base_s + self.per_seq_s * batch + self.per_kv_token_s * context_tokens
 
 
-    def scaled(self, factor: float) -> "DecodeCostModel":
+    def scaled(self, factor: float) -> DecodeCostModel:
         """The same shape, every term times `factor` (a busier or quieter machine)."""
         return DecodeCostModel(self.base_s * factor, self.per_seq_s * factor, self.per_kv_token_s * factor)
 

@@ -96,7 +96,7 @@ class _Choice:
 
 
 class RouterGroup:
-    def __init__(self, engine: "DisaggEngine", request_id: str, inputs, priority: int):
+    def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
         self.engine = engine
         self.request_id = request_id
         self.subs = [_Choice(self, i, f"{request_id}-{i}", inp.prompt_token_ids, inp.params)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # prefill placement policies the router offers (`--policy`); decode is always by KV headroom
 POLICIES = ("least_loaded", "round_robin", "cache_aware", "consistent_hash")

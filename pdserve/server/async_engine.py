@@ -18,8 +18,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.step_trace import StepTraceWriter
@@ -43,7 +43,7 @@ class _Sub:
 
     __slots__ = ("group", "index", "rid", "arrival_s", "started", "first_token_s", "last_token_s", "num_tokens")
 
-    def __init__(self, group: "RequestGroup", index: int, rid: str, arrival_s: float):
+    def __init__(self, group: RequestGroup, index: int, rid: str, arrival_s: float):
         self.group, self.index, self.rid, self.arrival_s = group, index, rid, arrival_s
         self.started = False
         self.first_token_s = self.last_token_s = None
@@ -53,7 +53,7 @@ class _Sub:
 class RequestGroup:
     """The engine requests of one API call; iterate with `next_batch()`."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, num: int, arrival_s: float):
+    def __init__(self, engine: AsyncEngine, request_id: str, num: int, arrival_s: float):
         self.request_id = request_id
         self._engine = engine
         self.subs = [_Sub(self, i, f"{request_id}-{i}", arrival_s) for i in range(num)]

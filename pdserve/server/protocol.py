@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -84,7 +84,7 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Union[str, list[int], list[Union[str, list[int]]]]
+Prompt = str | list[int] | list[str | list[int]]
 
 
 class CompletionRequest(_SamplingFields):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from pdserve.server.errors import APIError
 from pdserve.server.format import dumps, usage

@@ -60,8 +60,8 @@ class _Searcher:
         p = 1
         while p * ptp + dtp <= self.budget():
             hi = (self.budget() - p * ptp) // dtp
-            d = _smallest(lambda k: self.ok(Layout("disagg", prefill=p, decode=k, prefill_tp=ptp, decode_tp=dtp)),
-                          1, hi)
+            d = _smallest(lambda k: self.ok(Layout("disagg", prefill=p, decode=k,  # noqa: B023 (called here)
+                                                   prefill_tp=ptp, decode_tp=dtp)), 1, hi)
             if d == 1 and self.seen.get(Layout("disagg", prefill=p, decode=1, prefill_tp=ptp,
                                                decode_tp=dtp).label()):
                 break  # more prefill cannot be cheaper

@@ -93,7 +93,7 @@ class HostDeployment:
                 p.wait()
         self.http.close()
 
-    def __enter__(self) -> "HostDeployment":
+    def __enter__(self) -> HostDeployment:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -153,7 +153,7 @@ class RayDeployment:
                 self.proc.wait()
         self.http.close()
 
-    def __enter__(self) -> "RayDeployment":
+    def __enter__(self) -> RayDeployment:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -97,7 +97,7 @@ class Hosts:
     def __len__(self) -> int:
         return len(self.hosts)
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 from pdserve import auth
 from pdserve.testing.netns import Host

@@ -49,7 +49,7 @@ class KVDestination:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, d: dict) -> "KVDestination":
+    def from_json(cls, d: dict) -> KVDestination:
         return cls(**d)
 
 

@@ -101,3 +101,17 @@ def test_prefix_cache_hits(llm, cases):
     assert bm.stats.hits_tokens - hits_before >= sum(len(p) // 16 - 1 for p in prompts) * 16
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_kv_tier_hits(cases, tmp_path):
+    """Prefixes evicted from a pool too small for them come back from host memory and disk,
+    and the tokens are still transformers' own."""
+    prompts, refs = cases
+    with LLM(dtype="float32", block_size=16, max_num_batched_tokens=2048, num_gpu_blocks=112,
+             kv_offload_bytes=20 << 20, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=256 << 20) as tiered:
+        first = [tiered.generate(p, _greedy())[0].outputs[0].token_ids for p in prompts]
+        again = [tiered.generate(p, _greedy())[0].outputs[0].token_ids for p in prompts]
+        tiers = tiered.engine.stats()["kv_store"]["tiers"]
+    assert first == refs and again == refs
+    assert tiers["host"]["hits"] + tiers["disk"]["hits"] >= 50, tiers
+    assert tiers["host"]["errors"] == tiers["disk"]["errors"] == 0

@@ -67,6 +67,6 @@ def test_non_streamed_request_aborts_when_client_times_out(tiny_server):
 
 def _aborted(server) -> float:
     text = httpx.get(server.url + "/metrics").text
-    line = next(l for l in text.splitlines() if l.startswith("pdserve:request_success_total")
-                and 'finished_reason="abort"' in l)
+    line = next(ln for ln in text.splitlines() if ln.startswith("pdserve:request_success_total")
+                and 'finished_reason="abort"' in ln)
     return float(line.rsplit(" ", 1)[1])

@@ -8,8 +8,8 @@ import time
 import httpx
 
 from pdserve import auth
-from tests.server.serverproc import REPO
 from tests.server.deployment import Deployment, metric
+from tests.server.serverproc import REPO
 
 
 class Load:

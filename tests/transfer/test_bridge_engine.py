@@ -4,9 +4,8 @@ Disaggregated greedy output must equal collocated output token for token, for
 every transport and mode; the pieces are the real engines, the real sockets.
 """
 
-import torch
-
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.transfer.bridge import PrefillBridge
