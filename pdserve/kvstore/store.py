@@ -110,7 +110,7 @@ class TieredKVStore:
 
     def _enqueue(self, blocks: list[BlockRef], where: str) -> None:
         room = (self.max_queued_bytes - self._queued_bytes) // self.block_bytes
-        if room < len(blocks):  # the tiers are slower than the pool churns: drop the oldest wishes
+        if room < len(blocks):  # the tiers are slower than the pool churns: what does not fit is not kept
             self.dropped_saves += len(blocks) - max(room, 0)
             blocks = blocks[:max(room, 0)]
         if not blocks:

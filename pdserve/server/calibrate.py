@@ -37,19 +37,27 @@ LIVE_SAMPLES = 128  # recent live decode steps kept for rescaling
 class _Quiet:
     """Run calibration requests without leaving a trace: empty prefix cache (the
     router's index assumes a fresh worker holds nothing), no KV events, hit
-    counters as they were (calibration is not traffic)."""
+    counters as they were (calibration is not traffic), and nothing written to or
+    looked up in the KV tiers."""
 
     def __init__(self, engine):
+        self.engine = engine
         self.bm = engine.block_manager
 
     def __enter__(self):
         self.saved = dataclasses.replace(self.bm.stats)
+        self.computed = self.engine.num_prompt_tokens_computed
+        self.tiers = self.bm.track_tiers, self.engine.scheduler.external
+        self.bm.track_tiers, self.engine.scheduler.external = False, None
         return self
 
     def __exit__(self, *exc):
         self.bm.reset_prefix_cache()
         self.bm.drain_events()
+        self.bm.drain_tier_moves()
         self.bm.stats = self.saved
+        self.engine.num_prompt_tokens_computed = self.computed
+        self.bm.track_tiers, self.engine.scheduler.external = self.tiers
 
 
 def _prompt(vocab: int, length: int, salt: int) -> list[int]:

@@ -110,8 +110,11 @@ def test_kv_tier_hits(cases, tmp_path):
     with LLM(dtype="float32", block_size=16, max_num_batched_tokens=2048, num_gpu_blocks=112,
              kv_offload_bytes=20 << 20, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=256 << 20) as tiered:
         first = [tiered.generate(p, _greedy())[0].outputs[0].token_ids for p in prompts]
+        # the long prompts share their start: ~93 distinct blocks; a prompt of 88 other blocks
+        # pushes most of them out of the pool, down to the tiers
+        tiered.generate(list(range(1000, 2400)), SamplingParams(max_tokens=1))
         again = [tiered.generate(p, _greedy())[0].outputs[0].token_ids for p in prompts]
         tiers = tiered.engine.stats()["kv_store"]["tiers"]
     assert first == refs and again == refs
-    assert tiers["host"]["hits"] + tiers["disk"]["hits"] >= 50, tiers
+    assert tiers["host"]["hits"] + tiers["disk"]["hits"] >= 40, tiers
     assert tiers["host"]["errors"] == tiers["disk"]["errors"] == 0

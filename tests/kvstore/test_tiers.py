@@ -184,3 +184,17 @@ def test_tiers_need_prefix_caching(sharp_model):
 
     with pytest.raises(ConfigError, match="prefix caching"):
         _llm(sharp_model, kv_offload_bytes=1 << 20, enable_prefix_caching=False)
+
+
+def test_start_up_calibration_leaves_no_trace_in_the_tiers_or_counters(sharp_model):
+    from pdserve.server import calibrate
+
+    with _llm(sharp_model, kv_offload_bytes=8 << 20, num_gpu_blocks=64) as llm:
+        eng = llm.engine
+        calibrate.measure_prefill(eng, lengths_tokens=(64, 128), repeats=1)
+        _wait_saved(llm)
+        assert eng.num_prompt_tokens_computed == 0
+        st = eng.kv_store.stats()
+        assert st["queried_blocks"] == 0 and st["tiers"]["host"]["stores"] == 0
+        assert _run(llm, [PROMPTS[0]])  # and the tiers work afterwards
+        assert eng.block_manager.track_tiers and eng.scheduler.external is eng.kv_store
