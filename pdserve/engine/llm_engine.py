@@ -25,7 +25,9 @@ log = logging.getLogger("pdserve.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_secret: bytes | None = None):
+        """`kv_secret`: the cluster secret that signs KV blocks in a shared store (the default
+        is the one `pdserve.auth` finds)."""
         t0 = time.monotonic()
         self.config = config
         if config.device.threads:
@@ -46,7 +48,7 @@ class LLMEngine:
         if config.tiers.enabled:
             from pdserve.kvstore.setup import build_kv_store
 
-            self.kv_store = build_kv_store(config, self.model_config, self.runner)
+            self.kv_store = build_kv_store(config, self.model_config, self.runner, kv_secret)
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
         self.sampler = Sampler(self.runner.device)

@@ -6,7 +6,10 @@ A stored block is self-describing and checked:
 
 The header names who wrote the block (the model fingerprint: architecture,
 weights, dtype and cache layout), which block it is (its chained prefix hash and
-its token ids) and the data's shape. The digest is blake2b over header and data.
+its token ids) and the data's shape. The digest is blake2b over header and data,
+keyed with the cluster secret for the shared store: anyone who can reach a
+Mooncake Store can write to it (it has no authentication of its own), but only
+a member of the cluster can write a block the cluster will load.
 A block whose digest does not match is corrupt; one whose header names another
 model, layout or token sequence is foreign. Both are misses to the caller:
 recomputing is always correct, loading a wrong block never is.
@@ -33,8 +36,8 @@ class BadBlock(ValueError):
         self.kind = kind
 
 
-def _digest(head: bytes, data) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST)
+def _digest(head: bytes, data, key: bytes = b"") -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST, key=key[:64])
     h.update(head)
     h.update(data)
     return h.digest()
@@ -45,18 +48,18 @@ def block_key(fingerprint: str, block_hash: int) -> str:
     return f"{fingerprint}-{block_hash:016x}"
 
 
-def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor) -> bytes:
+def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor, key: bytes = b"") -> bytes:
     """One block's K and V of every layer, `kv` shaped [layers, 2, block_size, kv_heads, head_dim]."""
     kv = kv.contiguous()
     raw = kv.view(torch.uint8).numpy().tobytes()
     head = json.dumps({"model": fingerprint, "hash": f"{block_hash:016x}",
                        "tokens": [int(t) for t in token_ids], "dtype": str(kv.dtype).removeprefix("torch."),
                        "shape": list(kv.shape), "nbytes": len(raw)}, separators=(",", ":")).encode()
-    return b"".join((_PREFIX.pack(MAGIC, VERSION, len(head)), head, _digest(head, raw), raw))
+    return b"".join((_PREFIX.pack(MAGIC, VERSION, len(head)), head, _digest(head, raw, key), raw))
 
 
 def decode(blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: list[int],
-           dtype: torch.dtype) -> torch.Tensor:
+           dtype: torch.dtype, key: bytes = b"") -> torch.Tensor:
     """The block's tensor, after checking it is intact and is the block asked for; else BadBlock."""
     if len(blob) < _PREFIX.size:
         raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a header")
@@ -71,8 +74,8 @@ def decode(blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: lis
     head = blob[start:start + head_len]
     digest = blob[start + head_len:start + head_len + _DIGEST]
     data = memoryview(blob)[start + head_len + _DIGEST:]
-    if _digest(head, data) != digest:
-        raise BadBlock("corrupt", "checksum mismatch (truncated or altered)")
+    if _digest(head, data, key) != digest:
+        raise BadBlock("corrupt", "checksum mismatch (truncated, altered, or not written by this cluster)")
     try:
         meta = json.loads(head)
     except ValueError as e:

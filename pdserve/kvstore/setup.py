@@ -22,7 +22,9 @@ def weights_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def build_kv_store(config, model_config, runner) -> TieredKVStore:
+def build_kv_store(config, model_config, runner, secret: bytes | None = None) -> TieredKVStore:
+    """`secret`: the cluster secret that signs blocks in the shared store (default: the one
+    `pdserve.auth` finds, as every process of a deployment does)."""
     t = config.tiers
     # KV bytes depend on the weights, dtype and the kernels that computed them
     digest = f"{weights_digest(runner.model)}-q{runner.num_quantized_linears}-i8{int(config.int8_activations)}"
@@ -38,4 +40,8 @@ def build_kv_store(config, model_config, runner) -> TieredKVStore:
 
         tiers.append(MooncakeTier.from_args(t.kv_store_master, t.kv_store_metadata_url or None,
                                             segment_bytes=t.kv_store_segment_bytes))
-    return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size)
+    if t.kv_store and secret is None:
+        from pdserve import auth
+
+        secret = auth.load_cluster_secret()
+    return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size, secret=secret or b"")

@@ -53,11 +53,14 @@ class LoadDone:
 
 class TieredKVStore:
     def __init__(self, tiers: list[KVTier], fingerprint: str, kv_caches: list, block_size: int,
-                 max_queued_bytes: int = 256 << 20):
+                 max_queued_bytes: int = 256 << 20, secret: bytes = b""):
         self.tiers = tiers
         self.local = [t for t in tiers if not t.shared]
         self.shared = [t for t in tiers if t.shared]
         self.fingerprint = fingerprint
+        # blocks in the shared store are signed with the cluster secret; the local tiers' files
+        # are this user's alone and outlive a deployment's secret (a disk survives restarts)
+        self.secret = secret
         self.kv_caches = kv_caches
         self.block_size = block_size
         k0 = kv_caches[0][0]
@@ -144,10 +147,11 @@ class TieredKVStore:
                 return
             where, blocks = item
             tiers = self.local[:1] if where == "local" else self.shared
+            sign = b"" if where == "local" else self.secret
             for block_hash, token_ids, kv in blocks:
                 key = codec.block_key(self.fingerprint, block_hash)
                 try:
-                    blob = codec.encode(self.fingerprint, block_hash, token_ids, kv)
+                    blob = codec.encode(self.fingerprint, block_hash, token_ids, kv, sign)
                     for tier in tiers:
                         tier.put(key, blob)
                 except Exception:  # a tier must never take the engine down
@@ -202,7 +206,8 @@ class TieredKVStore:
                     tier.stats.misses += 1
                 continue
             try:
-                kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype)
+                kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype,
+                                  self.secret if tier.shared else b"")
             except codec.BadBlock as e:
                 log.warning("KV store: %s tier: %s (%s); recomputing instead", tier.name, e, key)
                 with tier.lock:

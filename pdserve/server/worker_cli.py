@@ -119,7 +119,7 @@ def build(args, port: int):
     holder: dict = {}
 
     def make_engine():
-        engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw))
+        engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw), kv_secret=secret)
         # the router's prefix index follows these; without a router nobody drains them
         engine.block_manager.record_events = bool(args.router)
         if sender is not None:

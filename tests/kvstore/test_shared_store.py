@@ -66,3 +66,28 @@ def test_requests_go_on_while_the_master_is_dead_and_hits_come_back(sharp_model,
             _run(a, [p])
         assert [_run(a, [p])[0] for p in PROMPTS[5:]] == reference[5:]
         assert _tier(a, "mooncake")["hits"] > hits_before
+
+
+def test_blocks_not_signed_by_the_cluster_are_never_loaded(sharp_model, reference, master):
+    """The store has no authentication of its own: anyone who reaches it can put a block under
+    any name. A block not signed with the cluster secret is a miss, and the output is right."""
+    import torch
+
+    from pdserve.kv.hashing import block_hashes
+    from pdserve.kvstore import codec
+    from pdserve.kvstore.mooncake import MooncakeTier
+
+    with _store_llm(sharp_model, master) as victim:
+        store = victim.engine.kv_store
+        intruder = MooncakeTier(master.rpc_address, master.metadata_url, segment_bytes=16 << 20)
+        try:
+            prompt = PROMPTS[1]
+            for i, h in enumerate(block_hashes(prompt, 4)[:8]):
+                fake = torch.randn(store.block_shape).to(store.dtype)
+                blob = codec.encode(store.fingerprint, h, prompt[4 * i:4 * i + 4], fake, key=b"not the cluster's")
+                assert intruder.put(codec.block_key(store.fingerprint, h), blob)
+            assert _run(victim, [prompt])[0] == reference[1]
+            tier = _tier(victim, "mooncake")
+            assert tier["hits"] == 0 and tier["errors"] >= 1, tier
+        finally:
+            intruder.close()
