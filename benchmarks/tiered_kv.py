@@ -41,20 +41,16 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from pdserve import auth
 from pdserve.bench import datasets
 from pdserve.bench.runner import run_benchmark
 from pdserve.bench.tokens import TokenSource
+from pdserve.testing.serve import Serve
 
 TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
                      "mooncake_conversation_sample.jsonl")
@@ -99,90 +95,6 @@ def build_requests(convs: list[list[dict]], args, vocab_size: int) -> tuple[list
             "mean_prompt_tokens": round(sum(lens) / len(lens)), "min_prompt_tokens": min(lens),
             "max_prompt_tokens": max(lens), "working_set_blocks": len(distinct)}
     return reqs, info
-
-
-# ---- a deployment: `pdserve serve` as a child process
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """`pdserve serve ARGS` on a free loopback port, stopped (SIGTERM, then SIGKILL) on exit."""
-
-    def __init__(self, serve_args: list[str], wait_workers: int = 0, startup_timeout_s: float = 300.0):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        token = auth.new_token()  # our own cluster secret, so that we may read /internal/workers
-        self.env = {**os.environ, auth.TOKEN_ENV: token}
-        self.http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=10, trust_env=False)
-        self.cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port),
-                    "--log-level", "warning", *serve_args]
-        self.wait_workers, self.startup_timeout_s = wait_workers, startup_timeout_s
-        self.log = tempfile.TemporaryFile()
-        self.proc = None
-
-    def __enter__(self) -> Serve:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _ready(self) -> bool:
-        if self.http.get(self.url + "/health").status_code != 200:
-            return False
-        if not self.wait_workers:
-            return True
-        return sum(w["alive"] for w in self.workers()) >= self.wait_workers
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if self._ready():
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"pdserve serve did not become ready:\n{self.tail()}")
-
-    def workers(self) -> list[dict]:
-        return self.http.get(self.url + "/internal/workers").json()["workers"]
-
-    def metrics(self) -> dict[str, float]:
-        """The /metrics samples this benchmark reads: name{tier} -> value."""
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(self.http.get(self.url + "/metrics").text):
-            for s in fam.samples:
-                if s.name.startswith("pdserve:") and not s.name.endswith("_created"):
-                    key = s.name + (f"{{{s.labels['tier']}}}" if "tier" in s.labels else "")
-                    out[key] = s.value
-        return out
-
-    def tail(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def _metric(m: dict, name: str, tier: str = "") -> float:
