@@ -23,6 +23,8 @@ from pdserve.kvstore.store import BlockRef
 
 log = logging.getLogger("pdserve.engine")
 
+PENDING = "pending"  # reserve_for_transfer: no room yet, waiting in line
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_secret: bytes | None = None):
@@ -59,6 +61,8 @@ class LLMEngine:
         self.bridge = None
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
+        # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
+        self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
         self.load_time_s = time.monotonic() - t0
@@ -100,19 +104,60 @@ class LLMEngine:
 
     # ---- decode role: KV arrives from a prefill worker
     def reserve_for_transfer(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                             receiver, deadline_s: float, arrival_time: float | None = None):
+                             receiver, deadline_s: float, arrival_time: float | None = None,
+                             wait_s: float = 0.0, on_done=None):
         """Reserve blocks for a prompt whose KV another worker computes.
 
         Full blocks this worker already caches are kept and not transferred
-        (incremental transfer); returns the `KVDestination` the sender needs."""
-        from pdserve.transfer.connector import KVDestination
-
+        (incremental transfer); returns the `KVDestination` the sender needs, or
+        None when the scheduler has no room for it now. With `wait_s` and
+        `on_done`, a reservation without room waits in line (first come, first
+        served, behind the scheduler's own queue) for up to `wait_s`, and
+        returns PENDING: `on_done(dest)` is called on the engine thread once
+        room is found, or `on_done(None)` when the wait ends without it."""
         ids = [int(t) for t in prompt_ids]
         self._validate(ids, params)
-        if request_id in self.seqs:
+        if request_id in self.seqs or request_id in self._pending_reserve:
             raise InvalidRequest(f"request id {request_id!r} is already in use", "request_id")
+        args = (request_id, ids, params, receiver, deadline_s, arrival_time or time.monotonic())
+        dest = None if self._pending_reserve else self._try_reserve(*args)
+        if dest is not None or wait_s <= 0 or on_done is None:
+            return dest
+        self._pending_reserve[request_id] = (args, time.monotonic() + wait_s, on_done)
+        return PENDING
+
+    @property
+    def has_pending_reservations(self) -> bool:
+        return bool(self._pending_reserve)
+
+    def retry_reservations(self, now: float | None = None) -> None:
+        """Admit waiting reservations in arrival order while there is room; end expired waits."""
+        now = time.monotonic() if now is None else now
+        for rid, (_, expires, on_done) in list(self._pending_reserve.items()):
+            if now > expires:
+                del self._pending_reserve[rid]
+                on_done(None)
+        while self._pending_reserve:
+            rid, (args, _, on_done) = next(iter(self._pending_reserve.items()))
+            dest = self._try_reserve(*args)
+            if dest is None:
+                return
+            del self._pending_reserve[rid]
+            on_done(dest)
+
+    def cancel_reservation(self, request_id: str) -> None:
+        """The caller gave up: drop a waiting reservation, or free one already made."""
+        pending = self._pending_reserve.pop(request_id, None)
+        if pending is not None:
+            pending[2](None)
+        else:
+            self.abort_request(request_id)
+
+    def _try_reserve(self, request_id, ids, params, receiver, deadline_s, arrival_time):
+        from pdserve.transfer.connector import KVDestination
+
         bm = self.block_manager
-        seq = Sequence(request_id, ids, params, arrival_time=arrival_time or time.monotonic())
+        seq = Sequence(request_id, ids, params, arrival_time=arrival_time)
         if not self.scheduler.admit_remote(seq):
             return None  # no room now: the caller retries or picks another worker
         num_cached = seq.num_computed_tokens
@@ -194,6 +239,10 @@ class LLMEngine:
         return gone
 
     def abort_request(self, request_id: str) -> bool:
+        pending = self._pending_reserve.pop(request_id, None)
+        if pending is not None:  # still waiting for room: it never got any
+            pending[2](None)
+            return True
         seq = self.seqs.get(request_id)
         if seq is None or seq.is_finished:
             return False
@@ -259,6 +308,8 @@ class LLMEngine:
             now = time.monotonic()
             for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
                 outputs.append(self._append_token(seq, tok, lp, now))
+        if self._pending_reserve:  # finished sequences may have made room
+            self.retry_reservations()
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:

@@ -290,8 +290,13 @@ class AsyncEngine:
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
-                if not self._run_commands(engine, block=idle):
+                # reservations waiting for room are retried after commands and steps, and their
+                # waits end on time even when nothing else happens
+                waits = engine.has_pending_reservations
+                if not self._run_commands(engine, block=idle, timeout_s=0.05 if waits else None):
                     break
+                if engine.has_pending_reservations:
+                    engine.retry_reservations()
                 if engine.has_unfinished_requests():
                     if trace is None:
                         outputs = engine.step()
@@ -309,10 +314,10 @@ class AsyncEngine:
                 trace.close()
             engine.close()
 
-    def _run_commands(self, engine, block: bool) -> bool:
-        """Apply queued commands; wait for one when idle. False means stop."""
+    def _run_commands(self, engine, block: bool, timeout_s: float | None = None) -> bool:
+        """Apply queued commands; wait for one (up to `timeout_s`) when idle. False means stop."""
         try:
-            cmds = [self._cmds.get() if block else self._cmds.get_nowait()]
+            cmds = [self._cmds.get(timeout=timeout_s) if block else self._cmds.get_nowait()]
         except queue.Empty:
             return True
         while True:

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve import auth
+from pdserve.engine.llm_engine import PENDING
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, install_handlers
@@ -39,6 +40,8 @@ from pdserve.transfer.sender import WORKER_FAULTS, parse_faults
 
 log = logging.getLogger("pdserve.worker")
 FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
+RESERVE_WAIT_S = 10.0  # how long a reservation waits for KV room before 503 kv_full (caller: wait_s)
+MAX_RESERVE_WAIT_S = 60.0
 
 
 def params_to_json(p: SamplingParams) -> dict:
@@ -147,13 +150,31 @@ class WorkerApi:
         rid = b["request_id"] + "-0"
         params = params_from_json(b.get("params", {}))
 
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future = loop.create_future()
+
+        def on_done(dest):  # engine thread
+            def settle():
+                if not got.done():
+                    got.set_result(dest)
+            self.engine._post(settle)
+
         def do(engine):
             return engine.reserve_for_transfer(rid, b["prompt_token_ids"], params, self.receiver,
-                                               deadline_s=deadline_s)
+                                               deadline_s=deadline_s, wait_s=wait_s, on_done=on_done)
 
         deadline_s = _seconds(b, "deadline_s", 30.0, self.max_lease_s)
+        # no room now: wait in line for up to wait_s (the scheduler's queue and the
+        # transfers already admitted go first), then 503
+        wait_s = _seconds(b, "wait_s", RESERVE_WAIT_S, MAX_RESERVE_WAIT_S)
         try:
             dest = await self.engine.call(do)
+            if dest is PENDING:
+                try:
+                    dest = await got
+                except asyncio.CancelledError:  # the router gave up (its client left)
+                    asyncio.ensure_future(self.engine.call(lambda e: e.cancel_reservation(rid)))
+                    raise
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         if dest is None:

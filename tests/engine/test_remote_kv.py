@@ -59,3 +59,33 @@ def test_admission_refuses_when_the_pool_is_short(decode_engine):
     # every refused reservation left nothing behind
     assert set(engine.scheduler.remote) == {f"t{i}" for i, d in enumerate(got) if d is not None}
     assert set(engine.block_manager.seqs) == set(engine.scheduler.remote)
+
+
+def test_a_reservation_without_room_waits_in_line_and_gets_it(decode_engine):
+    """No room now: the reservation waits (first come, first served) instead of failing, and
+    is admitted as soon as a finished request frees blocks; a wait that runs out says so."""
+    from pdserve.engine.llm_engine import PENDING
+
+    engine, receiver = decode_engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("running", list(range(3, 123)), params)  # 31 of the 40 blocks
+    engine.step()
+    engine.step()  # its prompt in two chunks of 64
+    got = []
+    r = engine.reserve_for_transfer("t", list(range(150, 190)), params, receiver, deadline_s=30,
+                                    wait_s=30, on_done=got.append)
+    assert r is PENDING and not got
+    late = []
+    assert engine.reserve_for_transfer("u", list(range(100, 140)), params, receiver, deadline_s=30,
+                                       wait_s=0.01, on_done=late.append) is PENDING
+    import time
+
+    time.sleep(0.02)
+    engine.retry_reservations()
+    assert late == [None] and list(engine._pending_reserve) == ["t"]  # u's wait ran out, t waits on
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert got and got[0] is not None and got[0].num_tokens == 40  # admitted once "running" finished
+    assert not engine.has_pending_reservations
+    engine.cancel_reservation("t")
+    assert engine.num_free_blocks == 40
