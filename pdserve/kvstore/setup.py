@@ -41,7 +41,7 @@ def build_kv_store(config, model_config, runner, secret: bytes | None = None) ->
         tiers.append(MooncakeTier.from_args(t.kv_store_master, t.kv_store_metadata_url or None,
                                             segment_bytes=t.kv_store_segment_bytes))
     if t.kv_store and secret is None:
-        from pdserve import auth
+        from pdserve.auth import load_cluster_secret
 
-        secret = auth.load_cluster_secret()
+        secret = load_cluster_secret()
     return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size, secret=secret or b"")
