@@ -290,8 +290,11 @@ def _supervise(router: Child, pools: _Pools, grace_s: float, listener: socket.so
             code, stopping = USAGE_ERROR, True
         time.sleep(0.2)
     router.signal(signal.SIGTERM)  # drains: in-flight requests finish on the workers
+    # The router has its own descriptor of the socket and answers 503 while it drains. Ours
+    # goes now, so the socket closes the moment the router lets go of it: held here until
+    # the router had exited, it queued connections nobody would accept, reset at our exit.
+    listener.close()
     router.wait(time.monotonic() + grace_s + 10)
-    listener.close()  # nobody will serve what queues from now on
     for w in pools.workers:
         w.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s + 10
