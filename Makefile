@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	# Mooncake Store for the shared KV tier (`--kv-store mooncake`); needs libibverbs1 from apt
 	$(PIP) install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	# the C++ CPU kernels: built here once, so the first `make serve` starts in seconds
+	$(PY) -c "from pdserve.engine import cpu_kernels; cpu_kernels.load() or print('CPU kernels unavailable: the PyTorch fallback will be used')"
 	touch $(STAMP)
 
 serve: setup

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 log = logging.getLogger("pdserve.kernels")
 _lock = threading.Lock()
@@ -55,9 +56,16 @@ def load():
                 srcs = [os.path.join(csrc, f) for f in _SOURCES]
                 cache = os.environ.get("PDSERVE_KERNEL_CACHE") or _default_cache_dir(srcs)
                 os.makedirs(cache, exist_ok=True)
+                fresh = not any(f.endswith(".so") for f in os.listdir(cache))
+                if fresh:  # say why the first start is silent for a minute or two
+                    log.info("building the C++ CPU kernels into %s (once per checkout and torch version; "
+                             "1-2 minutes on 2 cores; `make setup` does it ahead)", cache)
+                t0 = time.monotonic()
                 _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
                                 extra_cflags=_CFLAGS,
                                 extra_ldflags=["-fopenmp"], verbose=False)
+                if fresh:
+                    log.info("CPU kernels built in %.0f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no headers, no ninja: run without
                 log.warning("CPU kernels unavailable, using the PyTorch fallback: %s", e)
                 _failed = True
