@@ -44,7 +44,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -65,6 +64,7 @@ from pdserve.bench import datasets  # noqa: E402
 from pdserve.bench.client import CHAT, COMPLETIONS  # noqa: E402
 from pdserve.bench.runner import RunState, run_benchmark  # noqa: E402
 from pdserve.bench.tokens import TokenSource  # noqa: E402
+from pdserve.ports import free_port  # noqa: E402
 
 FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
 PREFILL, DECODE = "prefill-0", "decode-1"  # the worker ids `pdserve serve --prefill 1 --decode 1` gives
@@ -78,12 +78,6 @@ IDLE_WAIT_S = 30.0  # how long blocks may take to come back once the load is ove
 
 
 # ---------------------------------------------------------------- the deployment
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Deployment:
     """`pdserve serve` as a subprocess, with signed access to its internal routes.

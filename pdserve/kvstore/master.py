@@ -25,6 +25,8 @@ import time
 import urllib.error
 import urllib.request
 
+from pdserve.ports import free_port
+
 PIP_HINT = "pip install mooncake-transfer-engine-non-cuda"
 APT_HINT = "apt-get install -y libibverbs1"
 
@@ -47,13 +49,6 @@ def _find_binary() -> str | None:
     if os.access(here, os.X_OK):
         return here
     return shutil.which("mooncake_master")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (another process may take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent():

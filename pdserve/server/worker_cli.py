@@ -13,6 +13,8 @@ import socket
 import sys
 import uuid
 
+from pdserve.ports import free_port
+
 log = logging.getLogger("pdserve.worker")
 
 
@@ -64,7 +66,7 @@ def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
     if args.cpu_cores:
         os.sched_setaffinity(0, {int(c) for c in args.cpu_cores.split(",")})
-    port = args.port or _free_port(args.host)
+    port = args.port or free_port(args.host)
     try:
         app, api, beat_now = build(args, port)
     except ValueError as e:
@@ -275,9 +277,3 @@ async def _post(client, path, body) -> None:
     if r.status_code == 401:
         log.error("the router refused our cluster token: %s", r.text)
     r.raise_for_status()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,13 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import auth
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from pdserve.ports import free_port
 
 
 class Serve:

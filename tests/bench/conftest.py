@@ -1,7 +1,6 @@
 """A real `pdserve serve` on the tiny model, on a free loopback port, always stopped."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -10,15 +9,11 @@ import time
 import httpx
 import pytest
 
+from pdserve.ports import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_FLAGS = ["--dtype", "float32", "--threads", "1", "--block-size", "4", "--num-gpu-blocks", "1024",
               "--max-num-seqs", "32", "--max-num-batched-tokens", "256"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
