@@ -266,11 +266,12 @@ class LLMEngine:
         if registered:
             self.kv_store.publish([BlockRef(*r) for r in registered])
 
-    def _tier_loads(self, sched) -> None:
+    def _finish_tier_loads(self) -> None:
         for done in self.kv_store.finished_loads():
             self.scheduler.remote_kv_done(done.seq_id, done.num_blocks * self.block_manager.block_size)
-        if sched is None:
-            return
+
+    def _start_tier_loads(self, sched) -> None:
+        """After the schedule: copy out what it evicted, then start the loads it admitted."""
         self._move_tiers()
         bm = self.block_manager
         for seq, start, n in sched.loads:
@@ -283,10 +284,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         if self.kv_store is not None:
-            self._tier_loads(None)
+            self._finish_tier_loads()
         sched = self.last_schedule = self.scheduler.schedule()
         if self.kv_store is not None:
-            self._tier_loads(sched)
+            self._start_tier_loads(sched)
         if sched.empty:
             if self.kv_store is not None and self.kv_store.pending_loads:
                 self.kv_store.wait_for_loads(0.005)  # nothing to run until a load lands

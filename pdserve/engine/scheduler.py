@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -109,6 +110,10 @@ class WaitingQueue:
     def __iter__(self):
         return (entry[-1] for entry in sorted(self._entries.values()))
 
+    def unordered(self):
+        """The waiting sequences without sorting them (for sums over the queue)."""
+        return (entry[-1] for entry in self._entries.values())
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
@@ -133,12 +138,12 @@ class Scheduler:
 
     # ---- KV from outside
     def _headroom_blocks(self) -> int:
-        return -(-int(self.config.kv_transfer_headroom * self.kv.num_blocks * 1000) // 1000)
+        return math.ceil(self.config.kv_transfer_headroom * self.kv.num_blocks)
 
     def _blocks_waiting_needs(self) -> int:
         """Blocks the queued sequences still need before they can run."""
         need = 0
-        for seq in self.waiting:
+        for seq in self.waiting.unordered():
             sb = self.kv.seqs.get(seq.seq_id)
             have = len(sb.blocks) if sb is not None else 0
             need += max(0, self.kv.blocks_needed(seq.num_tokens + 1) - have)
