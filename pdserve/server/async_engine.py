@@ -297,6 +297,7 @@ class AsyncEngine:
                     break
                 if engine.has_pending_reservations:
                     engine.retry_reservations()
+                    self._post(self._on_stats, engine.stats())  # what /internal/state reports
                 if engine.has_unfinished_requests():
                     if trace is None:
                         outputs = engine.step()
