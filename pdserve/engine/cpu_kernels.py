@@ -18,7 +18,8 @@ _module = None
 _failed = False
 
 
-_SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp", "pool_check.cpp")
+_SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp", "pool_check.cpp",
+            "prefill_attention.cpp", "elementwise.cpp")
 _HEADERS = ("pool.h", "simd_exp.h")  # part of the cache key, not compiled on their own
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 

@@ -278,6 +278,8 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64
 torch::Tensor q8_matmul(torch::Tensor x, torch::Tensor w, int64_t qtype, int64_t K);
 torch::Tensor q8_repack(torch::Tensor w, int64_t qtype, int64_t K);
 void register_decode_layer(pybind11::module& m);
+void register_prefill_attention(pybind11::module& m);
+void register_elementwise(pybind11::module& m);
 int64_t pool_check(int64_t n, int64_t grain, int64_t loops, int64_t work);
 int64_t set_gguf_expand_rows(int64_t rows);
 int64_t set_prefetch_bytes(int64_t bytes);
@@ -289,6 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T, W repacked by q8_repack, activations rounded to int8 per 32-value block (opt-in, not exact)");
   m.def("q8_repack", &q8_repack, "GGUF Q4_0/Q4_1/Q8_0 rows -> the layout q8_matmul reads");
   register_decode_layer(m);
+  register_prefill_attention(m);
+  register_elementwise(m);
   m.def("set_gguf_expand_rows", &set_gguf_expand_rows,
         "gguf_matmul expands weights to fp32 from this many rows on; returns the previous value");
   m.def("set_prefetch_bytes", &set_prefetch_bytes,
