@@ -17,6 +17,9 @@ from pdserve.testing.netns import Host
 RAY_PORT = 6380
 
 
+OBJECT_STORE_BYTES = 128 * 2**20
+
+
 class RayCluster:
     def __init__(self, hosts: Sequence[Host], cpus_per_node: int = 2):
         """`hosts[0]` gets the head; the others a worker node each."""
@@ -39,8 +42,11 @@ class RayCluster:
             raise
 
     def _start(self, i: int, *args: str) -> None:
+        # the object store's size explicitly: by default Ray takes 30% of the memory free at that
+        # moment and refuses to start below 75 MiB, which a busy machine's free memory hit once.
+        # pdserve never sends KV through it; 128 MiB is plenty for actor handles and results.
         r = self.hosts[i].run([self.ray, "start", "--node-ip-address", self.hosts[i].address,
-                               "--disable-usage-stats", *args], env=self.env, capture_output=True, text=True,
+                               "--disable-usage-stats", "--object-store-memory", str(OBJECT_STORE_BYTES), *args], env=self.env, capture_output=True, text=True,
                               timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"ray start on {self.hosts[i].name} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
