@@ -5,8 +5,11 @@ Token t of a sequence lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``; its flat "slot" is ``block * block_size + offset``.
 
 Batch layout: the first ``num_decodes`` tokens are decode tokens (one per
-sequence), the rest are prefill spans. Decodes run as one batched SDPA call;
-each prefill span runs on its own (its length differs from every other).
+sequence), the rest are prefill spans. Decodes run as one batched call. With a
+bf16 cache and the C++ kernels, all prefill spans run in one call of the flash
+prefill kernel, which reads every span's context through its block table;
+otherwise each span runs through torch's SDPA on its own (its length differs
+from every other).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class PrefillSpan:
     start: int  # index of the span's first token in the flattened batch
     end: int
     context_len: int  # tokens in the cache for this sequence after this step
+    # the torch path's inputs (left None when the prefill kernel runs the spans):
     block_table: torch.Tensor | None  # None -> no earlier context: attend only to this span
     mask: torch.Tensor | None = None  # [L, context_len] bool, when block_table is set
 
@@ -36,6 +40,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     decode_kernel: object | None = None  # compiled CPU paged-attention module, if any
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # All prefill spans as one call of the C++ prefill kernel (bf16 caches), when set:
+    prefill_kernel: object | None = None
+    prefill_spans: torch.Tensor | None = None  # [S, 3] int64: start, end, context_len
+    prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks] int64, every span's table
     # Called after each layer's forward (its K/V are in the cache): the KV bridge
     # hooks here to ship a layer while the next one computes.
     on_layer_done: Callable[[int], None] | None = None
@@ -75,6 +83,10 @@ def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int)
         vd = gather_kv(v_cache, meta.decode_block_tables)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
         out[:nd] = od.reshape(nd, n_heads, d)
+    if meta.prefill_kernel is not None and meta.prefills:
+        meta.prefill_kernel.prefill_attention(out, q.contiguous(), k_cache, v_cache, meta.prefill_spans,
+                                              meta.prefill_block_tables, d ** -0.5)
+        return out
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if span.block_table is None:

@@ -38,6 +38,7 @@ class ModelRunner:
             if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
                 self.num_quantized_linears = self.model.load_quantized(
                     quantized, self.decode_kernel, int8_activations=config.int8_activations)
+        self.prefill_kernel = self._prefill_kernel(model_config)
         self.num_blocks = config.cache.num_gpu_blocks or self._blocks_for_memory()
         self.kv_shape = [self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim]
         self.kv_shm_paths: list[str] = []
@@ -47,6 +48,15 @@ class ModelRunner:
             self.kv_caches = [(torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
                                torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device))
                               for _ in range(model_config.num_hidden_layers)]
+
+    def _prefill_kernel(self, model_config: ModelConfig):
+        """The C++ module if it runs this model's prefill attention: bf16 caches only (fp32
+        stays on torch's SDPA, token-identical to transformers; fp16 has no kernel)."""
+        k = self.decode_kernel
+        if (k is None or self.dtype != torch.bfloat16 or not hasattr(k, "prefill_attention")
+                or model_config.head_dim not in k.prefill_attention_head_dims):
+            return None
+        return k
 
     def _shared_caches(self, directory: str, num_layers: int):
         """KV tensors backed by files [k0, v0, k1, v1, ...], removed when this process exits.
@@ -131,7 +141,7 @@ class ModelRunner:
                     dec_tables.append(table)
                     dec_lens.append(start + 1)
                 else:
-                    spans.append((first, len(ids), start + n, table if start > 0 else None))
+                    spans.append((first, len(ids), start + n, table))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decodes=len(decodes))
@@ -144,16 +154,34 @@ class ModelRunner:
             if self.decode_kernel is None:
                 positions = torch.arange(width * bs, device=dev)[None, :]
                 meta.decode_mask = (positions < meta.decode_seq_lens[:, None])[:, None, None, :]
-        for first, end, ctx, table in spans:
-            span = PrefillSpan(first, end, ctx, None)
-            if table is not None:
-                span.block_table = torch.tensor(table, dtype=torch.long, device=dev)
-                q_pos = torch.arange(ctx - (end - first), ctx, device=dev)
-                span.mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
-            meta.prefills.append(span)
+        if spans and self.prefill_kernel is not None:
+            self._kernel_spans(meta, spans)
+        else:
+            meta.prefills = [self._torch_span(*s) for s in spans]
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), rows
+
+    def _torch_span(self, first: int, end: int, ctx: int, table: list[int]) -> PrefillSpan:
+        """A span for torch's SDPA: its own K/V when it starts at position 0, else the
+        cache blocks gathered through its table with a materialized causal mask."""
+        dev = self.device
+        span = PrefillSpan(first, end, ctx, None)
+        if ctx > end - first:
+            span.block_table = torch.tensor(table, dtype=torch.long, device=dev)
+            q_pos = torch.arange(ctx - (end - first), ctx, device=dev)
+            span.mask = torch.arange(ctx, device=dev)[None, :] <= q_pos[:, None]
+        return span
+
+    def _kernel_spans(self, meta: AttentionMetadata, spans: list[tuple]) -> None:
+        """All prefill spans as one prefill-kernel call: a span from position 0 reads its
+        own K/V back from the cache like any other (written just before the call)."""
+        meta.prefill_kernel = self.prefill_kernel
+        meta.prefills = [PrefillSpan(first, end, ctx, None) for first, end, ctx, _ in spans]
+        meta.prefill_spans = torch.tensor([[first, end, ctx] for first, end, ctx, _ in spans], dtype=torch.long)
+        width = max(len(table) for *_, table in spans)
+        meta.prefill_block_tables = torch.tensor([table + [0] * (width - len(table)) for *_, table in spans],
+                                                 dtype=torch.long)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):
