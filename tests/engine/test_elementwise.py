@@ -58,9 +58,10 @@ def test_add_rms_norm_updates_the_residual_in_place(rows, width):
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(3, 1, 2), (2, 2, 6), (4, 2, 64), (3, 1, 80)])
-def test_rope_qkv_in_place_matches_rotate_half(heads, kv_heads, head_dim):
+def test_rope_qkv_matches_rotate_half(heads, kv_heads, head_dim):
     """Same roundings as the PyTorch path (cos/sin cast to bf16, each product and the sum
-    rounded): bit-identical. head_dim 80: 40 pairs, vectors and a tail."""
+    rounded): bit-identical. head_dim 80: 40 pairs, vectors and a tail. k is rotated in
+    place, q into a contiguous tensor of its own."""
     rows, max_pos = 29, 300
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     emb = torch.cat((torch.outer(torch.arange(max_pos).float(), inv),) * 2, dim=-1)
@@ -74,7 +75,10 @@ def test_rope_qkv_in_place_matches_rotate_half(heads, kv_heads, head_dim):
 
     q, k, v = kernels.rope_qkv(qkv, cos, sin, positions, heads, kv_heads, head_dim)
     assert q.shape == (rows, heads, head_dim) and k.shape == v.shape == (rows, kv_heads, head_dim)
-    assert q.data_ptr() == qkv.data_ptr()  # views of the rotated qkv, not copies
+    assert q.is_contiguous()
+    k_at = qkv[:, heads * head_dim:].data_ptr()
+    assert k.data_ptr() == k_at and v.data_ptr() == k_at + kv_heads * head_dim * 2  # views of qkv
+    assert torch.equal(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k), k_ref)
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     assert torch.equal(v, v_ref.view(rows, kv_heads, head_dim))
 
