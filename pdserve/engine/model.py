@@ -151,6 +151,21 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
+    def forward_fused_elementwise(self, x, residual, positions, rope_tables, kv_caches, meta: AttentionMetadata, ew):
+        """`forward` for bf16 rows on the CPU, its elementwise steps in `ew`'s C++ kernels.
+
+        As vLLM does, the residual add is deferred into the next norm: `x` is the previous
+        layer's output still to be added to the running sum `residual` (None for the
+        first layer, whose input is `residual` itself), which is updated in place.
+        Returns this layer's output, to be added by the next norm."""
+        t = x.shape[0] if x is not None else residual.shape[0]
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        h = ew.rms_norm(residual, ln1.weight, ln1.eps) if x is None else ew.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        q, k, v = ew.rope_qkv(self.qkv_proj(h), *rope_tables, positions, self.n_heads, self.n_kv, self.head_dim)
+        attn = paged_attention(q, k, v, kv_caches, meta, self.layer_idx)
+        h = ew.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual, ln2.weight, ln2.eps)
+        return self.down_proj(ew.silu_and_mul(self.gate_up_proj(h)))
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -163,6 +178,7 @@ class LlamaModel(nn.Module):
         self.tie_weights()
         self.init_rope_tables(None)
         self.fused_ready = False
+        self.fused_elementwise = True  # bf16 on the CPU: the C++ elementwise kernels when built
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head; call again after moving the model."""
@@ -192,6 +208,9 @@ class LlamaModel(nn.Module):
                 if meta.on_layer_done is not None:
                     meta.on_layer_done(layer.layer_idx)
             return self._logits(x, logits_indices)
+        ew = self.elementwise_kernels(x)
+        if ew is not None:
+            return self._forward_fused_elementwise(x, positions, kv_caches, meta, logits_indices, ew)
         cos = self.cos_table[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(x.dtype).unsqueeze(1)
         for layer in self.layers:
@@ -199,6 +218,31 @@ class LlamaModel(nn.Module):
             if meta.on_layer_done is not None:
                 meta.on_layer_done(layer.layer_idx)
         return self._logits(x, logits_indices)
+
+    def elementwise_kernels(self, x: torch.Tensor):
+        """The C++ elementwise kernels (elementwise.cpp) for bf16 rows on the CPU, else None.
+
+        Only in bf16: there each PyTorch elementwise op is several slow passes over memory,
+        while the fp32 path must stay op for op as transformers computes it."""
+        if not self.fused_elementwise or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return None
+        from pdserve.engine import cpu_kernels  # built (and cached) by the model runner already
+
+        kernels = cpu_kernels.load()
+        return kernels if hasattr(kernels, "add_rms_norm") else None
+
+    def _forward_fused_elementwise(self, x, positions, kv_caches, meta: AttentionMetadata,
+                                   logits_indices: torch.Tensor | None, ew) -> torch.Tensor:
+        """The layer-by-layer path with fused norms, residual adds, RoPE and SiLU * up."""
+        residual, out = x, None  # the embeddings: a fresh tensor, so updating it in place is safe
+        rope_tables = (self.cos_table, self.sin_table)
+        for layer in self.layers:
+            out = layer.forward_fused_elementwise(out, residual, positions, rope_tables, kv_caches, meta, ew)
+            if meta.on_layer_done is not None:
+                meta.on_layer_done(layer.layer_idx)
+        if logits_indices is not None:  # the norm is per row: select the rows first
+            out, residual = out[logits_indices], residual[logits_indices]
+        return self.lm_head(ew.add_rms_norm(out, residual, self.norm.weight, self.norm.eps)).float()
 
     def use_fused(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches=None) -> bool:
         """A batch of only decode tokens, few enough for the GGUF path, on the CPU kernels:
