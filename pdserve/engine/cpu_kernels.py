@@ -7,6 +7,7 @@ meaning; `PDSERVE_NO_KERNELS=1` forces that fallback.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -25,15 +26,16 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
 def _default_cache_dir(srcs: list[str]) -> str:
-    """One build per interpreter prefix, torch version and source text: two checkouts
-    or virtual environments sharing one directory would otherwise rebuild over each
-    other's module (another checkout's older sources replaced this one's module)."""
+    """One build per interpreter prefix, torch version, source directory and source text:
+    two checkouts or virtual environments sharing one directory would otherwise rebuild
+    over each other's module (the build script names its sources by absolute path, so
+    two checkouts of the same text rebuilt everything each time the other had built)."""
     import hashlib
     import sys
 
     import torch
 
-    h = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{_CFLAGS}".encode())
+    h = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{_CFLAGS}|{os.path.dirname(srcs[0])}".encode())
     for path in srcs + [os.path.join(os.path.dirname(srcs[0]), hd) for hd in _HEADERS]:
         with open(path, "rb") as f:
             h.update(f.read())
@@ -62,12 +64,38 @@ def load():
                     log.info("building the C++ CPU kernels into %s (once per checkout and torch version; "
                              "1-2 minutes on 2 cores; `make setup` does it ahead)", cache)
                 t0 = time.monotonic()
-                _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
-                                extra_cflags=_CFLAGS,
-                                extra_ldflags=["-fopenmp"], verbose=False)
+                with _build_lock(cache):
+                    _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
+                                    extra_cflags=_CFLAGS,
+                                    extra_ldflags=["-fopenmp"], verbose=False)
                 if fresh:
                     log.info("CPU kernels built in %.0f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no headers, no ninja: run without
                 log.warning("CPU kernels unavailable, using the PyTorch fallback: %s", e)
                 _failed = True
     return _module
+
+
+@contextlib.contextmanager
+def _build_lock(cache: str):
+    """One build at a time per cache directory, across processes, that a dead builder
+    cannot hold.
+
+    torch's builder guards the directory with a `lock` file it makes and removes
+    itself: a process killed mid-build (a worker stopped by a test, an OOM kill)
+    leaves it behind, and every later start then waits for it forever. An fcntl
+    lock dies with its process; whoever holds it is the only builder, so a torch
+    `lock` file found then is stale and is removed."""
+    import fcntl
+
+    with open(os.path.join(cache, "pdserve-build.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = os.path.join(cache, "lock")
+        if os.path.exists(stale):
+            log.warning("removing %s, left by a kernel build that did not finish", stale)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -294,3 +294,25 @@ def test_greedy_tokens_do_not_depend_on_the_thread_count(real_model_path):
         assert outs[2] == outs[1] and outs[3] == outs[1]
     finally:
         torch.set_num_threads(old)
+
+
+@needs_kernels
+def test_a_build_killed_midway_does_not_block_later_starts(tmp_path):
+    """torch's builder leaves its `lock` file behind when killed mid-build; without the
+    fcntl guard every later load waited for that file forever."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    csrc = os.path.join(os.path.dirname(cpu_kernels.__file__), "csrc")
+    built = cpu_kernels._default_cache_dir([os.path.join(csrc, f) for f in cpu_kernels._SOURCES])
+    cache = tmp_path / "kernels"
+    shutil.copytree(built, cache, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    (cache / "lock").write_text("")  # as a killed build leaves it
+    code = "import sys; from pdserve.engine import cpu_kernels; sys.exit(cpu_kernels.load() is None)"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDSERVE_KERNEL_CACHE": str(cache)},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "left by a kernel build that did not finish" in r.stderr
+    assert not (cache / "lock").exists()
