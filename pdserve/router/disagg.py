@@ -25,7 +25,7 @@ import time
 import httpx
 
 from pdserve import auth
-from pdserve.engine.sequence import CompletionOutput, RequestOutput
+from pdserve.engine.sequence import CompletionOutput, RequestOutput, choice_request_id
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
 from pdserve.server.errors import APIError
@@ -99,7 +99,7 @@ class RouterGroup:
     def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
         self.engine = engine
         self.request_id = request_id
-        self.subs = [_Choice(self, i, f"{request_id}-{i}", inp.prompt_token_ids, inp.params)
+        self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params)
                      for i, inp in enumerate(inputs)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ack: asyncio.Future = asyncio.get_running_loop().create_future()

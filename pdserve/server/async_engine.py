@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.sequence import choice_request_id
 from pdserve.engine.step_trace import StepTraceWriter
 from pdserve.server.admission import RateMeter, admit, retry_after_s
 from pdserve.server.errors import APIError
@@ -56,7 +57,7 @@ class RequestGroup:
     def __init__(self, engine: AsyncEngine, request_id: str, num: int, arrival_s: float):
         self.request_id = request_id
         self._engine = engine
-        self.subs = [_Sub(self, i, f"{request_id}-{i}", arrival_s) for i in range(num)]
+        self.subs = [_Sub(self, i, choice_request_id(request_id, i), arrival_s) for i in range(num)]
         # A list and one waiter rather than an asyncio.Queue: this is fed once per
         # token, and the queue's bookkeeping showed up in the per-token cost.
         self._items: list = []

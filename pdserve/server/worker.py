@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve import auth
 from pdserve.engine.llm_engine import PENDING
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, install_handlers
 from pdserve.transfer.connector import KVDestination, KVTransferError
@@ -147,7 +148,7 @@ class WorkerApi:
     # ---- decode role
     async def reserve(self, request: Request):
         b = await self._body(request)
-        rid = b["request_id"] + "-0"
+        rid = choice_request_id(b["request_id"])
         params = params_from_json(b.get("params", {}))
 
         loop = asyncio.get_running_loop()
@@ -191,7 +192,7 @@ class WorkerApi:
         if not isinstance(address, str) or not address.startswith("tcp://") or len(address) > 256:
             raise APIError(400, "address must be a tcp://host:port KV export address", param="address")
         # the connection itself is authenticated both ways: a peer without the secret gets nothing
-        self.receiver.pull(address, b["request_id"] + "-0")
+        self.receiver.pull(address, choice_request_id(b["request_id"]))
         return JSONResponse({"pulling": b["request_id"]})
 
     async def kv_failed(self, request: Request):
@@ -200,12 +201,12 @@ class WorkerApi:
         b = await self._body(request)
         if self.receiver is None:
             raise APIError(400, "this worker does not decode")
-        self.receiver.fail(b["request_id"] + "-0", str(b.get("reason", "the prefill worker's transfer broke")))
+        self.receiver.fail(choice_request_id(b["request_id"]), str(b.get("reason", "the prefill worker's transfer broke")))
         return JSONResponse({"failed": b["request_id"]})
 
     async def decode(self, request: Request):
         b = await self._body(request)
-        rid = b["request_id"] + "-0"
+        rid = choice_request_id(b["request_id"])
         first = b.get("first_token")
         kv_ok = False
         wait_s = _seconds(b, "timeout_s", 30.0, self.max_lease_s)
@@ -262,7 +263,7 @@ class WorkerApi:
 
     async def abort(self, request: Request):
         b = await self._body(request)
-        rid = b["request_id"] + "-0"
+        rid = choice_request_id(b["request_id"])
         await self.engine.call(lambda e: e.abort_request(rid))
         if self.receiver is not None:
             self.receiver.cancel(rid)
