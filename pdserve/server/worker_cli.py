@@ -154,10 +154,10 @@ def build(args, port: int):
         from pdserve.server import calibrate
 
         if args.calibrate and role != "decode":
-            holder["calibration"] = calibrate.calibration_stats(await api.engine.call(calibrate.measure_prefill))
+            holder["calibration"] = calibrate.calibration_stats(await api.engine.calibrate_prefill())
             log.info("prefill calibration: %s", holder["calibration"])
         if args.calibrate and role != "prefill":
-            samples = await api.engine.call(lambda e: calibrate.measure_decode(e, holder["steps"]))
+            samples = await api.engine.calibrate_decode(holder["steps"])
             if len(samples) >= 3:
                 holder["decode_model"] = conductor.fit_decode_cost(samples)
                 log.info("decode calibration: %s from %s", holder["decode_model"], samples)
@@ -219,14 +219,14 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
                 # out on time with the last stats, and the KV events follow with a later beat:
                 # the call stays pending (its events are numbered only once they are sent).
                 if pending is None:
-                    pending = asyncio.ensure_future(api.engine.call(_heartbeat_fn(kv_pub, holder)))
+                    pending = asyncio.ensure_future(api.engine.heartbeat_snapshot(kv_pub.want_snapshot,
+                                                                                  holder["steps"]))
                 await asyncio.wait({pending}, timeout=args.heartbeat_s / 2)
                 body = {"worker_id": worker_id}
                 if pending.done():
-                    done, pending = pending, None
-                    (events, block_size, cached), last_live = done.result()
-                    last_live["kv_block_size"] = block_size
-                    body["kv_events"] = kv_pub.payload(events, cached)
+                    snap, pending = pending.result(), None
+                    last_live = _live_stats(snap, holder)
+                    body["kv_events"] = kv_pub.payload(snap.kv_events, snap.cached_hashes)
                 body["stats"] = {**(api.engine.stats or {}), **holder.get("calibration", {}), **last_live,
                                  "draining": api.engine.draining}
                 r = await client.post("/internal/heartbeat", json=body)
@@ -254,22 +254,18 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
                 pass
 
 
-def _heartbeat_fn(kv_pub, holder):
-    """What one heartbeat reads on the engine thread: KV events, and the decode
-    side's live state (context in the batch, the step model rescaled by live steps)."""
-    drain = kv_pub.drain_fn()
+def _live_stats(snap, holder) -> dict:
+    """A heartbeat's live stats from what the engine thread read: the decode side's
+    context in the batch, the cost models rescaled by live steps, the KV block size."""
+    from pdserve.server.calibrate import decode_stats, prefill_stats
 
-    def fn(engine):
-        from pdserve.server.calibrate import decode_stats, prefill_stats
-
-        live = dict(holder.get("static", {}))
-        live.update(prefill_stats(holder.get("calibration", {}), list(holder["steps"].prefill_samples)))
-        live["running_context_tokens"] = sum(s.num_tokens for s in engine.scheduler.running)
-        if holder.get("decode_model") is not None:
-            live.update(decode_stats(holder["decode_model"], holder["steps"].recent(),
-                                     engine.config.scheduler.max_num_seqs))
-        return drain(engine), live
-    return fn
+    live = dict(holder.get("static", {}))
+    live.update(prefill_stats(holder.get("calibration", {}), snap.prefill_steps))
+    live["running_context_tokens"] = snap.running_context_tokens
+    if holder.get("decode_model") is not None:
+        live.update(decode_stats(holder["decode_model"], snap.decode_steps, holder["static"]["max_num_seqs"]))
+    live["kv_block_size"] = snap.block_size
+    return live
 
 
 async def _post(client, path, body) -> None:
