@@ -34,6 +34,13 @@ from pdserve.server.worker import params_to_json
 log = logging.getLogger("pdserve.router")
 
 
+# How long a decode worker keeps blocks reserved for KV that has not arrived (the
+# lease the router asks for; `--kv-timeout-s` of `pdserve router` and `pdserve serve`).
+# A transfer that breaks is reported at once, so this only bounds a silent hang, and a
+# CPU prefill queued behind long prompts can take tens of seconds.
+KV_TIMEOUT_S = 120.0
+
+
 class WorkerGone(Exception):
     """A worker could not be reached or its stream broke."""
 
@@ -154,7 +161,7 @@ class RouterGroup:
 class DisaggEngine:
     """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
 
-    def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = 30.0,
+    def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = KV_TIMEOUT_S,
                  max_in_flight: int = 1024, kv_mode: str = "push", admitter=None, secret: bytes | None = None):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry
