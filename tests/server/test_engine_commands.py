@@ -128,3 +128,19 @@ def test_every_named_command_has_an_engine_side():
     assert sent == set(ENGINE_COMMANDS)
     assert all(callable(getattr(AsyncEngine, name, None)) for name in ENGINE_COMMANDS)
     assert not hasattr(AsyncEngine, "call")  # no arbitrary function crosses to the engine thread
+
+
+def test_worker_heartbeat_stats_from_a_snapshot():
+    from pdserve.router.conductor import DecodeCostModel
+    from pdserve.server.async_engine import HeartbeatSnapshot
+    from pdserve.server.worker_cli import WorkerState
+
+    snap = HeartbeatSnapshot([], 16, None, running_context_tokens=300, prefill_steps=[], decode_steps=[])
+    state = WorkerState(static_stats={"num_layers": 2, "max_num_seqs": 8})
+    assert state.live_stats(snap) == {"num_layers": 2, "max_num_seqs": 8, "running_context_tokens": 300,
+                                      "kv_block_size": 16}
+    state.calibration = {"prefill_cost_s": [0.01, 0.001, 0.0]}
+    state.decode_model = DecodeCostModel(0.01, 0.001, 1e-6)
+    live = state.live_stats(snap)
+    assert live["prefill_live_scale"] == 1.0 and live["prefill_cost_s"] == [0.01, 0.001, 0.0]
+    assert live["decode_live_scale"] == 1.0 and live["decode_cost_s"] == [0.01, 0.001, 1e-6]
