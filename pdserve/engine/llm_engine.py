@@ -27,9 +27,12 @@ PENDING = "pending"  # reserve_for_transfer: no room yet, waiting in line
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_secret: bytes | None = None):
+    def __init__(self, config: EngineConfig, kv_secret: bytes | None = None, kv_sender=None,
+                 kv_layerwise: bool = True):
         """`kv_secret`: the cluster secret that signs KV blocks in a shared store (the default
-        is the one `pdserve.auth` finds)."""
+        is the one `pdserve.auth` finds). `kv_sender` (prefill role): the KVSender that ships
+        the KV of requests that carry a destination, layer by layer or (not `kv_layerwise`)
+        once the prompt is done."""
         t0 = time.monotonic()
         self.config = config
         if config.device.threads:
@@ -59,6 +62,10 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
         self.bridge = None
+        if kv_sender is not None:
+            from pdserve.transfer.bridge import PrefillBridge
+
+            self.bridge = PrefillBridge(kv_sender, self.model_config.num_hidden_layers, kv_layerwise)
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)

@@ -8,6 +8,15 @@ from dataclasses import dataclass, field
 from pdserve.engine.sampling_params import SamplingParams
 
 
+def choice_request_id(request_id: str, index: int = 0) -> str:
+    """The engine request id of choice `index` of API request `request_id`.
+
+    One API request is n choices x k prompts engine requests; each gets the
+    request's id plus `-{index}`. A worker's control routes carry one choice, so
+    their engine request is index 0 (the router's own id already names the choice)."""
+    return f"{request_id}-{index}"
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     # Blocks allocated, KV on its way from outside (a prefill worker, a lower cache tier);

@@ -13,6 +13,8 @@ log = logging.getLogger("pdserve.router")
 
 
 def add_arguments(p) -> None:
+    from pdserve.router.disagg import KV_TIMEOUT_S
+
     p.add_argument("--model", default=None, help="GGUF file or HF directory (tokenizer, context length)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -36,10 +38,10 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-mode", default="push", choices=["push", "pull"],
                    help="push: P writes into blocks D reserved; pull: D fetches from P when told")
     p.add_argument("--worker-timeout-s", type=float, default=3.0, help="missed heartbeats before a worker is dead")
-    p.add_argument("--kv-timeout-s", type=float, default=120.0,
-                   help="lease of a decode reservation whose KV has not arrived; a transfer that breaks "
-                        "is reported at once, so this only bounds a silent hang (a CPU prefill queued "
-                        "behind long prompts can take tens of seconds)")
+    p.add_argument("--kv-timeout-s", type=float, default=KV_TIMEOUT_S,
+                   help="lease of a decode reservation whose KV has not arrived (default %(default)s s); a "
+                        "transfer that breaks is reported at once, so this only bounds a silent hang (a CPU "
+                        "prefill queued behind long prompts can take tens of seconds)")
     p.add_argument("--max-num-seqs-in-flight", type=int, default=1024)
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-seqs-per-request", type=int, default=256,

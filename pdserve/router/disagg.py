@@ -25,13 +25,20 @@ import time
 import httpx
 
 from pdserve import auth
-from pdserve.engine.sequence import CompletionOutput, RequestOutput
+from pdserve.engine.sequence import CompletionOutput, RequestOutput, choice_request_id
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
 from pdserve.server.errors import APIError
 from pdserve.server.worker import params_to_json
 
 log = logging.getLogger("pdserve.router")
+
+
+# How long a decode worker keeps blocks reserved for KV that has not arrived (the
+# lease the router asks for; `--kv-timeout-s` of `pdserve router` and `pdserve serve`).
+# A transfer that breaks is reported at once, so this only bounds a silent hang, and a
+# CPU prefill queued behind long prompts can take tens of seconds.
+KV_TIMEOUT_S = 120.0
 
 
 class WorkerGone(Exception):
@@ -99,7 +106,7 @@ class RouterGroup:
     def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
         self.engine = engine
         self.request_id = request_id
-        self.subs = [_Choice(self, i, f"{request_id}-{i}", inp.prompt_token_ids, inp.params)
+        self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params)
                      for i, inp in enumerate(inputs)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -154,7 +161,7 @@ class RouterGroup:
 class DisaggEngine:
     """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
 
-    def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = 30.0,
+    def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = KV_TIMEOUT_S,
                  max_in_flight: int = 1024, kv_mode: str = "push", admitter=None, secret: bytes | None = None):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry

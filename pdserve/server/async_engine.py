@@ -3,8 +3,10 @@
 The engine lives in one thread of its own: it is built there (model loading
 takes seconds), and only that thread calls into it, so the engine needs no
 locks. The event loop talks to it through a command queue (add a group of
-requests, abort one, stop); the thread hands results back once per step with
-`loop.call_soon_threadsafe`, which the loop fans out to per-request queues.
+requests, abort one, stop, or one of the named commands in `ENGINE_COMMANDS`,
+awaited through an AsyncEngine method of the same name); the thread hands
+results back once per step with `loop.call_soon_threadsafe`, which the loop
+fans out to per-request queues.
 
 One API request becomes a `RequestGroup`: n choices x k prompts engine
 requests that share one queue, accepted or refused together.
@@ -15,6 +17,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.sequence import choice_request_id
 from pdserve.engine.step_trace import StepTraceWriter
 from pdserve.server.admission import RateMeter, admit, retry_after_s
 from pdserve.server.errors import APIError
@@ -56,7 +60,7 @@ class RequestGroup:
     def __init__(self, engine: AsyncEngine, request_id: str, num: int, arrival_s: float):
         self.request_id = request_id
         self._engine = engine
-        self.subs = [_Sub(self, i, f"{request_id}-{i}", arrival_s) for i in range(num)]
+        self.subs = [_Sub(self, i, choice_request_id(request_id, i), arrival_s) for i in range(num)]
         # A list and one waiter rather than an asyncio.Queue: this is fed once per
         # token, and the queue's bookkeeping showed up in the per-token cost.
         self._items: list = []
@@ -186,8 +190,8 @@ class AsyncEngine:
                            code="queue_full", headers={"Retry-After": str(wait_s)})
 
     def attach(self, request_id: str, num: int) -> RequestGroup:
-        """A group for engine requests created by a `call` (e.g. a decode that resumes
-        from transferred KV): their outputs are delivered like a submitted group's."""
+        """A group for engine requests created by a command (`activate_transferred`: a decode
+        that resumes from transferred KV): their outputs are delivered like a submitted group's."""
         group = RequestGroup(self, request_id, num, time.monotonic())
         for sub in group.subs:
             self._subs[sub.rid] = sub
@@ -195,12 +199,62 @@ class AsyncEngine:
         group._ack.set_result(None)
         return group
 
-    async def call(self, fn):
-        """Run `fn(engine)` on the engine thread between steps; returns its result or raises."""
+    # ---- named engine commands (event loop side): each runs on the engine thread
+    # between steps, and what it raises there is raised here
+    async def reserve_for_transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                                   receiver, deadline_s: float, wait_s: float = 0.0):
+        """Reserve blocks for KV another worker computes: its KVDestination, or None when
+        there is no room, now or within `wait_s` in line. Cancelled while it waits in
+        line (the caller gave up): the reservation is cancelled too."""
+        from pdserve.engine.llm_engine import PENDING
+
+        got: asyncio.Future = self._loop.create_future()
+
+        def on_done(dest):  # engine thread: the wait in line ended
+            self._post(_settle, got, dest)
+
+        dest = await self._command("reserve_for_transfer", request_id, prompt_token_ids, params, receiver,
+                                   deadline_s=deadline_s, wait_s=wait_s, on_done=on_done)
+        if dest is not PENDING:
+            return dest
+        try:
+            return await got
+        except asyncio.CancelledError:
+            asyncio.ensure_future(self.cancel_reservation(request_id))
+            raise
+
+    async def cancel_reservation(self, request_id: str) -> None:
+        return await self._command("cancel_reservation", request_id)
+
+    async def claim_reservation(self, request_id: str, hold_s: float) -> bool:
+        return await self._command("claim_reservation", request_id, hold_s)
+
+    async def activate_transferred(self, request_id: str, first_token: int | None, kv_complete: bool):
+        return await self._command("activate_transferred", request_id, first_token, kv_complete)
+
+    async def abort_request(self, request_id: str) -> bool:
+        """Abort one engine request and wait until it is gone (`abort()` of a group does not wait)."""
+        return await self._command("abort_request", request_id)
+
+    async def expire_reservations(self, everything: bool = False) -> list[str]:
+        """Free reservations whose lease ran out (or all of them); their request ids."""
+        return await self._command("expire_reservations", math.inf if everything else None)
+
+    async def calibrate_prefill(self) -> list[tuple[int, float]]:
+        return await self._command("calibrate_prefill")
+
+    async def calibrate_decode(self, recorder) -> list[tuple[int, int, float]]:
+        return await self._command("calibrate_decode", recorder)
+
+    async def heartbeat_snapshot(self, want_cached: bool, recorder=None) -> HeartbeatSnapshot:
+        return await self._command("heartbeat_snapshot", want_cached, recorder)
+
+    async def _command(self, name: str, *args, **kwargs):
+        """Run ENGINE_COMMANDS[name](engine, *args, **kwargs) on the engine thread; its result or exception."""
         if self.engine is None:
             raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
         fut = self._loop.create_future()
-        self._cmds.put(("call", fn, fut))
+        self._cmds.put(("call", name, args, kwargs, fut))
         return await fut
 
     def _abort_group(self, group: RequestGroup) -> None:
@@ -332,15 +386,15 @@ class AsyncEngine:
             if cmd[0] == "abort":
                 engine.abort_request(cmd[1])
             elif cmd[0] == "call":
-                self._call(engine, cmd[1], cmd[2])
+                self._call(engine, *cmd[1:])
             else:
                 self._post(self._on_ack, cmd[1], self._add_group(engine, cmd[2]))
         self._post(self._on_stats, engine.stats())
         return True
 
-    def _call(self, engine, fn, fut) -> None:
+    def _call(self, engine, name: str, args: tuple, kwargs: dict, fut) -> None:
         try:
-            result, exc = fn(engine), None
+            result, exc = ENGINE_COMMANDS[name](engine, *args, **kwargs), None
         except Exception as e:  # handed to the awaiting coroutine, which decides
             result, exc = None, e
 
@@ -373,3 +427,59 @@ class AsyncEngine:
         for rid in added:  # all or nothing
             engine.abort_request(rid)
         return err
+
+
+def _settle(fut: asyncio.Future, result) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+# ---- what the named commands run on the engine thread: the engine's whole surface
+# used from the event loop, besides adding and aborting requests
+
+@dataclass
+class HeartbeatSnapshot:
+    """What one heartbeat reads on the engine thread."""
+    kv_events: list  # drained from the block manager since the last snapshot
+    block_size: int
+    cached_hashes: list[int] | None  # every cached block hash, when asked for
+    running_context_tokens: int  # tokens of the sequences in the running batch
+    prefill_steps: list  # the recorder's recent live prefill steps (empty without one)
+    decode_steps: list  # ... and decode steps
+
+
+def _heartbeat_snapshot(engine, want_cached: bool, recorder) -> HeartbeatSnapshot:
+    # the events and the snapshot in one go: no event falls between them
+    bm = engine.block_manager
+    return HeartbeatSnapshot(bm.drain_events(), bm.block_size, list(bm.cached) if want_cached else None,
+                             sum(s.num_tokens for s in engine.scheduler.running),
+                             list(recorder.prefill_samples) if recorder is not None else [],
+                             recorder.recent() if recorder is not None else [])
+
+
+def _calibrate_prefill(engine):
+    from pdserve.server import calibrate
+
+    return calibrate.measure_prefill(engine)
+
+
+def _calibrate_decode(engine, recorder):
+    from pdserve.server import calibrate
+
+    return calibrate.measure_decode(engine, recorder)
+
+
+def _method(name: str):
+    def run(engine, *args, **kwargs):
+        return getattr(engine, name)(*args, **kwargs)
+    run.__name__ = name
+    return run
+
+
+ENGINE_COMMANDS: dict[str, Callable] = {
+    **{name: _method(name) for name in ("reserve_for_transfer", "cancel_reservation", "claim_reservation",
+                                        "activate_transferred", "abort_request", "expire_reservations")},
+    "calibrate_prefill": _calibrate_prefill,
+    "calibrate_decode": _calibrate_decode,
+    "heartbeat_snapshot": _heartbeat_snapshot,
+}

@@ -20,6 +20,7 @@ import dataclasses
 import time
 from collections import deque
 
+from pdserve.engine.sequence import choice_request_id
 from pdserve.engine.step_trace import step_rows
 from pdserve.router import conductor
 
@@ -150,10 +151,10 @@ def measure_decode(engine, recorder: DecodeStepRecorder, points=DECODE_POINTS,
                 continue
             prompt = _prompt(vocab, ctx, 1000 + n)
             params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
-            engine.add_request(f"pdserve-calibrate-d{n}-0", prompt, params)
+            engine.add_request(choice_request_id(f"pdserve-calibrate-d{n}"), prompt, params)
             engine.step()  # prefill the shared prompt once
             for i in range(1, batch):
-                engine.add_request(f"pdserve-calibrate-d{n}-{i}", prompt, params)
+                engine.add_request(choice_request_id(f"pdserve-calibrate-d{n}", i), prompt, params)
             recorder.samples.clear()
             while engine.has_unfinished_requests():
                 engine.step()

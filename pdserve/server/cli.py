@@ -18,6 +18,7 @@ log = logging.getLogger("pdserve.server")
 
 def add_arguments(p) -> None:
     from pdserve.engine.cli import add_engine_arguments
+    from pdserve.router.disagg import KV_TIMEOUT_S
 
     p.add_argument("--mode", default="disaggregated", choices=["disaggregated", "collocated"],
                    help="disaggregated: router + prefill and decode worker processes; collocated: one engine")
@@ -41,8 +42,8 @@ def add_arguments(p) -> None:
                    help="router: KV bandwidth for its TTFT prediction (default: measured from transfers)")
     p.add_argument("--worker-timeout-s", type=float, default=None,
                    help="router: seconds without a heartbeat before a worker is dead (router default 3)")
-    p.add_argument("--kv-timeout-s", type=float, default=None,
-                   help="router: lease of a decode reservation whose KV has not arrived (router default 120)")
+    p.add_argument("--kv-timeout-s", type=float, default=KV_TIMEOUT_S,
+                   help="router: lease of a decode reservation whose KV has not arrived (default %(default)s s)")
     p.add_argument("--no-pin", action="store_true", help="do not pin workers to cores")
     p.add_argument("--host", default=None,
                    help="address to bind (default: loopback only; with --ray-address, each node's Ray address)")

@@ -27,13 +27,3 @@ class KVEventPublisher:
         if cached_hashes is not None:
             body["snapshot"] = {"seq": self.seq, "block_hashes": list(cached_hashes)}
         return body
-
-    def drain_fn(self):
-        """What to run on the engine thread: drain events (and snapshot when asked)
-        in one step, so no event falls between the snapshot and the numbering."""
-        want = self.want_snapshot
-
-        def fn(engine):
-            bm = engine.block_manager
-            return bm.drain_events(), bm.block_size, (list(bm.cached) if want else None)
-        return fn

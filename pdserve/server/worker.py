@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve import auth
-from pdserve.engine.llm_engine import PENDING
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
+from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, install_handlers
 from pdserve.transfer.connector import KVDestination, KVTransferError
@@ -147,34 +147,15 @@ class WorkerApi:
     # ---- decode role
     async def reserve(self, request: Request):
         b = await self._body(request)
-        rid = b["request_id"] + "-0"
+        rid = choice_request_id(b["request_id"])
         params = params_from_json(b.get("params", {}))
-
-        loop = asyncio.get_running_loop()
-        got: asyncio.Future = loop.create_future()
-
-        def on_done(dest):  # engine thread
-            def settle():
-                if not got.done():
-                    got.set_result(dest)
-            self.engine._post(settle)
-
-        def do(engine):
-            return engine.reserve_for_transfer(rid, b["prompt_token_ids"], params, self.receiver,
-                                               deadline_s=deadline_s, wait_s=wait_s, on_done=on_done)
-
         deadline_s = _seconds(b, "deadline_s", 30.0, self.max_lease_s)
         # no room now: wait in line for up to wait_s (the scheduler's queue and the
         # transfers already admitted go first), then 503
         wait_s = _seconds(b, "wait_s", RESERVE_WAIT_S, MAX_RESERVE_WAIT_S)
         try:
-            dest = await self.engine.call(do)
-            if dest is PENDING:
-                try:
-                    dest = await got
-                except asyncio.CancelledError:  # the router gave up (its client left)
-                    asyncio.ensure_future(self.engine.call(lambda e: e.cancel_reservation(rid)))
-                    raise
+            dest = await self.engine.reserve_for_transfer(rid, b["prompt_token_ids"], params, self.receiver,
+                                                          deadline_s=deadline_s, wait_s=wait_s)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         if dest is None:
@@ -191,7 +172,7 @@ class WorkerApi:
         if not isinstance(address, str) or not address.startswith("tcp://") or len(address) > 256:
             raise APIError(400, "address must be a tcp://host:port KV export address", param="address")
         # the connection itself is authenticated both ways: a peer without the secret gets nothing
-        self.receiver.pull(address, b["request_id"] + "-0")
+        self.receiver.pull(address, choice_request_id(b["request_id"]))
         return JSONResponse({"pulling": b["request_id"]})
 
     async def kv_failed(self, request: Request):
@@ -200,12 +181,12 @@ class WorkerApi:
         b = await self._body(request)
         if self.receiver is None:
             raise APIError(400, "this worker does not decode")
-        self.receiver.fail(b["request_id"] + "-0", str(b.get("reason", "the prefill worker's transfer broke")))
+        self.receiver.fail(choice_request_id(b["request_id"]), str(b.get("reason", "the prefill worker's transfer broke")))
         return JSONResponse({"failed": b["request_id"]})
 
     async def decode(self, request: Request):
         b = await self._body(request)
-        rid = b["request_id"] + "-0"
+        rid = choice_request_id(b["request_id"])
         first = b.get("first_token")
         kv_ok = False
         wait_s = _seconds(b, "timeout_s", 30.0, self.max_lease_s)
@@ -217,7 +198,7 @@ class WorkerApi:
             if not kv_ok:
                 # the lease ran from the reservation; a decode that waits holds the
                 # blocks through its wait, or learns at once that they are gone
-                if not await self.engine.call(lambda e: e.claim_reservation(rid, wait_s + 5.0)):
+                if not await self.engine.claim_reservation(rid, wait_s + 5.0):
                     raise _reservation_gone(rid)
                 try:
                     await asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s)
@@ -227,7 +208,7 @@ class WorkerApi:
             self.receiver.cancel(rid)  # landed or given up: late frames must not touch the blocks
         group = self.engine.attach(b["request_id"], 1)
         try:
-            first_out = await self.engine.call(lambda e: e.activate_transferred(rid, first, kv_ok))
+            first_out = await self.engine.activate_transferred(rid, first, kv_ok)
         except KeyError:
             group.abort()
             raise _reservation_gone(rid) from None
@@ -262,8 +243,8 @@ class WorkerApi:
 
     async def abort(self, request: Request):
         b = await self._body(request)
-        rid = b["request_id"] + "-0"
-        await self.engine.call(lambda e: e.abort_request(rid))
+        rid = choice_request_id(b["request_id"])
+        await self.engine.abort_request(rid)
         if self.receiver is not None:
             self.receiver.cancel(rid)
         return JSONResponse({"aborted": rid})
@@ -280,7 +261,7 @@ class WorkerApi:
         that made them is gone, and nobody will decode them)."""
         if self.receiver is None or self.engine.engine is None:
             return
-        gone = await self.engine.call(lambda e: e.expire_reservations(math.inf if everything else None))
+        gone = await self.engine.expire_reservations(everything)
         for rid in gone:
             log.warning("request %s: %s; its blocks are freed", rid, why)
             self.receiver.cancel(rid)

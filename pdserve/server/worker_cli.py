@@ -12,10 +12,40 @@ import os
 import socket
 import sys
 import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.ports import free_port
 
+if TYPE_CHECKING:
+    from pdserve.router.conductor import DecodeCostModel
+    from pdserve.server.async_engine import HeartbeatSnapshot
+    from pdserve.server.calibrate import DecodeStepRecorder
+
 log = logging.getLogger("pdserve.worker")
+
+
+@dataclass
+class WorkerState:
+    """What the worker learns about its engine once it is built (on the engine thread)
+    and at start-up calibration, for its heartbeats."""
+    steps: DecodeStepRecorder | None = None  # live step times: rescale the cost models
+    static_stats: dict = field(default_factory=dict)  # heartbeat stats fixed by the engine's shape
+    calibration: dict = field(default_factory=dict)  # prefill start-up calibration (heartbeat stats)
+    decode_model: DecodeCostModel | None = None  # decode start-up calibration
+
+    def live_stats(self, snap: HeartbeatSnapshot) -> dict:
+        """A heartbeat's live stats from what the engine thread read: the decode side's
+        context in the batch, the cost models rescaled by live steps, the KV block size."""
+        from pdserve.server.calibrate import decode_stats, prefill_stats
+
+        live = dict(self.static_stats)
+        live.update(prefill_stats(self.calibration, snap.prefill_steps))
+        live["running_context_tokens"] = snap.running_context_tokens
+        if self.decode_model is not None:
+            live.update(decode_stats(self.decode_model, snap.decode_steps, self.static_stats["max_num_seqs"]))
+        live["kv_block_size"] = snap.block_size
+        return live
 
 
 def add_arguments(p) -> None:
@@ -94,7 +124,6 @@ def build(args, port: int):
     from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
     from pdserve.server.worker import WorkerApi, build_worker_app
-    from pdserve.transfer.bridge import PrefillBridge
     from pdserve.transfer.receiver import KVReceiverServer
     from pdserve.transfer.sender import AutoKVSender
 
@@ -118,25 +147,23 @@ def build(args, port: int):
         exporter = PullKVExporter(host=args.host, wire_mode=args.kv_wire, secret=secret)
         sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter,
                               secret=secret)
-    holder: dict = {}
+    state = WorkerState()
 
     def make_engine():
-        engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw), kv_secret=secret)
+        engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw), kv_secret=secret,
+                           kv_sender=sender, kv_layerwise=args.kv_layerwise)
         # the router's prefix index follows these; without a router nobody drains them
         engine.block_manager.record_events = bool(args.router)
-        if sender is not None:
-            engine.bridge = PrefillBridge(sender, engine.model_config.num_hidden_layers, args.kv_layerwise)
         if role != "prefill":
             if args.kv_transport == "nixl":
                 from pdserve.transfer.nixl import NixlKVReceiver
 
-                holder["receiver"] = NixlKVReceiver(engine.runner.kv_caches, host=args.host, secret=secret)
+                api.receiver = NixlKVReceiver(engine.runner.kv_caches, host=args.host, secret=secret)
             else:
-                holder["receiver"] = KVReceiverServer(engine.runner.kv_caches, host=args.host, secret=secret,
-                                                      scheme="shm" if engine.runner.kv_shm_paths else "tcp")
-            api.receiver = holder["receiver"]
-        holder["steps"] = DecodeStepRecorder(engine)  # live step times: rescale the cost models
-        holder["static"] = {"kv_bytes_per_token": engine.runner.kv_cache_bytes // max(
+                api.receiver = KVReceiverServer(engine.runner.kv_caches, host=args.host, secret=secret,
+                                                scheme="shm" if engine.runner.kv_shm_paths else "tcp")
+        state.steps = DecodeStepRecorder(engine)
+        state.static_stats = {"kv_bytes_per_token": engine.runner.kv_cache_bytes // max(
             1, engine.runner.num_blocks * engine.runner.block_size), "num_layers": engine.model_config.num_hidden_layers,
             "kv_layerwise": bool(args.kv_layerwise), "max_num_seqs": engine.config.scheduler.max_num_seqs}
         return engine
@@ -154,21 +181,21 @@ def build(args, port: int):
         from pdserve.server import calibrate
 
         if args.calibrate and role != "decode":
-            holder["calibration"] = calibrate.calibration_stats(await api.engine.call(calibrate.measure_prefill))
-            log.info("prefill calibration: %s", holder["calibration"])
+            state.calibration = calibrate.calibration_stats(await api.engine.calibrate_prefill())
+            log.info("prefill calibration: %s", state.calibration)
         if args.calibrate and role != "prefill":
-            samples = await api.engine.call(lambda e: calibrate.measure_decode(e, holder["steps"]))
+            samples = await api.engine.calibrate_decode(state.steps)
             if len(samples) >= 3:
-                holder["decode_model"] = conductor.fit_decode_cost(samples)
-                log.info("decode calibration: %s from %s", holder["decode_model"], samples)
-        holder["steps"].prefill_samples.clear()  # live rescaling is about traffic, not calibration
-        await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, holder, secret, beat_now, host)
+                state.decode_model = conductor.fit_decode_cost(samples)
+                log.info("decode calibration: %s from %s", state.decode_model, samples)
+        state.steps.prefill_samples.clear()  # live rescaling is about traffic, not calibration
+        await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, state, secret, beat_now, host)
 
     async def close():
         if sender is not None:
             sender.close()
-        if holder.get("receiver"):
-            holder["receiver"].close()
+        if api.receiver is not None:
+            api.receiver.close()
 
     return build_worker_app(api, secret, on_startup=join_router, on_shutdown=close), api, beat_now
 
@@ -185,7 +212,7 @@ def advertised(address: str, host: str) -> str:
     return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
 
 
-async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes, beat_now: asyncio.Event,
+async def _register_loop(args, worker_id, url, role, api, state: WorkerState, secret: bytes, beat_now: asyncio.Event,
                          host: str) -> None:
     import httpx
 
@@ -204,7 +231,7 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
             next_beat_s = asyncio.get_running_loop().time() + args.heartbeat_s
             try:
                 if not registered:
-                    recv = holder.get("receiver")
+                    recv = api.receiver
                     exporter = api.sender.exporter if api.sender is not None else None
                     await _post(client, "/internal/register", {
                         "worker_id": worker_id, "url": url, "role": role,
@@ -219,15 +246,15 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
                 # out on time with the last stats, and the KV events follow with a later beat:
                 # the call stays pending (its events are numbered only once they are sent).
                 if pending is None:
-                    pending = asyncio.ensure_future(api.engine.call(_heartbeat_fn(kv_pub, holder)))
+                    pending = asyncio.ensure_future(api.engine.heartbeat_snapshot(kv_pub.want_snapshot,
+                                                                                  state.steps))
                 await asyncio.wait({pending}, timeout=args.heartbeat_s / 2)
                 body = {"worker_id": worker_id}
                 if pending.done():
-                    done, pending = pending, None
-                    (events, block_size, cached), last_live = done.result()
-                    last_live["kv_block_size"] = block_size
-                    body["kv_events"] = kv_pub.payload(events, cached)
-                body["stats"] = {**(api.engine.stats or {}), **holder.get("calibration", {}), **last_live,
+                    snap, pending = pending.result(), None
+                    last_live = state.live_stats(snap)
+                    body["kv_events"] = kv_pub.payload(snap.kv_events, snap.cached_hashes)
+                body["stats"] = {**(api.engine.stats or {}), **state.calibration, **last_live,
                                  "draining": api.engine.draining}
                 r = await client.post("/internal/heartbeat", json=body)
                 if r.status_code == 401:
@@ -252,24 +279,6 @@ async def _register_loop(args, worker_id, url, role, api, holder, secret: bytes,
                 beat_now.clear()
             except asyncio.TimeoutError:
                 pass
-
-
-def _heartbeat_fn(kv_pub, holder):
-    """What one heartbeat reads on the engine thread: KV events, and the decode
-    side's live state (context in the batch, the step model rescaled by live steps)."""
-    drain = kv_pub.drain_fn()
-
-    def fn(engine):
-        from pdserve.server.calibrate import decode_stats, prefill_stats
-
-        live = dict(holder.get("static", {}))
-        live.update(prefill_stats(holder.get("calibration", {}), list(holder["steps"].prefill_samples)))
-        live["running_context_tokens"] = sum(s.num_tokens for s in engine.scheduler.running)
-        if holder.get("decode_model") is not None:
-            live.update(decode_stats(holder["decode_model"], holder["steps"].recent(),
-                                     engine.config.scheduler.max_num_seqs))
-        return drain(engine), live
-    return fn
 
 
 async def _post(client, path, body) -> None:

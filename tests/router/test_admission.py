@@ -172,6 +172,26 @@ def test_serve_passes_its_flags_to_the_router_and_workers():
         "decode", "decode-1", 7, 9, "json")
 
 
+def test_kv_timeout_has_one_default_whoever_starts_the_router():
+    import argparse
+    import inspect
+
+    from pdserve.router import cli as router_cli
+    from pdserve.router.disagg import KV_TIMEOUT_S, DisaggEngine
+    from pdserve.server import cli as serve_cli
+    from pdserve.server.launcher import _router_cmd
+
+    p, rp = argparse.ArgumentParser(), argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    router_cli.add_arguments(rp)
+    assert inspect.signature(DisaggEngine).parameters["kv_timeout_s"].default == KV_TIMEOUT_S
+    assert rp.parse_args([]).kv_timeout_s == KV_TIMEOUT_S
+    for given, expected in (([], KV_TIMEOUT_S), (["--kv-timeout-s", "7.5"], 7.5)):
+        args = p.parse_args(given)
+        args.host = "127.0.0.1"
+        assert rp.parse_args(_router_cmd([], args)[1:]).kv_timeout_s == expected
+
+
 def test_router_refuses_on_predicted_tpot(tiny_model_dir):
     """The decode worker calibrated its step model at start-up: a TPOT SLO below one
     step is refused before any prefill, as tpot_slo."""

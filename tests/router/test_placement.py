@@ -1,4 +1,6 @@
 """Placer policies over a registry and the prefix index; the heartbeat's KV event path."""
+import types
+
 import pytest
 
 from pdserve.kv.block_manager import BlockManager
@@ -8,6 +10,7 @@ from pdserve.router.app import _feed_index
 from pdserve.router.placement import Placer
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerInfo
+from pdserve.server.async_engine import ENGINE_COMMANDS
 from pdserve.server.errors import APIError
 from pdserve.server.kv_publisher import KVEventPublisher
 
@@ -81,9 +84,11 @@ def test_publisher_to_index_through_the_heartbeat_path():
     bm = BlockManager(num_blocks=8, block_size=4, record_events=True)
     pub, idx = KVEventPublisher(), PrefixIndex()
 
+    engine = types.SimpleNamespace(block_manager=bm, scheduler=types.SimpleNamespace(running=[]))
+
     def heartbeat(deliver=True):
-        events, _, cached = pub.drain_fn()(type("E", (), {"block_manager": bm})())
-        body = pub.payload(events, cached)
+        snap = ENGINE_COMMANDS["heartbeat_snapshot"](engine, pub.want_snapshot, None)
+        body = pub.payload(snap.kv_events, snap.cached_hashes)
         if deliver:
             pub.want_snapshot = _feed_index(idx, "w", body)
 
