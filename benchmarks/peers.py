@@ -36,7 +36,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.interference_lib import ServerProcess, load_str  # noqa: E402
+from benchmarks.interference_lib import ServerProcess, _cpu_s, _session_pids, load_str  # noqa: E402
 from benchmarks.interference_vllm import ensure_hf_dir, ensure_venv, vllm_version  # noqa: E402
 from pdserve.bench import TokenSource, datasets  # noqa: E402
 from pdserve.bench.runner import run_benchmark  # noqa: E402
@@ -101,6 +101,20 @@ def pdserve_server(args, mode: str, out_dir: str) -> tuple[str, ServerProcess]:
     flags = ["--mode", mode, "--threads", str(args.threads), "--served-model-name", SERVED_NAME,
              "--max-model-len", "4096", *args.pdserve_flags]
     return f"pdserve {mode}", ServerProcess(flags, os.path.join(out_dir, f"pdserve-{mode}.log"), 300)
+
+
+def wait_idle(servers: list[tuple[str, ServerProcess]], max_s: float = 15.0) -> None:
+    """Until every server's processes use under 5% of a core: a server keeps its threads
+    spinning for a while after its last request (OpenMP's wait policy), which took a core
+    from a short measurement of the other (a 0.2 s prefill ran 5x slower right after
+    vLLM's own)."""
+    pids = [pid for _, s in servers for sid in s.pids for pid in _session_pids(sid)]
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        before = _cpu_s(pids)
+        time.sleep(0.5)
+        if _cpu_s(pids) - before < 0.025:
+            return
 
 
 def start(server: ServerProcess) -> float:
@@ -180,6 +194,7 @@ def main(argv=None) -> int:
                 if args.only and name not in args.only:
                     continue
                 for label, s in order:
+                    wait_idle(servers)
                     figs = figures(name, run_benchmark(reqs, s.url, model=SERVED_NAME, max_concurrency=conc,
                                                        ignore_eos=True))
                     if rnd < 0:
