@@ -18,7 +18,9 @@ working set), so a conversation's prefix is usually evicted before its next
 turn; tiers off, then the same with `--kv-offload-bytes` (L2) and
 `--kv-disk-dir` (L3, a fresh directory per run). Reported: mean, P50 and P99
 TTFT, prompt tokens computed, tier hits per tier and their load seconds; the
-ratios on/off. `--rounds` paired rounds, the order alternating (off, on), (on,
+ratios on/off. For reference each round also runs a pool large enough never to
+evict (tiers off): what a perfect cache would give, since every configuration
+must still compute the tokens no earlier request sent. `--rounds` paired rounds, the order alternating (off, on), (on,
 off), ..., medians over rounds with their min-max.
 
 Part 2, disaggregated (`pdserve serve`, 2 prefill + 1 decode, `--policy
@@ -126,9 +128,9 @@ def _interrupt(*_) -> None:
 
 
 # ---- part 1: collocated, tiers off vs on
-def run_collocated(reqs, args, tiers_on: bool) -> dict:
+def run_collocated(reqs, args, tiers_on: bool, kv_blocks: int | None = None) -> dict:
     serve = ["--mode", "collocated", "--threads", str(args.threads), "--block-size", str(args.block_size),
-             "--num-gpu-blocks", str(args.kv_blocks), "--max-model-len", "4096"]
+             "--num-gpu-blocks", str(kv_blocks or args.kv_blocks), "--max-model-len", "4096"]
     with tempfile.TemporaryDirectory(prefix="tiered-kv-") as disk_dir:  # fresh: L3 outlives a process
         if tiers_on:
             serve += ["--kv-offload-bytes", str(args.offload_bytes), "--kv-disk-dir", disk_dir,
@@ -138,7 +140,7 @@ def run_collocated(reqs, args, tiers_on: bool) -> dict:
             res = _send(reqs, dep.url)
             time.sleep(0.5)
             after = dep.metrics()
-    out = {"tiers": "on" if tiers_on else "off", **_ttfts(res),
+    out = {"tiers": "on" if tiers_on else "off", "kv_blocks": kv_blocks or args.kv_blocks, **_ttfts(res),
            "prompt_tokens": sum(res["input_lens"]),
            "prompt_tokens_computed": (_metric(after, "prompt_tokens_computed")
                                       - _metric(before, "prompt_tokens_computed")),
@@ -209,7 +211,16 @@ def summarize_collocated(rounds: list[dict]) -> dict:
             "prompt_tokens_computed_ratio": statistics.median(ratio["prompt_tokens_computed"]),
             "prompt_tokens_computed_ratio_range": [min(ratio["prompt_tokens_computed"]),
                                                    max(ratio["prompt_tokens_computed"])],
-            "target_met": max(statistics.median(v) for v in ratio.values()) <= 0.5}
+            "target_met": max(statistics.median(v) for v in ratio.values()) <= 0.5,
+            **({"ideal_mean_ttft_ratio": statistics.median(r["ideal"]["mean_ttft_ms"] / r["off"]["mean_ttft_ms"]
+                                                           for r in rounds),
+                "share_of_ideal_gain": statistics.median(_share(r) for r in rounds)} if "ideal" in rounds[0] else {})}
+
+
+def _share(r: dict) -> float:
+    """How much of the TTFT a pool that never evicts saves, the tiers save."""
+    gain = r["off"]["mean_ttft_ms"] - r["ideal"]["mean_ttft_ms"]
+    return (r["off"]["mean_ttft_ms"] - r["on"]["mean_ttft_ms"]) / gain if gain > 0 else float("nan")
 
 
 def collocated_table(rounds: list[dict], summary: dict) -> str:
@@ -222,14 +233,23 @@ def collocated_table(rounds: list[dict], summary: dict) -> str:
     rows = [("mean TTFT, ms", "mean_ttft_ms"), ("P50 TTFT, ms", "p50_ttft_ms"), ("P99 TTFT, ms", "p99_ttft_ms"),
             ("prompt tokens computed", "prompt_tokens_computed"),
             ("prefix-cache hit tokens", "prefix_cache_hit_tokens")]
-    lines = ["| collocated (median [min-max] of rounds) | tiers off | tiers on | on/off |", "|---|---|---|---|"]
-    lines += [f"| {label} | {col('off', k)} | {col('on', k)} | {ratio(k)} |" for label, k in rows]
+    ideal = "ideal" in rounds[0]
+    head = "| collocated (median [min-max] of rounds) | tiers off | tiers on | on/off |"
+    if ideal:
+        head += f" no eviction ({rounds[0]['ideal']['kv_blocks']} blocks, no tiers) |"
+    lines = [head, "|---|---|---|---|" + ("---|" if ideal else "")]
+    lines += [f"| {label} | {col('off', k)} | {col('on', k)} | {ratio(k)} |" + (f" {col('ideal', k)} |" if ideal else "")
+              for label, k in rows]
     for t in rounds[0]["on"]["tier_hit_blocks"]:
         hits = _spread([r["on"]["tier_hit_blocks"][t] for r in rounds])
         load = _spread([r["on"]["tier_load_s"][t] for r in rounds], "{:.2f}")
-        lines.append(f"| {t} tier: blocks loaded / load s | - | {hits} / {load} | |")
-    done = [f"{r[c]['completed']}/{r[c]['completed'] + r[c]['failed']}" for r in rounds for c in ("off", "on")]
-    lines.append(f"| completed (each run) | | | {', '.join(done)} |")
+        lines.append(f"| {t} tier: blocks loaded / load s | - | {hits} / {load} | |" + (" |" if ideal else ""))
+    cfgs = ("off", "on", "ideal") if ideal else ("off", "on")
+    done = [f"{r[c]['completed']}/{r[c]['completed'] + r[c]['failed']}" for r in rounds for c in cfgs]
+    lines.append(f"| completed (each run) | | | {', '.join(done)} |" + (" |" if ideal else ""))
+    if ideal:
+        lines.append(f"\nA pool that never evicts: mean TTFT x{summary['ideal_mean_ttft_ratio']:.2f} of tiers off "
+                     f"(the floor for any cache here); the tiers get {summary['share_of_ideal_gain']:.0%} of its gain.")
     lines.append(f"\nTarget (both ratios <= 0.5): {'met' if summary['target_met'] else 'NOT met'} "
                  f"(mean TTFT x{summary['mean_ttft_ratio']:.2f}, prompt tokens computed "
                  f"x{summary['prompt_tokens_computed_ratio']:.2f})")
@@ -279,6 +299,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="collocated engine threads (2 threads on 2 shared cores stall whenever anything else runs)")
     p.add_argument("--rounds", type=int, default=3, help="paired collocated rounds (off and on each)")
+    p.add_argument("--no-ideal", dest="ideal", action="store_false",
+                   help="skip the reference run with a pool that never evicts (the floor for any cache)")
     p.add_argument("--disagg-conversations", type=int, default=8, help="0: skip the disaggregated part")
     p.add_argument("--disagg-kv-blocks", type=int, default=0, help="0: the engine's default pool (no eviction)")
     p.add_argument("--skip-collocated", action="store_true")
@@ -302,12 +324,14 @@ def main(argv=None) -> int:
     if not args.skip_collocated:
         rounds = []
         for i in range(args.rounds):
-            order = (False, True) if i % 2 == 0 else (True, False)  # alternate, so drift hits both
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")  # alternate, so drift hits both
+            order += ("ideal",) if args.ideal else ()
             r = {}
-            for on in order:
-                r["on" if on else "off"] = run_collocated(reqs, args, on)
-                shown = {k: v for k, v in r["on" if on else "off"].items() if k != "ttfts_ms"}
-                print(f"round {i + 1} tiers {'on ' if on else 'off'}: {json.dumps(shown)}", flush=True)
+            for cfg in order:
+                blocks = info["working_set_blocks"] + 2 * info["max_prompt_tokens"] // args.block_size + 8
+                r[cfg] = run_collocated(reqs, args, cfg == "on", blocks if cfg == "ideal" else None)
+                shown = {k: v for k, v in r[cfg].items() if k != "ttfts_ms"}
+                print(f"round {i + 1} {cfg:5s}: {json.dumps(shown)}", flush=True)
             rounds.append(r)
         result["collocated"] = {"rounds": rounds, "summary": summarize_collocated(rounds)}
         print("\n" + collocated_table(rounds, result["collocated"]["summary"]) + "\n", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,33 @@ class BadBlock(ValueError):
     def __init__(self, kind: str, why: str):
         super().__init__(f"{kind} KV block: {why}")
         self.kind = kind
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """A block kept decoded, in this process's memory (the host tier): nothing to encode when
+    it is written, nothing to check but its identity when it is read. It becomes bytes
+    (`to_bytes`) only when it leaves the process, for the disk below."""
+
+    fingerprint: str
+    block_hash: int
+    token_ids: tuple
+    kv: torch.Tensor  # [layers, 2, block_size, kv_heads, head_dim], owned by this block
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def to_bytes(self) -> bytes:
+        return encode(self.fingerprint, self.block_hash, self.token_ids, self.kv)
+
+    def check(self, fingerprint: str, block_hash: int, token_ids, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """The block's tensor if it is the block asked for; else BadBlock("foreign")."""
+        if (self.fingerprint != fingerprint or self.block_hash != block_hash
+                or tuple(int(t) for t in token_ids) != tuple(self.token_ids)
+                or list(self.kv.shape) != list(shape) or self.kv.dtype != dtype):
+            raise BadBlock("foreign", "not the block asked for")
+        return self.kv
 
 
 def _digest(head: bytes, data, key: bytes = b"") -> bytes:

@@ -1,43 +1,53 @@
 """L2: a bounded pool of this worker's host memory, least recently used first out.
 
-Blocks the pool drops to stay within its bound are handed to `spill` (the disk
-tier below, when there is one), so a block leaves the worker only when every
-tier under it is full too.
+It holds blocks decoded (`codec.KVBlock`: the tensor and what names it), since
+nothing outside this process can touch them: a save is one copy out of the pool
+and a load one copy back, with no encoding and no checksum. Blocks the pool drops
+to stay within its bound are handed to `spill` (the disk tier below, when there
+is one, which encodes them), so a block leaves the worker only when every tier
+under it is full too. Byte strings are kept as they are.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
 
+from pdserve.kvstore.codec import KVBlock
 from pdserve.kvstore.tier import KVTier
+
+
+def _size(data: bytes | KVBlock) -> int:
+    return data.nbytes if isinstance(data, KVBlock) else len(data)
 
 
 class HostTier(KVTier):
     name = "host"
+    holds_blocks = True
 
-    def __init__(self, capacity_bytes: int, spill: Callable[[str, bytes], object] | None = None):
+    def __init__(self, capacity_bytes: int, spill: Callable[[str, bytes | KVBlock], object] | None = None):
         super().__init__()
         if capacity_bytes <= 0:
             raise ValueError("the host tier needs a positive capacity")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self.spill = spill
-        self._blocks: OrderedDict[str, bytes] = OrderedDict()
+        self._blocks: OrderedDict[str, bytes | KVBlock] = OrderedDict()
 
     def contains(self, key: str) -> bool:
         with self.lock:
             return key in self._blocks
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | KVBlock | None:
         with self.lock:
             data = self._blocks.get(key)
             if data is not None:
                 self._blocks.move_to_end(key)
-                self.stats.bytes_out += len(data)
+                self.stats.bytes_out += _size(data)
             return data
 
-    def put(self, key: str, data: bytes) -> bool:
-        if len(data) > self.capacity_bytes:
+    def put(self, key: str, data: bytes | KVBlock) -> bool:
+        size = _size(data)
+        if size > self.capacity_bytes:
             with self.lock:
                 self.stats.errors += 1
             return False
@@ -46,14 +56,14 @@ class HostTier(KVTier):
             if key in self._blocks:
                 self._blocks.move_to_end(key)
                 return True
-            while self.used_bytes + len(data) > self.capacity_bytes:
+            while self.used_bytes + size > self.capacity_bytes:
                 old_key, old = self._blocks.popitem(last=False)
-                self.used_bytes -= len(old)
+                self.used_bytes -= _size(old)
                 self.stats.evictions += 1
                 dropped.append((old_key, old))
             self._blocks[key] = data
-            self.used_bytes += len(data)
-            self.stats.bytes_in += len(data)
+            self.used_bytes += size
+            self.stats.bytes_in += size
             self.stats.stores += 1
         if self.spill is not None:
             for old_key, old in dropped:  # outside the lock: the disk is slow

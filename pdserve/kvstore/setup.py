@@ -32,7 +32,11 @@ def build_kv_store(config, model_config, runner, secret: bytes | None = None) ->
     tiers = []
     disk = DiskTier(t.kv_disk_dir, t.kv_disk_bytes) if t.kv_disk_dir else None
     if t.kv_offload_bytes:
-        tiers.append(HostTier(t.kv_offload_bytes, spill=disk.put if disk is not None else None))
+        spill = None
+        if disk is not None:
+            def spill(key: str, data: bytes | codec.KVBlock) -> bool:  # runs on the saver thread
+                return disk.put(key, data.to_bytes() if isinstance(data, codec.KVBlock) else data)
+        tiers.append(HostTier(t.kv_offload_bytes, spill=spill))
     if disk is not None:
         tiers.append(disk)
     if t.kv_store == "mooncake":

@@ -151,8 +151,13 @@ class TieredKVStore:
             for block_hash, token_ids, kv in blocks:
                 key = codec.block_key(self.fingerprint, block_hash)
                 try:
-                    blob = codec.encode(self.fingerprint, block_hash, token_ids, kv, sign)
+                    blob = None
                     for tier in tiers:
+                        if tier.holds_blocks:  # in-process: kept decoded, its own copy of the data
+                            tier.put(key, codec.KVBlock(self.fingerprint, block_hash, tuple(token_ids), kv.clone()))
+                            continue
+                        if blob is None:
+                            blob = codec.encode(self.fingerprint, block_hash, token_ids, kv, sign)
                         tier.put(key, blob)
                 except Exception:  # a tier must never take the engine down
                     log.exception("KV store: saving a block failed")
@@ -184,17 +189,40 @@ class TieredKVStore:
             seq_id, blocks = item
             n = 0
             try:
-                for b in blocks:
-                    if not self._load_one(b):
-                        break
-                    n += 1
+                n = self._load(blocks)
             except Exception:
                 log.exception("KV store: loading a block failed")
             with self._done_lock:
                 self._done.append(LoadDone(seq_id, n))
                 self._done_event.set()
 
-    def _load_one(self, b: BlockRef) -> bool:
+    def _load(self, blocks: list[BlockRef]) -> int:
+        """Fetch and check the blocks from the first until one is missing, then copy them into
+        their pool slots in one pass per layer; the number copied in."""
+        found: list[torch.Tensor] = []
+        from_tier: list[KVTier] = []
+        for b in blocks:
+            got = self._fetch(b)
+            if got is None:
+                break
+            found.append(got[0])
+            from_tier.append(got[1])
+        if not found:
+            return 0
+        t0 = time.monotonic()
+        data = torch.stack(found)  # [n, layers, 2, block_size, heads, dim]
+        idx = torch.tensor([b.block_id for b in blocks[:len(found)]], dtype=torch.long)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[:, layer, 0])
+            v.index_copy_(0, idx, data[:, layer, 1])
+        per_block = (time.monotonic() - t0) / len(found)
+        for tier in from_tier:
+            with tier.lock:
+                tier.stats.load_seconds += per_block
+        return len(found)
+
+    def _fetch(self, b: BlockRef) -> tuple[torch.Tensor, KVTier] | None:
+        """The block's data from the nearest tier that holds it intact, and that tier."""
         key = codec.block_key(self.fingerprint, b.block_hash)
         for tier in self.tiers:
             if tier.shared and not tier.healthy():
@@ -206,8 +234,11 @@ class TieredKVStore:
                     tier.stats.misses += 1
                 continue
             try:
-                kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype,
-                                  self.secret if tier.shared else b"")
+                if isinstance(blob, codec.KVBlock):
+                    kv = blob.check(self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype)
+                else:
+                    kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape,
+                                      self.dtype, self.secret if tier.shared else b"")
             except codec.BadBlock as e:
                 log.warning("KV store: %s tier: %s (%s); recomputing instead", tier.name, e, key)
                 with tier.lock:
@@ -217,15 +248,12 @@ class TieredKVStore:
                 if forget is not None:
                     forget(key)
                 continue
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k[b.block_id].copy_(kv[layer, 0])
-                v[b.block_id].copy_(kv[layer, 1])
             with tier.lock:
                 tier.stats.hits += 1
                 tier.stats.loads += 1
                 tier.stats.load_seconds += time.monotonic() - t0
-            return True
-        return False
+            return kv, tier
+        return None
 
     # ---- introspection and shutdown
     def stats(self) -> dict:

@@ -39,6 +39,7 @@ class KVTier(abc.ABC):
 
     name: str = ""
     shared: bool = False  # True when every worker of the cluster sees the same blocks
+    holds_blocks: bool = False  # True when put/get take decoded `codec.KVBlock`s (in-process tiers)
 
     def __init__(self) -> None:
         self.stats = TierStats()

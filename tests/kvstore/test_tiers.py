@@ -56,6 +56,27 @@ def test_host_tier_keeps_its_bound_and_spills_the_oldest():
     assert not tier.put("a-0", bytes(2000)) and tier.stats.errors == 1
 
 
+def test_host_tier_keeps_blocks_decoded_and_spills_them_encoded():
+    """The host tier holds tensors (no encoding on save, no checksum on load); a block it
+    drops reaches the disk as the codec's bytes, which decode to the same data."""
+    kvs = [torch.randn(SHAPE).to(torch.bfloat16) for _ in range(3)]
+    blocks = [codec.KVBlock(FP, h, (h, 2, 3, 4), kv) for h, kv in enumerate(kvs)]
+    spilled = {}
+    tier = HostTier(2 * blocks[0].nbytes, spill=lambda k, d: spilled.__setitem__(k, d.to_bytes()))
+    for b in blocks:
+        assert tier.put(codec.block_key(FP, b.block_hash), b)
+    assert len(tier) == 2 and tier.used_bytes == 2 * blocks[0].nbytes
+    on_disk = spilled[codec.block_key(FP, 0)]
+    assert torch.equal(codec.decode(on_disk, FP, 0, (0, 2, 3, 4), SHAPE, torch.bfloat16), kvs[0])
+    kept = tier.get(codec.block_key(FP, 2))
+    assert torch.equal(kept.check(FP, 2, (2, 2, 3, 4), SHAPE, torch.bfloat16), kvs[2])
+    for args in [("ffffffffffffffff", 2, (2, 2, 3, 4), SHAPE, torch.bfloat16), (FP, 3, (2, 2, 3, 4), SHAPE, torch.bfloat16),
+                 (FP, 2, (9, 2, 3, 4), SHAPE, torch.bfloat16), (FP, 2, (2, 2, 3, 4), SHAPE, torch.float32)]:
+        with pytest.raises(codec.BadBlock) as e:
+            kept.check(*args)
+        assert e.value.kind == "foreign"
+
+
 def test_disk_tier_bound_restart_and_leftovers(tmp_path):
     d = str(tmp_path / "kv")
     tier = DiskTier(d, 1000)
