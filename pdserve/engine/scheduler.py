@@ -240,6 +240,8 @@ class Scheduler:
             loadable = self._external_hit(seq, computed) if fresh else 0
             if loadable:
                 if not self.kv.allocate(seq.seq_id, computed + loadable, cached):
+                    if self._release_waiting_blocks(seq):
+                        continue
                     break
                 self.waiting.pop()
                 seq.num_computed_tokens = computed
@@ -253,6 +255,8 @@ class Scheduler:
                 break
             n = min(n, self._chunk_limit(budget))
             if not self.kv.allocate(seq.seq_id, computed + n, cached):
+                if self._release_waiting_blocks(seq):
+                    continue
                 break
             self.waiting.pop()
             seq.num_computed_tokens = computed
@@ -263,6 +267,23 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n, num_cached))
             budget -= n
         return out
+
+    def _release_waiting_blocks(self, head: Sequence) -> bool:
+        """The head of the queue cannot get blocks while nothing runs or loads: the blocks
+        are held by sequences behind it whose KV was loaded (or imported) and that wait
+        for their turn, which cannot come. Free theirs, as a preemption would (the full
+        blocks stay in the prefix cache, so most come back as hits). True if any were freed."""
+        if self.running or self.loading:
+            return False
+        freed = False
+        for seq in list(self.waiting.unordered()):
+            if seq is not head and self.kv.owns_blocks(seq.seq_id):
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.num_preemptions += 1
+                self.num_preemptions += 1
+                freed = True
+        return freed
 
     def _pick_victim(self) -> Sequence:
         if self.config.policy == "priority":

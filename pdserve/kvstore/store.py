@@ -73,6 +73,9 @@ class TieredKVStore:
         self._save_q: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._queued_lock = threading.Lock()
+        # evicted blocks queued for the local tiers, by key, until the saver has written them:
+        # a request that needs one before then loads it from here instead of recomputing it
+        self._unsaved: dict[str, tuple[int, tuple, torch.Tensor]] = {}
         self.queried_blocks = 0  # blocks the scheduler asked about (beyond its own pool's hits)
         self.hit_blocks = 0  # of those, held by some tier
         self._load_q: queue.Queue = queue.Queue()
@@ -93,9 +96,10 @@ class TieredKVStore:
         """How many of these blocks, from the first, some tier holds."""
         keys = [codec.block_key(self.fingerprint, h) for h in hashes]
         n = 0
-        for tier in self.local:
-            while n < len(keys) and tier.contains(keys[n]):
-                n += 1
+        # block by block across the local tiers: a prefix's older blocks may have spilled to disk
+        # while its newer ones are still in host memory, or still on their way to either
+        while n < len(keys) and (keys[n] in self._unsaved or any(t.contains(keys[n]) for t in self.local)):
+            n += 1
         for tier in self.shared:
             if n < len(keys) and tier.healthy():
                 n += tier.count_prefix(keys[n:])
@@ -119,9 +123,13 @@ class TieredKVStore:
         if not blocks:
             return
         data = self._gather(blocks)
+        saved = [(b.block_hash, b.token_ids, data[i]) for i, b in enumerate(blocks)]
         with self._queued_lock:
             self._queued_bytes += len(blocks) * self.block_bytes
-        self._save_q.put((where, [(b.block_hash, b.token_ids, data[i]) for i, b in enumerate(blocks)]))
+            if where == "local":
+                for item in saved:
+                    self._unsaved[codec.block_key(self.fingerprint, item[0])] = item
+        self._save_q.put((where, saved))
 
     def offload(self, evicted: list[BlockRef]) -> None:
         """Blocks the pool just evicted (their data is still intact): keep them in the local tiers."""
@@ -164,6 +172,8 @@ class TieredKVStore:
                 finally:
                     with self._queued_lock:
                         self._queued_bytes -= self.block_bytes
+                        if where == "local":
+                            self._unsaved.pop(key, None)
 
     # ---- loading (engine thread: start and poll; loader thread: read, check, copy in)
     def start_load(self, seq_id: str, blocks: list[BlockRef]) -> None:
@@ -224,6 +234,14 @@ class TieredKVStore:
     def _fetch(self, b: BlockRef) -> tuple[torch.Tensor, KVTier] | None:
         """The block's data from the nearest tier that holds it intact, and that tier."""
         key = codec.block_key(self.fingerprint, b.block_hash)
+        with self._queued_lock:
+            unsaved = self._unsaved.get(key)
+        if unsaved is not None and unsaved[0] == b.block_hash and tuple(unsaved[1]) == tuple(b.token_ids):
+            tier = self.local[0]  # evicted moments ago, not yet written: counted as a hit of the tier it goes to
+            with tier.lock:
+                tier.stats.hits += 1
+                tier.stats.loads += 1
+            return unsaved[2], tier
         for tier in self.tiers:
             if tier.shared and not tier.healthy():
                 continue

@@ -134,3 +134,47 @@ def test_aborting_a_huge_fanout_is_not_quadratic():
     assert elapsed_s < 2.0, f"aborting 20,000 waiting sequences took {elapsed_s:.1f}s"
     assert len(s.waiting) == 1 and s.waiting.peek() is other
     assert [x.seq.seq_id for x in s.schedule().scheduled] == ["other"]
+
+
+class _TierHolds:
+    """A lower cache tier that holds every block it is asked about while `on`."""
+
+    on = False
+
+    def count_hits(self, hashes):
+        return len(hashes) if self.on else 0
+
+
+def test_loaded_sequences_waiting_behind_a_preempted_one_do_not_deadlock():
+    """A sequence whose KV was loaded waits, holding its blocks, behind one that preempted
+    itself for want of a block: nothing runs, so nothing would ever free a block. The
+    scheduler frees the waiting sequence's blocks (they stay cached) and goes on."""
+    s = make(num_blocks=6, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=0)
+    s.external = tier = _TierHolds()
+    r = seq("r", 8)
+    s.add(r)
+    run_step(s, s.schedule())
+    w = Sequence("w", list(range(100, 116)), SamplingParams())
+    tier.on = True
+    s.add(w)
+    out = s.schedule()
+    tier.on = False
+    assert [x[0].seq_id for x in out.loads] == ["w"] and s.kv.num_free_blocks == 0
+    run_step(s, out)
+    assert s.remote_kv_done("w", 12) is w  # loaded: waits with its 3 blocks
+    for _ in range(6):  # r decodes until its 4th block does not fit, and preempts itself
+        run_step(s, s.schedule())
+        if r.num_preemptions:
+            break
+    assert r.num_preemptions == 1 and not s.running and w.num_computed_tokens == 12
+    finished = set()
+    for _ in range(40):
+        out = s.schedule()
+        run_step(s, out)
+        for x in out.scheduled:
+            if x.seq.num_tokens >= 16 + 2 and x.seq.seq_id not in finished:
+                finished.add(x.seq.seq_id)
+                s.finish(x.seq)
+        if finished == {"r", "w"}:
+            break
+    assert finished == {"r", "w"}

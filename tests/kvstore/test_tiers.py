@@ -93,6 +93,78 @@ def test_disk_tier_bound_restart_and_leftovers(tmp_path):
     assert smaller.used_bytes <= 650 and len(os.listdir(d)) == 2
 
 
+# ---- the store between the pool and the tiers
+
+def _store(tmp_path, host: HostTier | None = None):
+    from pdserve.kvstore.store import TieredKVStore
+
+    caches = [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(2)]  # 8 blocks of 4 tokens
+    disk = DiskTier(str(tmp_path / "kv"), 1 << 20)
+    host = host or HostTier(1 << 20)
+    return TieredKVStore([host, disk], FP, caches, 4), host, disk
+
+
+def _slot(store, i):
+    return torch.stack([torch.stack((k[i], v[i])) for k, v in store.kv_caches])
+
+
+def _load(store, refs):
+    import time
+
+    store.start_load("s", refs)
+    deadline = time.monotonic() + 10
+    while not (done := store.finished_loads()) and time.monotonic() < deadline:
+        store.wait_for_loads(0.1)
+    return done[0].num_blocks
+
+
+def test_store_finds_a_prefix_split_between_disk_and_host(tmp_path):
+    """A prefix's older blocks spill to disk first while its newer ones stay in host memory:
+    the hit count goes block by block across the tiers, not tier by tier."""
+    from pdserve.kvstore.store import BlockRef
+
+    store, host, disk = _store(tmp_path)
+    try:
+        kvs = [torch.randn(SHAPE) for _ in range(4)]
+        for h, kv in enumerate(kvs):
+            key = codec.block_key(FP, h)
+            if h < 2:
+                assert disk.put(key, codec.encode(FP, h, (h,), kv))
+            else:
+                assert host.put(key, codec.KVBlock(FP, h, (h,), kv))
+        assert store.count_hits([0, 1, 2, 3, 9]) == 4
+        assert _load(store, [BlockRef(4 + h, h, (h,)) for h in range(4)]) == 4
+        assert all(torch.equal(_slot(store, 4 + h), kvs[h]) for h in range(4))
+    finally:
+        store.close()
+
+
+def test_store_loads_a_block_still_on_its_way_to_the_tiers(tmp_path):
+    """An evicted block is a hit from the moment it leaves the pool, before the saver wrote it."""
+    import threading
+
+    from pdserve.kvstore.store import BlockRef
+
+    gate = threading.Event()
+
+    class SlowHost(HostTier):
+        def put(self, key, data):
+            gate.wait(10)
+            return super().put(key, data)
+
+    store, host, _ = _store(tmp_path, SlowHost(1 << 20))
+    try:
+        evicted = _slot(store, 1).clone()
+        store.offload([BlockRef(1, 77, (5, 6, 7, 8))])
+        assert store.count_hits([77]) == 1 and len(host) == 0
+        assert _load(store, [BlockRef(3, 77, (5, 6, 7, 8))]) == 1
+        assert torch.equal(_slot(store, 3), evicted)
+        assert _load(store, [BlockRef(3, 77, (5, 6, 7, 9))]) == 0  # same hash, other tokens: not it
+    finally:
+        gate.set()
+        store.close()
+
+
 # ---- the engine with tiers: outputs equal those of an engine that caches nothing
 
 PROMPTS = [list(range(10 + i, 10 + i + 37)) for i in range(0, 60, 6)]  # 37 tokens: 9 full blocks of 4
