@@ -1,8 +1,9 @@
 """The router's engine: each request is a prefill on one worker and a decode on another.
 
-`DisaggEngine` offers the same surface as the collocated `AsyncEngine`
-(`submit` -> a group with `accepted` / `next_batch` / `abort`), so the very
-same OpenAI app (pdserve/server/app.py) serves both modes.
+`DisaggEngine` implements the same `EngineClient` as the collocated
+`AsyncEngine` (pdserve/server/engine_client.py: `submit` -> a group with
+`accepted` / `next_batch` / `abort`), so the very same OpenAI app
+(pdserve/server/app.py) serves both modes.
 
 Flow for one choice: pick (P, D); D reserves blocks (keeping any prefix it
 caches); P prefills and streams the first token, which goes to the client at
@@ -184,7 +185,7 @@ class RouterGroup:
 
 
 class DisaggEngine:
-    """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
+    """The OpenAI app's EngineClient (pdserve/server/engine_client.py); places work on remote workers."""
 
     def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = KV_TIMEOUT_S,
                  max_in_flight: int = 1024, kv_mode: str = "push", admitter=None, secret: bytes | None = None):
