@@ -3,19 +3,29 @@
 The public API is the collocated server's own app (pdserve/server/app.py)
 over a `DisaggEngine`; this file adds the control endpoints workers use and
 the router's own metrics. Every route under /internal/ needs a request signed
-with the cluster secret (pdserve/auth.py): without it, 401 and a log line.
+with the cluster secret (pdserve/auth.py): without it, 401 and a log line. The
+bodies workers and supervisors send are models of pdserve/control_api.py.
 """
 from __future__ import annotations
 
-import json
 import logging
-from urllib.parse import urlsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve import auth
+from pdserve.control_api import (
+    HeartbeatRequest,
+    HeartbeatResponse,
+    KVEventsBody,
+    PoolPollRequest,
+    PoolPollResponse,
+    RegisterRequest,
+    RegisterResponse,
+    ScaleRequest,
+    ScaleResponse,
+)
 from pdserve.router import conductor
 from pdserve.router.disagg import DisaggEngine
 from pdserve.router.registry import Registry, WorkerInfo
@@ -31,8 +41,11 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
     app.add_middleware(auth.InternalAuth, verifier=verifier)
     engine.metrics.registry.register(_RouterCollector(engine, registry, verifier))
 
-    async def register(request: Request):
-        info = _registration(_json(await request.body()))
+    # The control routes take their bodies as control_api models: FastAPI validates them,
+    # and a body that does not fit is a 400 naming the field (errors.install_handlers).
+    async def register(b: RegisterRequest) -> RegisterResponse:
+        info = WorkerInfo(worker_id=b.worker_id, url=b.url, role=b.role, kv_address=b.kv_address,
+                          kv_export_address=b.kv_export_address, host=b.host, restarts=b.restarts)
         unreachable = await engine.probe(info.url)
         if unreachable:
             log.warning("refused registration of %s: %s", info.worker_id, unreachable)
@@ -45,19 +58,18 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
                                                         "url": info.url, "restarts": info.restarts,
                                                         "again": old is not None}})
         engine.refresh_stats()
-        return {"registered": info.worker_id}
+        return RegisterResponse(registered=info.worker_id)
 
-    async def heartbeat(request: Request):
-        b = _json(await request.body())
-        wid = str(b.get("worker_id"))
-        if not registry.heartbeat(wid, b.get("stats") or {}):
+    async def heartbeat(b: HeartbeatRequest) -> HeartbeatResponse | JSONResponse:
+        wid = b.worker_id
+        if not registry.heartbeat(wid, b.stats):
             return JSONResponse({"error": "unknown worker: register again"}, status_code=404)
         engine.refresh_stats()
-        if not isinstance(b.get("kv_events"), dict):
-            return {"ok": True}
-        kv_snapshot = _feed_index(engine.placer.index, wid, b["kv_events"])
-        _feed_tiers(engine.placer.index, wid, b.get("stats") or {})
-        return {"ok": True, "kv_snapshot": kv_snapshot}
+        if b.kv_events is None:
+            return HeartbeatResponse(ok=True)
+        kv_snapshot = _feed_index(engine.placer.index, wid, b.kv_events)
+        _feed_tiers(engine.placer.index, wid, b.stats)
+        return HeartbeatResponse(ok=True, kv_snapshot=kv_snapshot)
 
     async def workers(request: Request):
         return {"workers": [{"worker_id": w.worker_id, "url": w.url, "role": w.role, "alive": w.alive,
@@ -71,17 +83,13 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
     async def pools(request: Request):
         return engine.pools.status()
 
-    async def supervisor_poll(request: Request):
+    async def supervisor_poll(b: PoolPollRequest) -> PoolPollResponse:
         """A supervisor (pdserve serve, the Ray driver) says what it runs; gets the wanted sizes."""
-        running = _json(await request.body()).get("running") or {}
-        if not isinstance(running, dict) or not all(isinstance(v, int) and 0 <= v <= 1024 for v in running.values()):
-            raise APIError(400, "running must map roles to worker counts", param="running")
-        return {"wanted": engine.pools.supervisor_poll(running)}
+        return PoolPollResponse(wanted=engine.pools.supervisor_poll(b.running))
 
-    async def scale(request: Request):
-        b = _json(await request.body())
+    async def scale(b: ScaleRequest) -> ScaleResponse:
         try:
-            wanted = engine.pools.scale({r: b.get(r) for r in ("prefill", "decode")})
+            wanted = engine.pools.scale({"prefill": b.prefill, "decode": b.decode})
         except ValueError as e:
             raise APIError(400, str(e)) from None
         live = engine.pools.live_counts()
@@ -92,42 +100,18 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
                     "(pdserve worker --router ...)")
         log.info("pools scaled", extra={"fields": {"wanted": wanted, "live": live}})
         await engine.pools.tick()  # shrink at once; growth is the supervisor's next poll
-        return {"wanted": wanted, "live": live, "note": note}
+        return ScaleResponse(wanted=wanted, live=live, note=note)
 
     app.add_api_route("/internal/admin/pools", pools, methods=["GET"], include_in_schema=False)
     app.add_api_route("/internal/admin/pools/poll", supervisor_poll, methods=["POST"], include_in_schema=False)
     app.add_api_route("/internal/admin/scale", scale, methods=["POST"], include_in_schema=False)
     app.add_api_route("/internal/register", register, methods=["POST"], include_in_schema=False)
-    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"], include_in_schema=False)
+    # response_model=None: an unknown worker gets a bare 404 JSONResponse, which is no HeartbeatResponse
+    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"], include_in_schema=False,
+                      response_model=None)
     app.add_api_route("/internal/workers", workers, methods=["GET"], include_in_schema=False)
     app.add_api_route("/internal/conductor", lambda: conductor_status(engine.metrics, registry), methods=["GET"], include_in_schema=False)
     return app
-
-
-_MAX_FIELD_CHARS = 512
-
-
-def _registration(b: dict) -> WorkerInfo:
-    """A worker's registration, checked: strings of bounded length, http(s) URL, known role."""
-    def text(key: str, default: str | None = None) -> str:
-        v = b.get(key, default)
-        if not isinstance(v, str) or len(v) > _MAX_FIELD_CHARS:
-            raise APIError(400, f"bad registration: {key} must be a string of at most {_MAX_FIELD_CHARS} "
-                                "characters", param=key)
-        return v
-
-    url = text("url")
-    if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
-        raise APIError(400, "bad registration: url must be http(s)://host:port", param="url")
-    restarts = b.get("restarts", 0)
-    if not isinstance(restarts, int) or not 0 <= restarts < 1 << 31:
-        raise APIError(400, "bad registration: restarts must be a non-negative integer", param="restarts")
-    try:
-        return WorkerInfo(worker_id=text("worker_id"), url=url, role=text("role"),
-                          kv_address=text("kv_address", ""), kv_export_address=text("kv_export_address", ""),
-                          host=text("host", ""), restarts=restarts)
-    except ValueError as e:
-        raise APIError(400, f"bad registration: {e}") from None
 
 
 def _mean(h) -> float | None:
@@ -165,14 +149,15 @@ def _admission_status(admitter) -> dict | None:
             "last_prediction": admitter.last}
 
 
-def _feed_index(index, worker_id: str, kv: dict) -> bool:
-    """Apply a heartbeat's KV events (and snapshot); True when the worker must send a snapshot."""
+def _feed_index(index, worker_id: str, kv: KVEventsBody | dict) -> bool:
+    """Apply a heartbeat's KV events (and snapshot); True when the worker must send a snapshot.
+    `kv`: as the heartbeat route validated it, or as a KVEventPublisher made it."""
     try:
-        epoch = str(kv["epoch"])
-        index.apply_events(worker_id, epoch, kv.get("events") or [])
-        snap = kv.get("snapshot")
-        if isinstance(snap, dict):
-            index.apply_snapshot(worker_id, epoch, int(snap["seq"]), snap.get("block_hashes") or [])
+        if not isinstance(kv, KVEventsBody):
+            kv = KVEventsBody.model_validate(kv)
+        index.apply_events(worker_id, kv.epoch, [e.model_dump() for e in kv.events])
+        if kv.snapshot is not None:
+            index.apply_snapshot(worker_id, kv.epoch, kv.snapshot.seq, kv.snapshot.block_hashes)
     except (KeyError, TypeError, ValueError) as e:
         raise APIError(400, f"bad kv_events: {e}") from None
     return index.needs_snapshot(worker_id)
@@ -187,16 +172,6 @@ def _feed_tiers(index, worker_id: str, stats: dict) -> None:
         index.set_tiers(worker_id, int(kv.get("lower_capacity_blocks", 0)), bool(kv.get("shared", False)))
     except (TypeError, ValueError) as e:
         raise APIError(400, f"bad kv_store stats: {e}") from None
-
-
-def _json(raw: bytes) -> dict:
-    try:
-        b = json.loads(raw)
-    except ValueError as e:
-        raise APIError(400, f"invalid JSON: {e}") from None
-    if not isinstance(b, dict):
-        raise APIError(400, "body must be a JSON object")
-    return b
 
 
 class _RouterCollector:

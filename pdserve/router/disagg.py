@@ -1,8 +1,9 @@
 """The router's engine: each request is a prefill on one worker and a decode on another.
 
-`DisaggEngine` offers the same surface as the collocated `AsyncEngine`
-(`submit` -> a group with `accepted` / `next_batch` / `abort`), so the very
-same OpenAI app (pdserve/server/app.py) serves both modes.
+`DisaggEngine` implements the same `EngineClient` as the collocated
+`AsyncEngine` (pdserve/server/engine_client.py: `submit` -> a group with
+`accepted` / `next_batch` / `abort`), so the very same OpenAI app
+(pdserve/server/app.py) serves both modes.
 
 Flow for one choice: pick (P, D); D reserves blocks (keeping any prefix it
 caches); P prefills and streams the first token, which goes to the client at
@@ -13,7 +14,8 @@ the request moves to another worker, replaying prompt + tokens so far. While
 one role has no live worker, a live worker of the other role runs requests
 whole (both roles are the same engine).
 
-Every call to a worker is signed with the cluster secret (pdserve/auth.py).
+Every call to a worker is signed with the cluster secret (pdserve/auth.py), and
+every body and answer is a model of pdserve/control_api.py.
 """
 from __future__ import annotations
 
@@ -21,17 +23,39 @@ import asyncio
 import json
 import logging
 import time
+from typing import TypeVar
 
 import httpx
+from pydantic import BaseModel
 
 from pdserve import auth
+from pdserve.control_api import (
+    AbortRequest,
+    DecodeRequest,
+    DrainResponse,
+    ErrorEvent,
+    FirstTokenEvent,
+    GenerateRequest,
+    KVFailedRequest,
+    KVFailedResponse,
+    KVReadyEvent,
+    OutputEvent,
+    PrefillRequest,
+    PullRequest,
+    PullResponse,
+    ReserveRequest,
+    ReserveResponse,
+    SavedEvent,
+    params_to_json,
+    parse_event,
+)
 from pdserve.engine.sequence import CompletionOutput, RequestOutput, choice_request_id
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
 from pdserve.server.errors import APIError
-from pdserve.server.worker import params_to_json
 
 log = logging.getLogger("pdserve.router")
+Reply = TypeVar("Reply", bound=BaseModel)
 
 
 # How long a decode worker keeps blocks reserved for KV that has not arrived (the
@@ -73,13 +97,15 @@ class _Choice:
         self.workers: set[str] = set()
         self.remote_ids: dict[str, str] = {}  # worker id -> the request id used there
 
-    def emit(self, ev: dict) -> None:
-        ids = list(ev.get("token_ids") or [])
+    def emit(self, ev: OutputEvent | FirstTokenEvent) -> None:
+        """Add what a worker streamed, and hand the client an engine RequestOutput built from it:
+        the OpenAI app reads RequestOutputs, whichever engine serves it."""
+        ids = list(ev.token_ids)
         self.token_ids += ids
-        self.text += ev.get("text") or ""
-        if ev.get("logprobs"):
-            self.logprobs += [{int(k): v for k, v in e.items()} for e in ev["logprobs"]]
-        self.finished = bool(ev.get("finished"))
+        self.text += ev.text
+        if ev.logprobs:
+            self.logprobs += [{int(k): v for k, v in e.items()} for e in ev.logprobs]
+        self.finished = ev.finished
         now = time.monotonic()
         m = self.group.engine.metrics
         if ids:
@@ -93,9 +119,9 @@ class _Choice:
             m.on_tokens(len(ids), gap)
         comp = CompletionOutput(0, self.text, list(self.token_ids), None,
                                 list(self.logprobs) if self.params.logprobs is not None else None,
-                                ev.get("finish_reason") if self.finished else None,
-                                ev.get("stop_reason") if self.finished else None)
-        out = RequestOutput(self.rid, None, self.prompt, [comp], self.finished, ids, ev.get("text") or "")
+                                ev.finish_reason if self.finished else None,
+                                ev.stop_reason if self.finished else None)
+        out = RequestOutput(self.rid, None, self.prompt, [comp], self.finished, ids, ev.text)
         if self.finished:
             m.on_finish(comp.finish_reason or "stop", self.arrival_s, self.first_token_s, self.last_token_s,
                         len(self.token_ids))
@@ -159,7 +185,7 @@ class RouterGroup:
 
 
 class DisaggEngine:
-    """Quacks like AsyncEngine for the OpenAI app; places work on remote workers."""
+    """The OpenAI app's EngineClient (pdserve/server/engine_client.py); places work on remote workers."""
 
     def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = KV_TIMEOUT_S,
                  max_in_flight: int = 1024, kv_mode: str = "push", admitter=None, secret: bytes | None = None):
@@ -231,7 +257,7 @@ class DisaggEngine:
 
     async def _drain_worker(self, w) -> None:
         try:
-            await self._post(w, "/internal/drain", {})
+            await self._post(w, "/internal/drain", None, DrainResponse)
         except (WorkerGone, APIError) as e:
             log.warning("could not ask %s to drain: %s", w.worker_id, e)
 
@@ -348,15 +374,17 @@ class DisaggEngine:
 
     async def _run(self, c: _Choice) -> None:
         await self._workers_registered()
-        body = {"request_id": c.rid, "prompt_token_ids": c.prompt, "params": params_to_json(c.params)}
+        params = params_to_json(c.params)
+        reserve = ReserveRequest(request_id=c.rid, prompt_token_ids=c.prompt, params=params,
+                                 deadline_s=self.kv_timeout_s)
         for attempt in range(3):
             p, d = self.placer.pick(self.registry, c.prompt)
             if p is None or d is None:
                 await self._run_whole(c)
                 return
             try:
-                dest = (await self._watch(d, self._post(d, "/internal/reserve", {
-                    **body, "deadline_s": self.kv_timeout_s})))["kv_destination"]
+                dest = (await self._watch(d, self._post(d, "/internal/reserve", reserve, ReserveResponse))
+                        ).kv_destination
                 break
             except WorkerGone as e:
                 # a worker that died (or stopped) since its last heartbeat: place again without it;
@@ -368,37 +396,39 @@ class DisaggEngine:
                 log.warning("request %s: decode worker %s unreachable (%s); placing again", c.rid, d.worker_id, e)
                 self.registry.mark_dead(d.worker_id)
         if self.kv_mode == "pull" and p.kv_export_address:
-            dest["pull"] = True
+            dest.pull = True
             try:  # D starts pulling now; P's exporter waits for the transfer to begin
-                await self._post(d, "/internal/pull", {"request_id": c.rid, "address": p.kv_export_address})
+                await self._post(d, "/internal/pull", PullRequest(request_id=c.rid, address=p.kv_export_address),
+                                 PullResponse)
             except WorkerGone:
-                dest["pull"] = False
+                dest.pull = False
         c.group.acknowledge()
         max_tokens = c.params.max_tokens or self.engine.max_model_len - len(c.prompt)
         self.placer.book_decode(d.worker_id, c.rid, len(c.prompt), max_tokens)
         c.workers = {p.worker_id, d.worker_id}
         c.remote_ids = {p.worker_id: c.rid, d.worker_id: c.rid}
-        first, prefill_task = await self._prefill(c, p, d, body, dest)
+        prefill = PrefillRequest(request_id=c.rid, prompt_token_ids=c.prompt, params=params, kv_destination=dest)
+        first, prefill_task = await self._prefill(c, p, d, prefill)
         await self._decode(c, d, first, kv_expected=first is not None)
         if prefill_task is not None:
             await prefill_task
 
-    async def _prefill(self, c: _Choice, p, d, body: dict, dest: dict):
+    async def _prefill(self, c: _Choice, p, d, body: PrefillRequest):
         """Stream the prefill; returns (first token or None if P failed, task reading the save report).
 
         A save report that fails, or a stream that breaks before it, means the KV
         will not all reach D: D is told at once, so it recomputes now instead of
         waiting out --kv-timeout-s."""
         try:
-            resp = await self._watch(p, self._stream(p, "/internal/prefill", {**body, "kv_destination": dest}))
+            resp = await self._watch(p, self._stream(p, "/internal/prefill", body))
             lines = resp.aiter_lines()
             try:
-                ev = json.loads(await self._watch(p, anext(lines)))
+                ev = parse_event(await self._watch(p, anext(lines)))
             except BaseException:
                 await resp.aclose()
                 raise
-            if ev.get("event") != "first_token":
-                raise WorkerGone(ev.get("message", "prefill failed"))
+            if not isinstance(ev, FirstTokenEvent):
+                raise WorkerGone(ev.message if isinstance(ev, ErrorEvent) else "prefill failed")
         except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError, APIError) as e:
             if isinstance(e, APIError) and e.status != 503:
                 raise  # the request itself is bad: the decode worker would refuse it too
@@ -409,17 +439,17 @@ class DisaggEngine:
                     e, (WorkerSlow, httpx.TimeoutException)):
                 self.registry.mark_dead(p.worker_id)
             return None, None  # the decode worker recomputes; its "kv" event is counted below
-        first = ev["token_ids"][0]
-        c.emit({**ev, "finished": False})
+        first = ev.token_ids[0]
+        c.emit(ev.model_copy(update={"finished": False}))
 
         async def read_saved():
             saved, why = False, "the prefill worker's stream ended before its save report"
             try:
                 async for line in lines:
-                    s = json.loads(line)
-                    if s.get("event") == "saved":
-                        saved = bool(s.get("ok"))
-                        why = s.get("error") or why
+                    s = parse_event(line)
+                    if isinstance(s, SavedEvent):
+                        saved = s.ok
+                        why = s.error or why
                         self._count_saved(s)
             except (httpx.HTTPError, ValueError) as e:
                 why = f"the prefill worker's stream broke: {type(e).__name__}"
@@ -430,27 +460,28 @@ class DisaggEngine:
 
         return first, asyncio.create_task(read_saved())
 
-    def _count_saved(self, s: dict) -> None:
-        self.counters["kv_bytes"] += s.get("bytes", 0)
-        self.counters["kv_seconds"] += s.get("seconds", 0.0)
-        self.counters["kv_retries"] += s.get("retries", 0)
-        self.counters["kv_failed"] += not s.get("ok")
-        if s.get("ok") and s.get("exposed_s") is not None:
-            self.counters["kv_exposed_bytes"] += s.get("exposed_bytes", 0)
-            self.counters["kv_exposed_seconds"] += s["exposed_s"]
+    def _count_saved(self, s: SavedEvent) -> None:
+        self.counters["kv_bytes"] += s.bytes
+        self.counters["kv_seconds"] += s.seconds
+        self.counters["kv_retries"] += s.retries
+        self.counters["kv_failed"] += not s.ok
+        if s.ok and s.exposed_s is not None:
+            self.counters["kv_exposed_bytes"] += s.exposed_bytes
+            self.counters["kv_exposed_seconds"] += s.exposed_s
             if self.admitter is not None:
-                self.admitter.transfers.observe(s.get("exposed_bytes", 0), s["exposed_s"])
+                self.admitter.transfers.observe(s.exposed_bytes, s.exposed_s)
 
     async def _tell_kv_failed(self, d, rid: str, reason: str) -> None:
         log.warning("request %s: KV transfer to %s broke (%s); telling it to recompute", rid, d.worker_id, reason)
         try:
-            await self._post(d, "/internal/kv_failed", {"request_id": rid, "reason": reason})
+            await self._post(d, "/internal/kv_failed", KVFailedRequest(request_id=rid, reason=reason),
+                             KVFailedResponse)
         except (WorkerGone, APIError, httpx.HTTPError):
             pass  # D gone too, or already past the wait: its own deadline still holds
 
     async def _decode(self, c: _Choice, d, first: int | None, kv_expected: bool) -> None:
-        body = {"request_id": c.rid, "first_token": first, "kv_expected": kv_expected,
-                "timeout_s": self.kv_timeout_s}
+        body = DecodeRequest(request_id=c.rid, first_token=first, kv_expected=kv_expected,
+                             timeout_s=self.kv_timeout_s)
         try:
             await self._consume(c, d, "/internal/decode", body)
         except WorkerGone as e:
@@ -510,38 +541,38 @@ class DisaggEngine:
     async def _resume_on(self, c: _Choice, w, remote_id: str) -> None:
         """Run the rest of the request on w from its prompt and the tokens already streamed."""
         c.remote_ids[w.worker_id] = remote_id
-        body = {"request_id": remote_id, "prompt_token_ids": c.prompt,
-                "resume_token_ids": c.token_ids, "params": params_to_json(c.params)}
+        body = GenerateRequest(request_id=remote_id, prompt_token_ids=c.prompt, resume_token_ids=c.token_ids,
+                               params=params_to_json(c.params))
         await self._consume(c, w, "/internal/generate", body)
 
-    async def _consume(self, c: _Choice, w, path: str, body: dict) -> None:
+    async def _consume(self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest) -> None:
         await self._watch(w, self._read_outputs(c, w, path, body))
         if not c.finished:
             raise WorkerGone(f"{w.worker_id} ended the stream before the request finished")
 
-    async def _read_outputs(self, c: _Choice, w, path: str, body: dict) -> None:
+    async def _read_outputs(self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest) -> None:
         try:
             resp = await self._stream(w, path, body)
             try:
                 async for line in resp.aiter_lines():
-                    ev = json.loads(line)
-                    if ev.get("event") == "output":
+                    ev = parse_event(line)
+                    if isinstance(ev, OutputEvent):
                         c.emit(ev)
-                    elif ev.get("event") == "kv" and not ev.get("ok"):
+                    elif isinstance(ev, KVReadyEvent) and not ev.ok:
                         # P died or the KV missed its deadline (even after P's first token
                         # was out): the decode worker recomputed the prompt
                         self.counters["recomputed"] += 1
-                    elif ev.get("event") == "error":
-                        raise APIError(ev.get("status", 500), ev.get("message", "worker error"))
+                    elif isinstance(ev, ErrorEvent):
+                        raise APIError(ev.status, ev.message)
             finally:
                 await resp.aclose()
         except (httpx.HTTPError, ValueError) as e:
             raise WorkerGone(f"{w.worker_id}: {type(e).__name__}: {e}") from None
 
     # ---- HTTP to workers
-    async def _stream(self, w, path: str, body: dict) -> httpx.Response:
+    async def _stream(self, w, path: str, body: BaseModel) -> httpx.Response:
         try:
-            req = self._http.build_request("POST", w.url + path, json=body)
+            req = self._http.build_request("POST", w.url + path, json=body.wire())
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
@@ -551,14 +582,15 @@ class DisaggEngine:
             raise _api_error(resp.status_code, detail, resp.headers)
         return resp
 
-    async def _post(self, w, path: str, body: dict) -> dict:
+    async def _post(self, w, path: str, body: BaseModel | None, reply: type[Reply]) -> Reply:
+        """POST `body` (None: an empty object) and read the answer as a `reply` (ValueError if it is not one)."""
         try:
-            resp = await self._http.post(w.url + path, json=body)
+            resp = await self._http.post(w.url + path, json=body.wire() if body is not None else {})
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
         if resp.status_code != 200:
             raise _api_error(resp.status_code, resp.text, resp.headers)
-        return resp.json()
+        return reply.model_validate(resp.json())
 
     async def probe(self, url: str, timeout_s: float = 3.0) -> str | None:
         """None if a worker's control API answers at `url`, else why not."""
@@ -581,7 +613,8 @@ class DisaggEngine:
         that may be stopped; the abort lands when (if) it answers within `timeout_s`."""
         async def send():
             try:
-                await self._http.post(w.url + "/internal/abort", json={"request_id": remote_id}, timeout=timeout_s)
+                await self._http.post(w.url + "/internal/abort", json=AbortRequest(request_id=remote_id).wire(),
+                                      timeout=timeout_s)
             except httpx.HTTPError:
                 pass  # gone for good: its blocks went with it
 

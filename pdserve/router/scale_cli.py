@@ -25,6 +25,7 @@ def run(args) -> int:
     import httpx
 
     from pdserve import auth
+    from pdserve.control_api import ScaleRequest
 
     try:
         secret = auth.load_cluster_secret(args.cluster_token_file, create_default=False)
@@ -37,7 +38,8 @@ def run(args) -> int:
             if args.status or (args.prefill is None and args.decode is None):
                 r = client.get(base + "/internal/admin/pools")
             else:
-                r = client.post(base + "/internal/admin/scale", json={"prefill": args.prefill, "decode": args.decode})
+                body = ScaleRequest(prefill=args.prefill, decode=args.decode)
+                r = client.post(base + "/internal/admin/scale", json=body.wire())
         except httpx.HTTPError as e:
             print(f"pdserve scale: cannot reach the router at {base}: {e}", file=sys.stderr)
             return 1

@@ -2,7 +2,8 @@
 
 Handlers validate and tokenize on the event loop, hand the engine a
 `RequestGroup`, and answer from its stream; nothing here waits on the engine
-except through asyncio.
+except through asyncio. The engine is any `EngineClient` (engine_client.py):
+the collocated AsyncEngine, or the router's DisaggEngine.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.server import protocol as P
-from pdserve.server.async_engine import AsyncEngine, EngineInput
+from pdserve.server.async_engine import EngineInput
+from pdserve.server.engine_client import EngineClient
 from pdserve.server.errors import APIError, bad_request, install_handlers
 from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from pdserve.server.metrics import CONTENT_TYPE
@@ -38,7 +40,7 @@ class ServerSettings:
     metrics_require_key: bool = False  # /metrics behind api_key too
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -87,7 +89,7 @@ def _openapi(app: FastAPI) -> dict:
 
 
 class _Api:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+    def __init__(self, engine: EngineClient, settings: ServerSettings):
         self.engine = engine
         self.settings = settings
         self._token_text: TokenText | None = None

@@ -91,6 +91,16 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
+    # Bodies FastAPI parses itself (the internal routes' models) fail as a whole with
+    # loc ("body", ...): say so as protocol.parse_body does for the public API.
+    if first.get("type") == "json_invalid":
+        why = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return bad_request(f"the request body is not valid JSON: {why}", code="invalid_json")
+    if tuple(first.get("loc", ())) == ("body",):
+        if isinstance(first.get("input"), bytes):  # FastAPI reads JSON only under a JSON content type
+            return bad_request("the request body must be JSON sent as content-type: application/json",
+                               code="invalid_json")
+        return bad_request("the request body must be a JSON object", code="invalid_json")
     loc = []
     for part in first.get("loc", ()):
         # union members show up as type tags ("list[int]", "str"): the field path ends there

@@ -25,6 +25,7 @@ import time
 import httpx
 
 from pdserve import auth
+from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.engine.cli import TIER_FLAGS
 from pdserve.server.worker_cli import RESTARTS_ENV
 
@@ -253,9 +254,9 @@ class _Pools:
         self.polled_s = now
         running = self.running()
         try:
-            r = self.http.post(self.url, json={"running": running})
-            wanted = r.json()["wanted"] if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError):
+            r = self.http.post(self.url, json=PoolPollRequest(running=running).wire())
+            wanted = PoolPollResponse.model_validate(r.json()).wanted if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
             return  # the router is (re)starting: try again next round
         for role in ("prefill", "decode"):
             for _ in range(max(0, (wanted or {}).get(role, 0) - running[role])):

@@ -35,6 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pdserve import auth
+from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.server.launcher import _engine_args, _flags, _router_cmd
 from pdserve.server.worker_cli import RESTARTS_ENV
 
@@ -187,8 +188,9 @@ def _supervise(args, Actor, router, workers: dict, router_url: str, http, env: d
                 ray.kill(workers.pop(name), no_restart=True)
         running = {r: sum(n.startswith(r) for n in workers) for r in ("prefill", "decode")}
         try:
-            wanted = http.post(router_url + "/internal/admin/pools/poll", json={"running": running}).json()["wanted"]
-        except (httpx.HTTPError, ValueError, KeyError):
+            r = http.post(router_url + "/internal/admin/pools/poll", json=PoolPollRequest(running=running).wire())
+            wanted = PoolPollResponse.model_validate(r.json()).wanted
+        except (httpx.HTTPError, ValueError):
             continue
         for role in ("prefill", "decode"):
             for _ in range(max(0, wanted.get(role, 0) - running[role])):

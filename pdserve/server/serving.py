@@ -20,16 +20,17 @@ import time
 
 import uvicorn
 
+from pdserve.server.engine_client import EngineClient
 from pdserve.server.errors import APIError
 
 log = logging.getLogger("pdserve.server")
 
 
 class DrainingServer(uvicorn.Server):
-    """`engine` is anything with `draining`, `num_in_flight` and `fail_all(err)`
-    (AsyncEngine, the router's DisaggEngine)."""
+    """Drains `engine` (AsyncEngine, the router's DisaggEngine) through its `draining`,
+    `num_in_flight` and `fail_all(err)`."""
 
-    def __init__(self, config: uvicorn.Config, engine, grace_s: float, on_drain=None):
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, grace_s: float, on_drain=None):
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
@@ -75,13 +76,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def make_server(app, host: str, port: int, engine, grace_s: float, on_drain=None, **config) -> DrainingServer:
+def make_server(app, host: str, port: int, engine: EngineClient, grace_s: float, on_drain=None,
+                **config) -> DrainingServer:
     cfg = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
                          timeout_graceful_shutdown=5, lifespan="on", **config)
     return DrainingServer(cfg, engine, grace_s, on_drain)
 
 
-def serve(app, host: str, port: int, engine, grace_s: float, on_drain=None, sockets=None,
+def serve(app, host: str, port: int, engine: EngineClient, grace_s: float, on_drain=None, sockets=None,
           **config) -> DrainingServer:
     """Serve until a signal drains and stops the server; returns it (`.started` tells a bind failure).
     `sockets`: listen on these (already bound and listening) instead of binding host:port."""

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from pdserve.server.engine_client import RequestStream
 from pdserve.server.errors import APIError
 from pdserve.server.format import dumps, usage
 
@@ -35,7 +36,7 @@ async def read_body(request, limit_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-async def sse_events(group, fmt, include_usage: bool, num_prompt_tokens: int, on_done=None) -> AsyncIterator[str]:
+async def sse_events(group: RequestStream, fmt, include_usage: bool, num_prompt_tokens: int, on_done=None) -> AsyncIterator[str]:
     """The SSE body of a streamed response; one write per engine step, however many chunks it made."""
     completion_tokens = 0
     finish = "error"
@@ -69,7 +70,7 @@ async def sse_events(group, fmt, include_usage: bool, num_prompt_tokens: int, on
             on_done(finish, completion_tokens)
 
 
-async def collect(group, receive) -> list:
+async def collect(group: RequestStream, receive) -> list:
     """Final output per choice for a non-streamed response; aborts if the client disconnects first."""
     finals: dict[int, object] = {}
     watcher = asyncio.ensure_future(_wait_disconnect(receive))

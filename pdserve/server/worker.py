@@ -1,7 +1,8 @@
 """A worker process: one engine in a role (prefill, decode or both), driven by the router.
 
-Its control API is plain HTTP + JSON (NDJSON streams for tokens); the KV
-cache never travels here, only over the KV bridge (pdserve/transfer).
+Its control API is plain HTTP + JSON (NDJSON streams for tokens), every body one
+of the models in pdserve/control_api.py; the KV cache never travels here, only
+over the KV bridge (pdserve/transfer).
 
     POST /internal/prefill   prefill, stream the first token, then report the KV save
     POST /internal/reserve   reserve blocks for a prompt whose KV will arrive
@@ -23,38 +24,64 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from pdserve import auth
+from pdserve.control_api import (
+    MAX_RESERVE_WAIT_S,
+    AbortRequest,
+    AbortResponse,
+    DecodeRequest,
+    DrainResponse,
+    ErrorEvent,
+    FaultRequest,
+    FaultResponse,
+    FirstTokenEvent,
+    GenerateRequest,
+    KVDestinationBody,
+    KVFailedRequest,
+    KVFailedResponse,
+    KVReadyEvent,
+    OutputEvent,
+    PrefillRequest,
+    PullRequest,
+    PullResponse,
+    ReserveRequest,
+    ReserveResponse,
+    SavedEvent,
+    StateResponse,
+    event_line,
+    params_from_json,
+)
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, EngineInput
-from pdserve.server.errors import APIError, install_handlers
+from pdserve.server.errors import APIError, from_validation_errors, install_handlers
 from pdserve.transfer.connector import KVDestination, KVTransferError
 from pdserve.transfer.sender import WORKER_FAULTS, parse_faults
 
 log = logging.getLogger("pdserve.worker")
 FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
-RESERVE_WAIT_S = 10.0  # how long a reservation waits for KV room before 503 kv_full (caller: wait_s)
-MAX_RESERVE_WAIT_S = 60.0
 
 
-def params_to_json(p: SamplingParams) -> dict:
-    return dataclasses.asdict(p)
-
-
-def params_from_json(d: dict) -> SamplingParams:
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in d.items() if k in fields})
+def _params(d: dict) -> SamplingParams:
+    """The caller's sampling parameters; values SamplingParams refuses are a 400, as on the public API."""
+    try:
+        return params_from_json(d)
+    except InvalidRequest as e:
+        raise APIError(400, str(e), param=f"params.{e.param}" if e.param else "params") from None
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"bad params: {e}", param="params") from None
 
 
 def output_event(out) -> dict:
-    """One engine RequestOutput as a JSON line (what the router turns back into an output)."""
+    """One engine RequestOutput's new part: the fields of an OutputEvent or FirstTokenEvent
+    (what the router turns back into an output)."""
     c = out.outputs[0]
     new_lp = c.logprobs[-len(out.new_token_ids):] if c.logprobs and out.new_token_ids else None
     return {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
@@ -66,18 +93,6 @@ def output_event(out) -> dict:
 def _reservation_gone(rid: str) -> APIError:
     """The router reads the code: it then has this worker recompute the request."""
     return APIError(404, f"no reserved request {rid!r} here (lease expired?)", code="reservation_expired")
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
-
-
-def _seconds(b: dict, key: str, default: float, cap_s: float) -> float:
-    """A caller's lease or wait, capped by this worker: a lease of a day would pin blocks for a day."""
-    v = b.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise APIError(400, f"{key} must be a non-negative number of seconds", param=key)
-    return min(float(v), cap_s)
 
 
 class WorkerApi:
@@ -93,42 +108,33 @@ class WorkerApi:
         # tests of the failure paths: `delay_prefill=0:S` holds the first prefill S seconds
         self._faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
 
-    async def _body(self, request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"invalid JSON: {e}") from None
-        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
-            raise APIError(400, "body must be an object with a string request_id")
-        return body
+    # Each route takes its body as a control_api model: FastAPI validates it, and a body
+    # that does not fit is a 400 naming the field (errors.install_handlers), never a 500.
 
     # ---- prefill role
-    async def prefill(self, request: Request):
-        b = await self._body(request)
-        rid = b["request_id"]
-        dest = KVDestination.from_json(b["kv_destination"]) if b.get("kv_destination") else None
-        params = params_from_json(b.get("params", {}))
-        params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+    async def prefill(self, b: PrefillRequest) -> StreamingResponse:
+        dest = KVDestination(**b.kv_destination.model_dump()) if b.kv_destination else None
+        params = dataclasses.replace(_params(b.params), max_tokens=1, min_tokens=0)
         if "delay_prefill" in self._faults:
             await asyncio.sleep(self._faults.pop("delay_prefill")[1])
-        group = self.engine.submit([EngineInput(b["prompt_token_ids"], params, kv_destination=dest)],
-                                   request_id=rid)
+        group = self.engine.submit([EngineInput(b.prompt_token_ids, params, kv_destination=dest)],
+                                   request_id=b.request_id)
         await group.accepted()
 
         async def stream():
             try:
                 batch = await group.next_batch()
                 computed_s = time.monotonic()  # every layer is computed: what is left of the transfer is exposed
-                yield _line({"event": "first_token", **output_event(batch[-1][1])})
+                yield event_line(FirstTokenEvent(**output_event(batch[-1][1])))
                 if dest is not None:
-                    yield _line(await self._saved(dest.transfer_id, computed_s))
+                    yield event_line(await self._saved(dest.transfer_id, computed_s))
             except asyncio.CancelledError:
                 group.abort()
                 raise
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
-    async def _saved(self, transfer_id: str, computed_s: float) -> dict:
+    async def _saved(self, transfer_id: str, computed_s: float) -> SavedEvent:
         """The save report. `exposed_s`: from the end of the prefill to the decode side's
         acknowledgement, the part of the transfer TTFT pays for; `exposed_bytes`: what
         travelled in it (one layer's share in layer-wise mode, all of it in eager)."""
@@ -137,60 +143,53 @@ class WorkerApi:
             bridge = self.engine.engine.bridge if self.engine.engine is not None else None
             layers = bridge.num_layers if bridge is not None and bridge.layerwise else 1
             exposed_bytes = st.bytes / layers
-            return {"event": "saved", "ok": True, "bytes": st.bytes, "retries": st.retries,
-                    "seconds": st.finished_s - st.started_s,
-                    "exposed_s": max(0.0, st.finished_s - computed_s) if st.finished_s else None,
-                    "exposed_bytes": exposed_bytes}
+            return SavedEvent(ok=True, bytes=st.bytes, retries=st.retries, seconds=st.finished_s - st.started_s,
+                              exposed_s=max(0.0, st.finished_s - computed_s) if st.finished_s else None,
+                              exposed_bytes=exposed_bytes)
         except KVTransferError as e:
-            return {"event": "saved", "ok": False, "error": str(e)}
+            return SavedEvent(ok=False, error=str(e))
 
     # ---- decode role
-    async def reserve(self, request: Request):
-        b = await self._body(request)
-        rid = choice_request_id(b["request_id"])
-        params = params_from_json(b.get("params", {}))
-        deadline_s = _seconds(b, "deadline_s", 30.0, self.max_lease_s)
+    async def reserve(self, b: ReserveRequest) -> ReserveResponse:
+        rid = choice_request_id(b.request_id)
+        params = _params(b.params)
+        # the caller's lease and wait, capped by this worker: a lease of a day would pin blocks for a day
+        deadline_s = min(b.deadline_s, self.max_lease_s)
         # no room now: wait in line for up to wait_s (the scheduler's queue and the
         # transfers already admitted go first), then 503
-        wait_s = _seconds(b, "wait_s", RESERVE_WAIT_S, MAX_RESERVE_WAIT_S)
+        wait_s = min(b.wait_s, MAX_RESERVE_WAIT_S)
         try:
-            dest = await self.engine.reserve_for_transfer(rid, b["prompt_token_ids"], params, self.receiver,
+            dest = await self.engine.reserve_for_transfer(rid, b.prompt_token_ids, params, self.receiver,
                                                           deadline_s=deadline_s, wait_s=wait_s)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         if dest is None:
             raise APIError(503, "no free KV blocks for this prompt now", code="kv_full",
                            headers={"Retry-After": "1"})
-        return JSONResponse({"kv_destination": dest.to_json()})
+        return ReserveResponse(kv_destination=KVDestinationBody(**dest.to_json()))
 
-    async def pull(self, request: Request):
+    async def pull(self, b: PullRequest) -> PullResponse:
         """Start fetching a reserved request's KV from the prefill worker at `address`."""
-        b = await self._body(request)
         if self.receiver is None:
             raise APIError(400, "this worker does not decode")
-        address = b.get("address")
-        if not isinstance(address, str) or not address.startswith("tcp://") or len(address) > 256:
-            raise APIError(400, "address must be a tcp://host:port KV export address", param="address")
         # the connection itself is authenticated both ways: a peer without the secret gets nothing
-        self.receiver.pull(address, choice_request_id(b["request_id"]))
-        return JSONResponse({"pulling": b["request_id"]})
+        self.receiver.pull(b.address, choice_request_id(b.request_id))
+        return PullResponse(pulling=b.request_id)
 
-    async def kv_failed(self, request: Request):
+    async def kv_failed(self, b: KVFailedRequest) -> KVFailedResponse:
         """The router saw the prefill worker's transfer break: stop waiting for that KV now
         (the decode recomputes the prompt) rather than at the deadline."""
-        b = await self._body(request)
         if self.receiver is None:
             raise APIError(400, "this worker does not decode")
-        self.receiver.fail(choice_request_id(b["request_id"]), str(b.get("reason", "the prefill worker's transfer broke")))
-        return JSONResponse({"failed": b["request_id"]})
+        self.receiver.fail(choice_request_id(b.request_id), b.reason)
+        return KVFailedResponse(failed=b.request_id)
 
-    async def decode(self, request: Request):
-        b = await self._body(request)
-        rid = choice_request_id(b["request_id"])
-        first = b.get("first_token")
+    async def decode(self, b: DecodeRequest) -> StreamingResponse:
+        rid = choice_request_id(b.request_id)
+        first = b.first_token
         kv_ok = False
-        wait_s = _seconds(b, "timeout_s", 30.0, self.max_lease_s)
-        if b.get("kv_expected", True):
+        wait_s = min(b.timeout_s, self.max_lease_s)
+        if b.kv_expected:
             # Usually the KV landed while P sampled the first token: then the one engine
             # call below activates at once. Each call waits for the step in flight, and
             # with a second one the first inter-token gap was ~2.5 decode steps.
@@ -206,7 +205,7 @@ class WorkerApi:
                 except KVTransferError as e:
                     log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
             self.receiver.cancel(rid)  # landed or given up: late frames must not touch the blocks
-        group = self.engine.attach(b["request_id"], 1)
+        group = self.engine.attach(b.request_id, 1)
         try:
             first_out = await self.engine.activate_transferred(rid, first, kv_ok)
         except KeyError:
@@ -216,38 +215,35 @@ class WorkerApi:
 
     async def _stream(self, group, first_out=None, kv_ok: bool = True):
         try:
-            yield _line({"event": "kv", "ok": kv_ok})
+            yield event_line(KVReadyEvent(ok=kv_ok))
             if first_out is not None and first_out.finished:
                 # the first token (already streamed by the prefill worker) ended the request
                 end = output_event(first_out)
-                yield _line({"event": "output", **end, "token_ids": [], "text": "", "logprobs": None})
+                yield event_line(OutputEvent(**{**end, "token_ids": [], "text": "", "logprobs": None}))
                 group.abort()
                 return
             while (batch := await group.next_batch()) is not None:
                 for _, out in batch:
-                    yield _line({"event": "output", **output_event(out)})
+                    yield event_line(OutputEvent(**output_event(out)))
         except APIError as e:
-            yield _line({"event": "error", "status": e.status, "message": str(e)})
+            yield event_line(ErrorEvent(status=e.status, message=str(e)))
         except asyncio.CancelledError:
             group.abort()
             raise
 
     # ---- whole requests here
-    async def generate(self, request: Request):
-        b = await self._body(request)
-        params = params_from_json(b.get("params", {}))
-        inp = EngineInput(b["prompt_token_ids"], params, resume_token_ids=b.get("resume_token_ids"))
-        group = self.engine.submit([inp], request_id=b["request_id"])
+    async def generate(self, b: GenerateRequest) -> StreamingResponse:
+        inp = EngineInput(b.prompt_token_ids, _params(b.params), resume_token_ids=b.resume_token_ids)
+        group = self.engine.submit([inp], request_id=b.request_id)
         await group.accepted()
         return StreamingResponse(self._stream(group), media_type="application/x-ndjson")
 
-    async def abort(self, request: Request):
-        b = await self._body(request)
-        rid = choice_request_id(b["request_id"])
+    async def abort(self, b: AbortRequest) -> AbortResponse:
+        rid = choice_request_id(b.request_id)
         await self.engine.abort_request(rid)
         if self.receiver is not None:
             self.receiver.cancel(rid)
-        return JSONResponse({"aborted": rid})
+        return AbortResponse(aborted=rid)
 
     async def reap_leases(self, every_s: float = 1.0) -> None:
         """Free blocks reserved for KV that never came and a decode that was never asked for."""
@@ -266,40 +262,45 @@ class WorkerApi:
             log.warning("request %s: %s; its blocks are freed", rid, why)
             self.receiver.cancel(rid)
 
-    async def drain(self, request: Request):
+    async def drain(self) -> DrainResponse:
         if self.start_drain is None:
             raise APIError(400, "this worker cannot drain on request", code="not_supported")
         started = self.start_drain()
         log.warning("asked to leave the pool: draining" if started else "asked to drain again: already draining")
-        return JSONResponse({"draining": True})
+        return DrainResponse(draining=True)
 
-    async def fault(self, request: Request):
+    async def fault(self, request: Request) -> FaultResponse:
         """Arm a fault for tests and the chaos benchmark: {"kv": "cut_at_layer=3"} for the KV
         sender, {"worker": "delay_prefill=0:2"} for this API. 404 unless the process was
         started with PDSERVE_ENABLE_FAULT_INJECTION=1."""
         if os.environ.get(FAULT_ENV) != "1":
             raise APIError(404, "fault injection is off on this worker", code="not_found")
+        # parsed here, not by FastAPI: a worker without fault injection answers 404 whatever the body
         try:
-            b = json.loads(await request.body())
-            if isinstance(b.get("kv"), str):
+            b = FaultRequest.model_validate(json.loads(await request.body()))
+        except ValidationError as e:
+            raise from_validation_errors(e.errors()) from None
+        except ValueError as e:
+            raise APIError(400, f"bad fault spec: {e}") from None
+        try:
+            if b.kv is not None:
                 if self.sender is None:
                     raise APIError(400, "this worker sends no KV", param="kv")
-                self.sender.inject_fault(b["kv"])
-            if isinstance(b.get("worker"), str):
-                faults = parse_faults(b["worker"])
+                self.sender.inject_fault(b.kv)
+            if b.worker is not None:
+                faults = parse_faults(b.worker)
                 if set(faults) - set(WORKER_FAULTS):
                     raise ValueError(f"worker faults are {', '.join(WORKER_FAULTS)}; KV faults go under \"kv\"")
                 self._faults.update(faults)
-        except (ValueError, AttributeError) as e:
+        except ValueError as e:
             raise APIError(400, f"bad fault spec: {e}") from None
-        log.warning("fault armed: %s", b)
-        return JSONResponse({"armed": b})
+        armed = b.model_dump(exclude_none=True)
+        log.warning("fault armed: %s", armed)
+        return FaultResponse(armed=armed)
 
-    async def state(self, request: Request):
-        core = self.engine.engine
-        stats = dict(self.engine.stats or {})
-        return JSONResponse({"role": self.role, "ready": core is not None, "failure": self.engine.failure,
-                             "stats": stats, "time": time.time()})
+    async def state(self) -> StateResponse:
+        return StateResponse(role=self.role, ready=self.engine.engine is not None, failure=self.engine.failure,
+                             stats=dict(self.engine.stats or {}), time=time.time())
 
 
 def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown=None) -> FastAPI:

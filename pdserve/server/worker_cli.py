@@ -215,8 +215,10 @@ def advertised(address: str, host: str) -> str:
 async def _register_loop(args, worker_id, url, role, api, state: WorkerState, secret: bytes, beat_now: asyncio.Event,
                          host: str) -> None:
     import httpx
+    from pydantic import ValidationError
 
     from pdserve import auth
+    from pdserve.control_api import HeartbeatRequest, HeartbeatResponse, KVEventsBody, RegisterRequest
     from pdserve.server.errors import APIError
     from pdserve.server.kv_publisher import KVEventPublisher
 
@@ -233,12 +235,11 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
                 if not registered:
                     recv = api.receiver
                     exporter = api.sender.exporter if api.sender is not None else None
-                    await _post(client, "/internal/register", {
-                        "worker_id": worker_id, "url": url, "role": role,
-                        "kv_address": advertised(recv.address, host) if recv else "",
-                        "kv_export_address": advertised(exporter.address, host) if exporter else "",
-                        "host": socket.gethostname(),
-                        "restarts": restarts})
+                    await _post(client, "/internal/register", RegisterRequest(
+                        worker_id=worker_id, url=url, role=role,
+                        kv_address=advertised(recv.address, host) if recv else "",
+                        kv_export_address=advertised(exporter.address, host) if exporter else "",
+                        host=socket.gethostname(), restarts=restarts).wire())
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
                 # The engine thread answers between steps; one long prefill step (seconds on a
@@ -249,22 +250,22 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
                     pending = asyncio.ensure_future(api.engine.heartbeat_snapshot(kv_pub.want_snapshot,
                                                                                   state.steps))
                 await asyncio.wait({pending}, timeout=args.heartbeat_s / 2)
-                body = {"worker_id": worker_id}
+                body = HeartbeatRequest(worker_id=worker_id)
                 if pending.done():
                     snap, pending = pending.result(), None
                     last_live = state.live_stats(snap)
-                    body["kv_events"] = kv_pub.payload(snap.kv_events, snap.cached_hashes)
-                body["stats"] = {**(api.engine.stats or {}), **state.calibration, **last_live,
-                                 "draining": api.engine.draining}
-                r = await client.post("/internal/heartbeat", json=body)
+                    body.kv_events = KVEventsBody.model_validate(kv_pub.payload(snap.kv_events, snap.cached_hashes))
+                body.stats = {**(api.engine.stats or {}), **state.calibration, **last_live,
+                              "draining": api.engine.draining}
+                r = await client.post("/internal/heartbeat", json=body.wire())
                 if r.status_code == 401:
                     log.error("the router refused our cluster token: %s", r.text)
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
                 if r.status_code == 404:
                     # the router that reserved blocks here is gone: nobody will ever decode those
                     await api.free_reservations("its router restarted", everything=True)
-                if "kv_events" in body:
-                    kv_pub.want_snapshot = registered and bool(r.json().get("kv_snapshot"))
+                if body.kv_events is not None:
+                    kv_pub.want_snapshot = registered and bool(HeartbeatResponse.model_validate(r.json()).kv_snapshot)
             except httpx.HTTPStatusError as e:
                 registered = False
                 if e.response.status_code == 400:  # e.g. the router cannot reach the address we gave
@@ -272,6 +273,9 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
             except (httpx.HTTPError, OSError) as e:
                 registered = False
                 log.debug("router unreachable: %s", e)
+            except ValidationError as e:  # a registration the router would refuse, or an answer we cannot read
+                registered = False
+                log.error("bad registration or heartbeat answer: %s", e)
             except APIError as e:  # the engine is loading or failed: /health says so; keep beating
                 log.debug("heartbeat without engine stats: %s", e)
             try:

@@ -1,0 +1,330 @@
+"""The messages of the internal control API, shared by the router and the workers.
+
+Every JSON body that crosses `/internal/*` between pdserve processes is one of the
+pydantic models below. The routes take them (a malformed body is a 400 naming the
+field, in OpenAI's error shape, never a 500) and the callers build them and read
+the answers through them, so both ends agree by construction.
+
+    worker routes (pdserve/server/worker.py)        body               answer
+      POST /internal/prefill                        PrefillRequest     NDJSON: FirstTokenEvent, SavedEvent
+      POST /internal/reserve                        ReserveRequest     ReserveResponse
+      POST /internal/pull                           PullRequest        PullResponse
+      POST /internal/kv_failed                      KVFailedRequest    KVFailedResponse
+      POST /internal/decode                         DecodeRequest      NDJSON: KVReadyEvent, OutputEvent, ErrorEvent
+      POST /internal/generate                       GenerateRequest    NDJSON: OutputEvent, ErrorEvent
+      POST /internal/abort                          AbortRequest       AbortResponse
+      POST /internal/drain                          (none)             DrainResponse
+      POST /internal/fault                          FaultRequest       FaultResponse
+      GET  /internal/state                                             StateResponse
+    router routes (pdserve/router/app.py)
+      POST /internal/register                       RegisterRequest    RegisterResponse
+      POST /internal/heartbeat                      HeartbeatRequest   HeartbeatResponse
+      POST /internal/admin/pools/poll               PoolPollRequest    PoolPollResponse
+      POST /internal/admin/scale                    ScaleRequest       ScaleResponse
+
+Field names are the wire format: a router and workers of different versions must
+understand each other, so fields are added with defaults, never renamed, and
+unknown fields are ignored. Callers send only the fields they set
+(`model_dump(exclude_unset=True)`), so a default lives in one place: the receiver.
+
+This module imports nothing of pdserve but the engine's SamplingParams, so that the
+router, the workers and their supervisors import it without an import cycle.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pdserve.engine.sampling_params import SamplingParams
+
+# What a caller may ask of a worker's leases and waits. The worker caps a lease at its
+# `--max-kv-lease-s`; these are the defaults and the cap that does not depend on it.
+DEFAULT_LEASE_S = 30.0  # a reservation's lease, and a decode's wait for its KV
+RESERVE_WAIT_S = 10.0  # how long a reservation waits for KV room before 503 kv_full
+MAX_RESERVE_WAIT_S = 60.0
+MAX_REGISTRATION_CHARS = 512  # each string a worker registers with
+MAX_PULL_ADDRESS_CHARS = 256
+MAX_POOL_COUNT = 1024  # workers of one role a supervisor may say it runs
+
+Role = Literal["prefill", "decode", "both"]  # pdserve.router.registry.ROLES
+
+
+class _Message(BaseModel):
+    # Strict types (no "5" for 5, no true for 1) and finite numbers, as the OpenAI
+    # bodies (pdserve/server/protocol.py); unknown fields are ignored so that a newer
+    # peer's additions do not break an older one.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    def wire(self) -> dict:
+        """The JSON body to send: the fields the caller set, as today's callers send them."""
+        return self.model_dump(exclude_unset=True)
+
+
+Seconds = Annotated[float, Field(ge=0)]  # a lease or a wait; the receiver caps it
+RegisteredText = Annotated[str, Field(max_length=MAX_REGISTRATION_CHARS)]
+
+
+def params_to_json(p: SamplingParams) -> dict:
+    return dataclasses.asdict(p)
+
+
+def params_from_json(d: dict) -> SamplingParams:
+    """SamplingParams from their JSON; fields this version does not know are dropped (a
+    newer router's). Raises InvalidRequest (a ValueError) or TypeError for bad values."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in d.items() if k in fields})
+
+
+# ---- worker routes: requests
+
+class KVDestinationBody(_Message):
+    """pdserve.transfer.connector.KVDestination on the wire (the same fields; a test keeps
+    them equal). Mirrored rather than imported: that module needs torch."""
+
+    transfer_id: str
+    address: str
+    block_ids: list[int]
+    block_size: int
+    start_token: int = 0
+    num_tokens: int = 0
+    pull: bool = False
+    shm_paths: list[str] = []
+    shm_shape: list[int] = []
+    shm_dtype: str = ""
+
+
+class _ForRequest(_Message):
+    request_id: str
+
+
+class PrefillRequest(_ForRequest):
+    prompt_token_ids: list[int]
+    # SamplingParams' fields, checked by SamplingParams itself (params_from_json)
+    params: dict[str, Any] = {}
+    kv_destination: KVDestinationBody | None = None  # None: nobody waits for the KV
+
+
+class ReserveRequest(_ForRequest):
+    prompt_token_ids: list[int]
+    params: dict[str, Any] = {}
+    deadline_s: Seconds = DEFAULT_LEASE_S  # the lease, capped by the worker's --max-kv-lease-s
+    # no room now: wait in line this long, then 503 (capped at MAX_RESERVE_WAIT_S)
+    wait_s: Seconds = RESERVE_WAIT_S
+
+
+class PullRequest(_ForRequest):
+    # a prefill worker's KV export address; the connection itself is authenticated both ways
+    address: str = Field(max_length=MAX_PULL_ADDRESS_CHARS, pattern=r"^tcp://")
+
+
+class KVFailedRequest(_ForRequest):
+    reason: str = "the prefill worker's transfer broke"
+
+
+class DecodeRequest(_ForRequest):
+    first_token: int | None = None  # None: the prefill failed, recompute the prompt
+    kv_expected: bool = True
+    timeout_s: Seconds = DEFAULT_LEASE_S  # the wait for the KV, capped by --max-kv-lease-s
+
+
+class GenerateRequest(_ForRequest):
+    prompt_token_ids: list[int]
+    params: dict[str, Any] = {}
+    resume_token_ids: list[int] | None = None  # output a lost worker already streamed
+
+
+class AbortRequest(_ForRequest):
+    pass
+
+
+class FaultRequest(_Message):
+    kv: str | None = None  # a KV sender fault, e.g. "cut_at_layer=3"
+    worker: str | None = None  # a worker API fault, e.g. "delay_prefill=0:2"
+
+
+# ---- worker routes: answers
+
+class ReserveResponse(_Message):
+    kv_destination: KVDestinationBody
+
+
+class PullResponse(_Message):
+    pulling: str
+
+
+class KVFailedResponse(_Message):
+    failed: str
+
+
+class AbortResponse(_Message):
+    aborted: str
+
+
+class DrainResponse(_Message):
+    draining: bool = True
+
+
+class FaultResponse(_Message):
+    armed: dict[str, str]
+
+
+class StateResponse(_Message):
+    role: str
+    ready: bool
+    failure: str | None
+    stats: dict[str, Any]  # the engine's stats, as LLMEngine.stats() names them
+    time: float
+
+
+# ---- worker streams: one JSON object per line
+
+class _Event(_Message):
+    event: str
+
+
+class _Output(_Event):
+    """One engine RequestOutput's new part (pdserve.server.worker.output_event)."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # per new token, {token id as a string: logprob}; a logprob may be -inf
+    logprobs: list[dict[str, Annotated[float, Field(allow_inf_nan=True)]]] | None = None
+    num_prompt_tokens: int = 0
+
+
+class FirstTokenEvent(_Output):
+    event: Literal["first_token"] = "first_token"
+
+
+class OutputEvent(_Output):
+    event: Literal["output"] = "output"
+
+
+class SavedEvent(_Event):
+    """The prefill worker's KV save report. `exposed_s`: from the end of the prefill to the
+    decode side's acknowledgement; `exposed_bytes`: what travelled in it."""
+
+    event: Literal["saved"] = "saved"
+    ok: bool
+    bytes: int = 0
+    retries: int = 0
+    seconds: float = 0.0
+    exposed_s: float | None = None
+    exposed_bytes: float = 0.0
+    error: str | None = None
+
+
+class KVReadyEvent(_Event):
+    """First line of a decode: whether the KV arrived (False: the prompt is recomputed)."""
+
+    event: Literal["kv"] = "kv"
+    ok: bool
+
+
+class ErrorEvent(_Event):
+    """The request failed after the stream began (the status and message of its APIError)."""
+
+    event: Literal["error"] = "error"
+    status: int = 500
+    message: str = "worker error"
+
+
+WorkerEvent = FirstTokenEvent | OutputEvent | SavedEvent | KVReadyEvent | ErrorEvent
+_EVENTS: dict[str, type[_Event]] = {cls.model_fields["event"].default: cls
+                                    for cls in (FirstTokenEvent, OutputEvent, SavedEvent, KVReadyEvent, ErrorEvent)}
+
+
+def event_line(ev: _Event) -> bytes:
+    # json.dumps rather than model_dump_json: a -inf logprob travels as -Infinity, as it always has
+    return (json.dumps(ev.model_dump(), separators=(",", ":")) + "\n").encode()
+
+
+def parse_event(line: str | bytes) -> WorkerEvent | None:
+    """One line of a worker's stream; None for an event this version does not know (a
+    newer worker's: skipped, as it always was). ValueError if the line is malformed."""
+    raw = json.loads(line)
+    if not isinstance(raw, dict):
+        raise ValueError("a worker's stream line must be a JSON object")
+    cls = _EVENTS.get(raw.get("event"))
+    return cls.model_validate(raw) if cls is not None else None
+
+
+# ---- router routes (workers and supervisors call them)
+
+class RegisterRequest(_Message):
+    worker_id: RegisteredText
+    url: RegisteredText  # the worker's control API: http(s)://host:port
+    role: Role
+    kv_address: RegisteredText = ""  # where its KV receiver listens (decode / both)
+    kv_export_address: RegisteredText = ""  # where it serves KV pulls (prefill / both)
+    host: RegisteredText = ""
+    restarts: int = Field(0, ge=0, lt=1 << 31)  # how often its supervisor restarted it
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("url must be http(s)://host:port")
+        return url
+
+
+class RegisterResponse(_Message):
+    registered: str
+
+
+class KVEventBody(_Message):
+    """One block-manager event, numbered within the worker's epoch (pdserve/server/kv_publisher.py)."""
+
+    seq: int
+    kind: str
+    block_hashes: list[int] = []
+
+
+class KVSnapshotBody(_Message):
+    seq: int  # the number of the last event it includes
+    block_hashes: list[int] = []
+
+
+class KVEventsBody(_Message):
+    epoch: str
+    events: list[KVEventBody] = []
+    snapshot: KVSnapshotBody | None = None
+
+
+class HeartbeatRequest(_Message):
+    worker_id: str
+    stats: dict[str, Any] = {}  # engine stats, calibration, cost models, "draining"
+    kv_events: KVEventsBody | None = None  # absent while the engine thread is busy
+
+
+class HeartbeatResponse(_Message):
+    ok: bool = True
+    kv_snapshot: bool | None = None  # True: send every cached hash with the next beat
+
+
+class PoolPollRequest(_Message):
+    running: dict[str, Annotated[int, Field(ge=0, le=MAX_POOL_COUNT)]] = {}
+
+
+class PoolPollResponse(_Message):
+    wanted: dict[str, int]
+
+
+class ScaleRequest(_Message):
+    # an absolute size (3) or a change ("+1", "-2"); None leaves that pool alone
+    prefill: int | str | None = None
+    decode: int | str | None = None
+
+
+class ScaleResponse(_Message):
+    wanted: dict[str, int]
+    live: dict[str, int]
+    note: str | None = None

@@ -1,0 +1,77 @@
+"""What the OpenAI front end (app.py, serving.py, streaming.py) needs of its engine.
+
+Two engines implement it: the collocated `AsyncEngine` (async_engine.py: one
+LLMEngine in a thread of its own) and the router's `DisaggEngine`
+(pdserve/router/disagg.py: each request a prefill on one worker and a decode on
+another). Both are checked against it, names and signatures, in
+tests/server/test_engine_client.py: add a member here only if the front end
+uses it, and to both engines.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.engine.sequence import RequestOutput
+    from pdserve.server.async_engine import EngineInput
+    from pdserve.server.errors import APIError
+    from pdserve.server.metrics import ServerMetrics
+
+
+class RequestStream(Protocol):
+    """The engine requests of one API call (one per prompt x choice), accepted or refused together."""
+
+    # one entry per engine request, in choice order; the front end only counts them
+    subs: list
+
+    async def accepted(self) -> None:
+        """Wait until the engine took every request; raise its APIError if it did not."""
+
+    async def next_batch(self) -> list[tuple[int, RequestOutput]] | None:
+        """Every (choice index, RequestOutput) available now, at least one; None once all finished.
+        Raises the APIError that ended the requests, if one did."""
+
+    def abort(self) -> None:
+        """Stop whatever is still running (the client left, an error); safe to call again."""
+
+
+class EngineClient(Protocol):
+    # set by serving.DrainingServer when a drain begins: new requests get 503 from then on
+    draining: bool
+
+    @property
+    def engine(self):
+        """The loaded engine core (tokenizer, model_config, max_model_len), None while it loads."""
+
+    @property
+    def metrics(self) -> ServerMetrics | None:
+        """What /metrics renders (None until the engine is loaded)."""
+
+    @property
+    def stats(self) -> dict | None:
+        """The latest engine stats (running, waiting, KV blocks) for /health."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why requests cannot be served now (503 with it), or None."""
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted that have produced no token yet."""
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests not yet finished (a drain waits for these)."""
+
+    def start(self) -> None:
+        """Start serving (in the app's lifespan, on its event loop)."""
+
+    async def shutdown(self, reason: str = ...) -> None:
+        """Fail what is in flight with a 503 giving `reason`, and stop."""
+
+    def submit(self, inputs: list[EngineInput], priority: int = 0,
+               request_id: str | None = None) -> RequestStream:
+        """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now."""
+
+    def fail_all(self, err: APIError) -> None:
+        """End every request in flight with `err` (a drain past its deadline)."""
