@@ -32,16 +32,22 @@ class HostTier(KVTier):
         self.used_bytes = 0
         self.spill = spill
         self._blocks: OrderedDict[str, bytes | KVBlock] = OrderedDict()
+        # dropped, and on their way to `spill`: still found here until the tier below has them,
+        # so a block is never in neither tier for the time a disk write takes
+        self._spilling: dict[str, bytes | KVBlock] = {}
 
     def contains(self, key: str) -> bool:
         with self.lock:
-            return key in self._blocks
+            return key in self._blocks or key in self._spilling
 
     def get(self, key: str) -> bytes | KVBlock | None:
         with self.lock:
             data = self._blocks.get(key)
             if data is not None:
                 self._blocks.move_to_end(key)
+            else:
+                data = self._spilling.get(key)
+            if data is not None:
                 self.stats.bytes_out += _size(data)
             return data
 
@@ -61,13 +67,19 @@ class HostTier(KVTier):
                 self.used_bytes -= _size(old)
                 self.stats.evictions += 1
                 dropped.append((old_key, old))
+                if self.spill is not None:
+                    self._spilling[old_key] = old
             self._blocks[key] = data
             self.used_bytes += size
             self.stats.bytes_in += size
             self.stats.stores += 1
         if self.spill is not None:
             for old_key, old in dropped:  # outside the lock: the disk is slow
-                self.spill(old_key, old)
+                try:
+                    self.spill(old_key, old)
+                finally:
+                    with self.lock:
+                        self._spilling.pop(old_key, None)
         return True
 
     def __len__(self) -> int:
@@ -76,4 +88,5 @@ class HostTier(KVTier):
     def close(self) -> None:
         with self.lock:
             self._blocks.clear()
+            self._spilling.clear()
             self.used_bytes = 0

@@ -291,3 +291,16 @@ def test_start_up_calibration_leaves_no_trace_in_the_tiers_or_counters(sharp_mod
         assert st["queried_blocks"] == 0 and st["tiers"]["host"]["stores"] == 0
         assert _run(llm, [PROMPTS[0]])  # and the tiers work afterwards
         assert eng.block_manager.track_tiers and eng.scheduler.external is eng.kv_store
+
+
+def test_host_tier_still_serves_a_block_while_it_spills():
+    """Between leaving host memory and landing on disk a block must be found somewhere."""
+    seen = []
+    tier = None
+
+    def spill(key, data):
+        seen.append((tier.contains(key), tier.get(key) == data))
+
+    tier = HostTier(600, spill=spill)
+    assert tier.put("0-0", bytes(300)) and tier.put("1-0", bytes(300)) and tier.put("2-0", bytes(300))
+    assert seen == [(True, True)] and not tier.contains("0-0")
