@@ -96,11 +96,12 @@ def test_parallel_loop_runs_every_index_once_before_returning(threads):
 @needs_kernels
 @pytest.mark.parametrize("dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("lens", [[1, 3, 4, 9, 17], [256, 257, 700, 5, 1030]])
-@pytest.mark.parametrize("d", [32, 20])
+@pytest.mark.parametrize("lens", [[1, 3, 4, 9, 17], [16, 31, 32, 48, 33], [256, 257, 700, 5, 1030]])
+@pytest.mark.parametrize("d", [32, 64, 128, 20])
 def test_paged_decode_attention_matches_sdpa(dtype, q_dtype, lens, d):
     """Contexts past 256 tokens are cut into pieces that run in parallel and are merged.
-    bf16 caches (bf16 mode) take bf16 queries (layer-by-layer path) or fp32 ones (the fused
+    bf16 caches (bf16 mode) take bf16 queries (layer-by-layer path; vdpbf16ps where the CPU
+    has AVX512-BF16, 16 keys at a time, so lengths around 16s matter) or fp32 ones (the fused
     decode layer); d = 20 is not a multiple of 8: the scalar path."""
     g = torch.Generator().manual_seed(0)
     b, h, kvh, bs = 5, 6, 2, 4

@@ -26,6 +26,9 @@ inline float to_f(T x) { return static_cast<float>(x); }
 // Cache element types the vector paths read: fp32, or bf16 (widened by a 16-bit shift).
 template <typename T>
 constexpr bool kVecCache = std::is_same<T, float>::value || std::is_same<T, c10::BFloat16>::value;
+// bf16 queries over a bf16 cache: the AVX512-BF16 path, where built
+template <typename TQ, typename T>
+constexpr bool kBf16Pair = std::is_same<TQ, c10::BFloat16>::value && std::is_same<T, c10::BFloat16>::value;
 
 // `omp simd reduction` lets the compiler split the sum into vector lanes
 // without -ffast-math (which would change results elsewhere).
@@ -111,6 +114,93 @@ inline void weighted_v(const float* w, int64_t w_stride, const T* const* vrows, 
 #define PDS_AVX2_ATTN 1
 #endif
 
+#if defined(PDS_AVX2_ATTN) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 queries over a bf16 cache with AVX512-BF16: q.k straight from the cache's bf16
+// pairs (vdpbf16ps: 32 products a step, exact, summed in fp32), 16 keys at a time, and
+// V widened 16 lanes at a time. About 2.5x fewer instructions than the 8-lane path above.
+#define PDS_AVX512_BF16_ATTN 1
+
+// x[0..15] -> one vector whose lane t is the sum of x[t]'s 16 lanes
+inline __m512 reduce16(const __m512* x) {
+  __m512 v[8], w[4], y[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: v[i] = x[2i] (lanes 0-1), x[2i+1] (lanes 2-3), 8 partials each
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lanes: w[i] lane k = x[4i + k], 4 partials
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // within lanes: 2 partials each of w[2i]'s and w[2i+1]'s key
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  // lane k of z: keys k, 4 + k, 8 + k, 12 + k; put key t at lane t
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// out[g * out_stride + t] = scale * q[g] . k[t] for the G heads; D a multiple of 32, at most 256
+inline void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* const* krows, int64_t len,
+                        int64_t D, float scale, float* out, int64_t out_stride) {
+  const int nd = static_cast<int>(D / 32);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512bh qv[8];
+    for (int j = 0; j < nd; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * j);
+    float* o = out + g * out_stride;
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+      __m512 acc[16];
+      if (g == 0)  // the next 16 rows: scattered over blocks, so the hardware prefetcher misses them
+        for (int64_t u = t + 16; u < std::min(len, t + 32); ++u)
+          for (int64_t j = 0; j < D * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[u]) + j, _MM_HINT_T0);
+      for (int u = 0; u < 16; ++u) {
+        const c10::BFloat16* k = krows[t + u];
+        acc[u] = _mm512_setzero_ps();
+        for (int j = 0; j < nd; ++j)
+          acc[u] = _mm512_dpbf16_ps(acc[u], qv[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+      }
+      _mm512_storeu_ps(o + t, _mm512_mul_ps(reduce16(acc), sv));
+    }
+    for (; t < len; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int j = 0; j < nd; ++j)
+        acc = _mm512_dpbf16_ps(acc, qv[j], (__m512bh)_mm512_loadu_si512(krows[t] + 32 * j));
+      o[t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// acc[g] = sum_t w[g][t] * v[t] for NG heads, 64 columns of D at a time in registers
+template <int NG>
+inline void weighted_v16(const float* w, int64_t w_stride, const c10::BFloat16* const* vrows, int64_t len,
+                         int64_t D, float* acc) {
+  for (int64_t i0 = 0; i0 < D; i0 += 64) {
+    const int nv = static_cast<int>(std::min<int64_t>(64, D - i0) / 16);
+    __m512 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const c10::BFloat16* v = vrows[t] + i0;
+      if (t + 8 < len)
+        for (int j = 0; j < nv; j += 2) _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8] + i0 + 16 * j), _MM_HINT_T0);
+      __m512 vv[4];
+      for (int j = 0; j < nv; ++j) vv[j] = load16(v + 16 * j);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 wg = _mm512_set1_ps(w[g * w_stride + t]);
+        for (int j = 0; j < nv; ++j) a[g][j] = _mm512_fmadd_ps(wg, vv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + g * D + i0 + 16 * j, a[g][j]);
+  }
+}
+#endif
+
 // Context is cut into pieces of kSplit tokens, each a work item of its own
 // (split-K, "flash decoding"): at batch 1 the 3 KV heads of this model were 3
 // work items for 2 threads, one thread idle a third of the time, and a long
@@ -169,7 +259,6 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         std::fill(acc, acc + G * D, 0.f);
         continue;
       }
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qp[(b * H + h * G) * D + i]) * (float)scale;
       scores.assign(G * len, 0.f);
       krows.resize(len);
       // the K or V row of this KV head at position pos
@@ -177,6 +266,15 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         return cache + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
       };
       for (int64_t t = 0; t < len; ++t) krows[t] = row_at(kp, t0 + t);
+#ifdef PDS_AVX512_BF16_ATTN
+      if constexpr (kBf16Pair<TQ, T>) {
+        if (D % 32 == 0 && D <= 256) {
+          scores_bf16(qp + (b * H + h * G) * D, G, krows.data(), len, D, (float)scale, scores.data(), len);
+          goto softmax;
+        }
+      }
+#endif
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qp[(b * H + h * G) * D + i]) * (float)scale;
 #ifdef PDS_AVX2_ATTN
       if constexpr (kVecCache<T>) {
         if (D % 8 == 0) {
@@ -203,6 +301,18 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         pm[g] = m;
         pl[g] = sum;
       }
+#ifdef PDS_AVX512_BF16_ATTN
+      if constexpr (kBf16Pair<TQ, T>) {
+        if (D % 16 == 0) {
+          std::vector<const T*>& vrows = krows;  // the K rows are done with
+          for (int64_t t = 0; t < len; ++t) vrows[t] = row_at(vp, t0 + t);
+          by_head_groups(G, [&](auto ng, int64_t g) {
+            weighted_v16<decltype(ng)::value>(scores.data() + g * len, len, vrows.data(), len, D, acc + g * D);
+          });
+          continue;
+        }
+      }
+#endif
 #ifdef PDS_AVX2_ATTN
       if constexpr (kVecCache<T>) {
         if (D % 8 == 0) {

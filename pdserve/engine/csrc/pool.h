@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -146,9 +148,21 @@ class Pool {
   std::condition_variable sleep_cv_;
 };
 
+inline bool use_openmp() {
+  static const bool omp = [] {
+    const char* v = std::getenv("PDSERVE_PARALLEL");
+    return v != nullptr && std::string(v) == "omp";
+  }();
+  return omp;
+}
+
 // Drop-in for at::parallel_for in the kernels of this directory.
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain,
                          const std::function<void(int64_t, int64_t)>& fn) {
+  if (use_openmp()) {
+    at::parallel_for(begin, end, grain, fn);
+    return;
+  }
   Pool::get().run(begin, end, grain, fn);
 }
 
