@@ -27,7 +27,7 @@ import httpx
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.engine.cli import TIER_FLAGS
-from pdserve.server.worker_cli import RESTARTS_ENV
+from pdserve.worker.cli import RESTARTS_ENV
 
 log = logging.getLogger("pdserve.launcher")
 

@@ -146,8 +146,8 @@ def test_serve_passes_its_flags_to_the_router_and_workers():
 
     from pdserve.router import cli as router_cli
     from pdserve.server import cli as serve_cli
-    from pdserve.server import worker_cli
     from pdserve.server.launcher import _router_cmd, _worker_cmd
+    from pdserve.worker import cli as worker_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
@@ -242,8 +242,8 @@ def test_serve_hands_its_engine_flags_to_the_workers_it_starts():
     import argparse
 
     from pdserve.server import cli as serve_cli
-    from pdserve.server import worker_cli
     from pdserve.server.launcher import _engine_args
+    from pdserve.worker import cli as worker_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
