@@ -200,9 +200,6 @@ def build(args, port: int):
     return build_worker_app(api, secret, on_startup=join_router, on_shutdown=close), api, beat_now
 
 
-RESTARTS_ENV = "PDSERVE_RESTARTS"  # set by `pdserve serve` on a worker it restarted
-
-
 def advertised(address: str, host: str) -> str:
     """A KV endpoint's address as others must dial it: `scheme://host:port` with the
     advertised host in place of the one bound (which may be 0.0.0.0)."""
@@ -220,6 +217,7 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
     from pdserve import auth
     from pdserve.control_api import HeartbeatRequest, HeartbeatResponse, KVEventsBody, RegisterRequest
     from pdserve.server.errors import APIError
+    from pdserve.server.launcher import RESTARTS_ENV
     from pdserve.worker.kv_publisher import KVEventPublisher
 
     kv_pub = KVEventPublisher()
