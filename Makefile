@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.pdserve-setup
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test test-unit test-integration lint bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,14 @@ serve: setup
 
 test: setup lint
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# the two halves of `make test` (markers in pyproject.toml): in-process tests, a few minutes ...
+test-unit: setup
+	$(PY) -m pytest -q --durations=15 -m "not integration" $(PYTEST_ARGS)
+
+# ... and those that start servers, workers, network namespaces, Ray, Mooncake or load the real model
+test-integration: setup
+	$(PY) -m pytest -q --durations=15 -m integration $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -56,15 +56,14 @@ import httpx
 import numpy as np
 import psutil
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from pdserve import auth
+from pdserve.bench import datasets
+from pdserve.bench.client import CHAT, COMPLETIONS
+from pdserve.bench.runner import RunState, run_benchmark
+from pdserve.bench.tokens import TokenSource
+from pdserve.ports import free_port
 
-from pdserve import auth  # noqa: E402
-from pdserve.bench import datasets  # noqa: E402
-from pdserve.bench.client import CHAT, COMPLETIONS  # noqa: E402
-from pdserve.bench.runner import RunState, run_benchmark  # noqa: E402
-from pdserve.bench.tokens import TokenSource  # noqa: E402
-from pdserve.ports import free_port  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
 PREFILL, DECODE = "prefill-0", "decode-1"  # the worker ids `pdserve serve --prefill 1 --decode 1` gives

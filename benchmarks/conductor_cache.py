@@ -25,12 +25,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.conductor_common import Deployment, load_str  # noqa: E402
-from pdserve.bench import datasets  # noqa: E402
-from pdserve.bench.runner import run_benchmark  # noqa: E402
-from pdserve.bench.tokens import TokenSource  # noqa: E402
+from conductor_common import Deployment, load_str
+from pdserve.bench import datasets
+from pdserve.bench.runner import run_benchmark
+from pdserve.bench.tokens import TokenSource
 
 # The sample in tests/data holds the 75 requests the defaults select; pass the whole
 # trace with --trace to select other ones.

@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.conductor_common import Deployment, load_str  # noqa: E402
-from pdserve.bench import datasets  # noqa: E402
-from pdserve.bench.metrics import tpot_s  # noqa: E402
-from pdserve.bench.runner import RunState, run_benchmark  # noqa: E402
-from pdserve.bench.tokens import TokenSource  # noqa: E402
+from conductor_common import Deployment, load_str
+from pdserve.bench import datasets
+from pdserve.bench.metrics import tpot_s
+from pdserve.bench.runner import RunState, run_benchmark
+from pdserve.bench.tokens import TokenSource
 
 
 def workload(n: int, args, tokens, seed: int):

@@ -10,15 +10,12 @@ default (temperature 1) sampling the sampler's own share shows; `--greedy` for a
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve import LLM, SamplingParams
 
 STEPS = 64
 

@@ -19,7 +19,6 @@ for each weight-prefetch distance (`set_prefetch_bytes`; 0 = off), best of 6.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -27,10 +26,8 @@ import gguf
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve.engine import cpu_kernels  # noqa: E402
-from pdserve.engine.gguf_dequant import dequantize  # noqa: E402
+from pdserve.engine import cpu_kernels
+from pdserve.engine.gguf_dequant import dequantize
 
 SHAPES = ((3072, 576), (576, 1536))  # SmolLM2-135M's gate/up and down projections
 ROWS = (1, 2, 4, 6, 8, 16, 32, 64)

@@ -42,11 +42,10 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from interference_lib import ServerProcess, TreeCpu, build_kernels, format_table, load_str, snapshot, warm_up
+from pdserve.bench import TokenSource, datasets, report, run_benchmark, save_plots
 
-from benchmarks.interference_lib import ServerProcess, TreeCpu, build_kernels, format_table, load_str, snapshot, warm_up  # noqa: E402
-from pdserve.bench import TokenSource, datasets, report, run_benchmark, save_plots  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # What each deployment is, as data the simulator can mirror. `max_num_batched_tokens=None`:
 # large enough for a whole burst in one step (no chunking means the whole prompt in one step).

@@ -19,12 +19,11 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import interference
+from interference_lib import ServerProcess, format_table
+from pdserve.bench import TokenSource, datasets
 
-from benchmarks import interference  # noqa: E402
-from benchmarks.interference_lib import ServerProcess, format_table  # noqa: E402
-from pdserve.bench import TokenSource, datasets  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SERVED_NAME = "smollm2-135m"
 

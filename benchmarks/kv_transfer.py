@@ -27,13 +27,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ helpers
-
-from pdserve import auth  # noqa: E402
-from pdserve.transfer.connector import KVDestination  # noqa: E402
-from pdserve.transfer.pull import PullKVExporter  # noqa: E402
-from pdserve.transfer.receiver import KVReceiverServer  # noqa: E402
-from pdserve.transfer.sender import ShmKVSender, TcpKVSender  # noqa: E402
+from pdserve import auth
+from pdserve.transfer.connector import KVDestination
+from pdserve.transfer.pull import PullKVExporter
+from pdserve.transfer.receiver import KVReceiverServer
+from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
 LAYERS, HEADS, DIM = 30, 3, 64  # SmolLM2-135M's KV shape
 SECRET = auth.new_token().encode()  # this run's cluster secret; receiver processes get it in their environment
@@ -315,6 +313,8 @@ def ttft(tokens: int, reps: int) -> dict:
     runs before and after)."""
     import httpx
 
+    # the test suite's process helpers: tests/ is not an installed package, so from this checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.server.serverproc import ServerProcess
     from tests.transfer.cluster import Cluster
 

@@ -23,10 +23,9 @@ import time
 import httpx
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from pdserve.engine.cli import add_engine_arguments, engine_kwargs
 
-from pdserve.engine.cli import add_engine_arguments, engine_kwargs  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class CpuWatch:

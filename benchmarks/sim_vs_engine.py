@@ -36,18 +36,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.step_trace import read as read_trace
+from pdserve.sim.calibrate import fit_trace, trace_samples
+from pdserve.sim.cluster import Cluster
+from pdserve.sim.deploy import Hardware, Layout, build
+from pdserve.sim.latency import ProfileLatency
+from pdserve.sim.workload import SimRequest, from_workload_json
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-import numpy as np  # noqa: E402
-
-from pdserve.config import SchedulerConfig  # noqa: E402
-from pdserve.engine.step_trace import read as read_trace  # noqa: E402
-from pdserve.sim.calibrate import fit_trace, trace_samples  # noqa: E402
-from pdserve.sim.cluster import Cluster  # noqa: E402
-from pdserve.sim.deploy import Hardware, Layout, build  # noqa: E402
-from pdserve.sim.latency import ProfileLatency  # noqa: E402
-from pdserve.sim.workload import SimRequest, from_workload_json  # noqa: E402
 
 CONTENDED_SHARE = 0.10  # others' share of the machine above which a measured run says little about the engine
 METRICS = (("mean_ttft_ms", 0.10), ("mean_tpot_ms", 0.10), ("p99_ttft_ms", 0.20), ("p99_tpot_ms", 0.20))

@@ -14,7 +14,7 @@ import sys
 SUBCOMMANDS = {
     "serve": ("pdserve.server.cli", "serve the OpenAI-compatible API"),
     "router": ("pdserve.router.cli", "the router: OpenAI API in front of prefill and decode workers"),
-    "worker": ("pdserve.server.worker_cli", "one engine worker (prefill, decode or both) that joins a router"),
+    "worker": ("pdserve.worker.cli", "one engine worker (prefill, decode or both) that joins a router"),
     "scale": ("pdserve.router.scale_cli", "grow or shrink a running deployment's prefill and decode pools"),
     "bench": ("pdserve.bench.cli", "benchmark an OpenAI-compatible endpoint"),
     "generate": ("pdserve.engine.cli", "generate text offline with the engine"),

@@ -5,7 +5,7 @@ pydantic models below. The routes take them (a malformed body is a 400 naming th
 field, in OpenAI's error shape, never a 500) and the callers build them and read
 the answers through them, so both ends agree by construction.
 
-    worker routes (pdserve/server/worker.py)        body               answer
+    worker routes (pdserve/worker/app.py)           body               answer
       POST /internal/prefill                        PrefillRequest     NDJSON: FirstTokenEvent, SavedEvent
       POST /internal/reserve                        ReserveRequest     ReserveResponse
       POST /internal/pull                           PullRequest        PullResponse
@@ -187,7 +187,7 @@ class _Event(_Message):
 
 
 class _Output(_Event):
-    """One engine RequestOutput's new part (pdserve.server.worker.output_event)."""
+    """One engine RequestOutput's new part (pdserve.worker.app.output_event)."""
 
     token_ids: list[int]
     text: str
@@ -281,7 +281,7 @@ class RegisterResponse(_Message):
 
 
 class KVEventBody(_Message):
-    """One block-manager event, numbered within the worker's epoch (pdserve/server/kv_publisher.py)."""
+    """One block-manager event, numbered within the worker's epoch (pdserve/worker/kv_publisher.py)."""
 
     seq: int
     kind: str

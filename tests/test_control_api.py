@@ -76,7 +76,7 @@ def test_router_side_bounds_on_registrations_and_pool_polls():
 
 def _worker_answers(posts: list[tuple[str, bytes]]) -> list[httpx.Response]:
     """What a worker's control API answers to these raw bodies (its engine is never reached)."""
-    from pdserve.server.worker import WorkerApi, build_worker_app
+    from pdserve.worker.app import WorkerApi, build_worker_app
 
     app = build_worker_app(WorkerApi(types.SimpleNamespace(), "decode"), SECRET)
 

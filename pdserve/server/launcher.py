@@ -27,13 +27,13 @@ import httpx
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.engine.cli import TIER_FLAGS
-from pdserve.server.worker_cli import RESTARTS_ENV
 
 log = logging.getLogger("pdserve.launcher")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_gpu_blocks", "kv_cache_memory_bytes",
                 "max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+RESTARTS_ENV = "PDSERVE_RESTARTS"  # in each worker's environment: how often it was restarted (it tells the router)
 USAGE_ERROR = 2  # what a pdserve command exits with for bad flags or config: restarting cannot help
 
 

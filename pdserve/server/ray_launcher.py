@@ -36,8 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
-from pdserve.server.launcher import _engine_args, _flags, _router_cmd
-from pdserve.server.worker_cli import RESTARTS_ENV
+from pdserve.server.launcher import RESTARTS_ENV, _engine_args, _flags, _router_cmd
 
 log = logging.getLogger("pdserve.ray")
 NODE_IP = "{node_ip}"  # replaced, in an actor, by the address of the node it landed on

@@ -31,6 +31,7 @@ def _prefix_cache_hits(url: str) -> float:
                if line.startswith("pdserve:prefix_cache_hits") and "_created" not in line)
 
 
+@pytest.mark.integration
 def test_cli_random_run_writes_json_and_plots(bench_server, tiny_model_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     rc = main(["bench", "--base-url", bench_server.url, "--tokenizer", tiny_model_dir, "--num-prompts", "12",
@@ -55,6 +56,7 @@ def test_cli_random_run_writes_json_and_plots(bench_server, tiny_model_dir, tmp_
     assert (tmp_path / "r_cdf.png").exists()
 
 
+@pytest.mark.integration
 def test_chat_endpoint_with_text_prompts(bench_server, tokens):
     reqs = datasets.random(4, 16, 6, tokens, seed=1, as_text=True)
     r = run_benchmark(reqs, bench_server.url, endpoint="/v1/chat/completions", ignore_eos=True)
@@ -62,6 +64,7 @@ def test_chat_endpoint_with_text_prompts(bench_server, tokens):
     assert all(n > 16 for n in r["input_lens"])  # the server's count, chat template included
 
 
+@pytest.mark.integration
 def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, tokens):
     cfg = datasets.MixedConfig(num_chats=10, chat_input_len=12, chat_output_len=12, chat_streams=3,
                                long_input_len=300, long_output_len=2, burst_size=1, num_bursts=2,
@@ -76,6 +79,7 @@ def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, 
     assert [n for n, t in zip(r["input_lens"], r["tags"]) if t == "long"] == [300, 300]
 
 
+@pytest.mark.integration
 def test_closed_loop_runs_for_a_duration_not_a_count(bench_server, tokens):
     """send_until_s: chat users stop sending after it; the unsent are left out and the arrays
     say which requests they describe (the bursts, which have their own times, still go)."""
@@ -90,6 +94,7 @@ def test_closed_loop_runs_for_a_duration_not_a_count(bench_server, tokens):
     assert max(s for s, t in zip(r["start_times"], r["tags"]) if t == "chat") <= 0.6 + 0.05
 
 
+@pytest.mark.integration
 def test_mooncake_replay_shares_prefixes_and_counts_server_errors(bench_server, tokens, tmp_path):
     lines = Path(MOONCAKE_SAMPLE).read_text().splitlines(keepends=True)[:8]
     huge = json.loads(lines[3])
@@ -113,6 +118,7 @@ def test_unreachable_endpoint_is_a_clear_error(capsys):
     assert "cannot connect to http://127.0.0.1:" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_unknown_model_and_bad_flags(bench_server, tiny_model_dir, tmp_path, capsys):
     with pytest.raises(BenchError, match="does not serve 'nope'"):
         run_benchmark(datasets.random(1, 4, 2, TokenSource()), bench_server.url, model="nope")
@@ -124,6 +130,7 @@ def test_unknown_model_and_bad_flags(bench_server, tiny_model_dir, tmp_path, cap
     assert rc == 2 and "--goodput" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_api_key_and_server_going_away_mid_run(tiny_model_dir, tokens):
     # no grace: whatever is in flight at SIGTERM is cut at once (with any grace, a fast
     # machine finishes the streams inside it and nothing is cut)
@@ -158,6 +165,7 @@ def test_api_key_and_server_going_away_mid_run(tiny_model_dir, tokens):
     assert all(n == 400 for n, e in zip(result["output_lens"], result["errors"]) if not e)
 
 
+@pytest.mark.integration
 def test_mixed_against_disaggregated_serving(tiny_model_dir, tokens):
     """The interference experiment's case (c): the same client against router + 1 prefill + 1 decode worker."""
     server = Server(tiny_model_dir, "--prefill", "1", "--decode", "1", mode="disaggregated")

@@ -8,6 +8,8 @@ import torch
 from pdserve import LLM
 from pdserve.testing.agreement import engine_outputs, load_reference, measure, parity_prompts
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("transformers")
 TOKENS = 24
 

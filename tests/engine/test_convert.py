@@ -8,6 +8,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.cli import main
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):

@@ -133,6 +133,7 @@ def test_pure_pytorch_fallback_gives_the_same_tokens(tiny_model_dir, monkeypatch
         [o.outputs[0].token_ids for o in without.generate(prompts, params)]
 
 
+@pytest.mark.integration
 @needs_kernels
 def test_embedded_model_uses_its_gguf_blocks(real_model_path):
     llm = LLM(dtype="float32")
@@ -265,6 +266,7 @@ def test_int8_mode_keeps_products_wider_than_its_kernel_on_fp32_activations():
     torch.testing.assert_close(layer.down_proj(h), h @ layer.down_proj.weight.T, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.integration
 @needs_kernels
 def test_fused_decode_gives_the_same_tokens_as_layer_by_layer(real_model_path):
     llm = LLM(dtype="float32")
@@ -277,6 +279,7 @@ def test_fused_decode_gives_the_same_tokens_as_layer_by_layer(real_model_path):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
 
 
+@pytest.mark.integration
 @needs_kernels
 def test_greedy_tokens_do_not_depend_on_the_thread_count(real_model_path):
     """The kernels split rows, heads and context pieces over the pool's threads; each

@@ -10,6 +10,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.integration
+
 MAX_TOKENS = 12
 
 _TEXT = ("The history of computing is a story of people building tools to think faster. "

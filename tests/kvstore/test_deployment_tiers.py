@@ -10,6 +10,8 @@ import pytest
 from pdserve.kvstore.master import mooncake_missing
 from tests.server.deployment import Deployment, metric
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = [list(range(20 + 7 * i, 20 + 7 * i + 100)) for i in range(8)]  # 6 full blocks of 16 each
 MAX = 8
 

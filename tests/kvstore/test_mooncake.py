@@ -10,7 +10,7 @@ import pytest
 from pdserve.kvstore.master import MooncakeMaster, mooncake_missing
 
 MISSING = mooncake_missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
 
 MiB = 1 << 20
 

@@ -11,7 +11,7 @@ from pdserve.kvstore.master import MooncakeMaster, mooncake_missing
 from tests.kvstore.test_tiers import PROMPTS, _llm, _run, _tier
 
 MISSING = mooncake_missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.testing.multihost import HostDeployment
 from pdserve.testing.netns import Hosts, NetnsUnavailable
 
+pytestmark = pytest.mark.integration
+
 # the namespaces share this machine's /dev/shm: without a shared-memory cache the KV can only travel by TCP
 ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "256", "--kv-transport", "tcp",
           "--kv-shm-dir", ""]

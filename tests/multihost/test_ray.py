@@ -15,6 +15,8 @@ from pdserve.testing.multihost import RayDeployment
 from pdserve.testing.netns import Hosts, NetnsUnavailable
 from pdserve.testing.ray_cluster import RayCluster
 
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("ray")
 ROUTER_PORT = 8000
 PROMPT = "tell me a story about the sea and the ships that sail on it " * 2

@@ -94,6 +94,7 @@ def test_config_validation_and_off_by_default():
         AdmissionConfig(slo_ttft_s=0)
 
 
+@pytest.mark.integration
 def test_router_answers_429_with_retry_after(tiny_model_dir):
     """An SLO no request can meet: every request is refused before reaching a worker."""
     with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
@@ -146,8 +147,8 @@ def test_serve_passes_its_flags_to_the_router_and_workers():
 
     from pdserve.router import cli as router_cli
     from pdserve.server import cli as serve_cli
-    from pdserve.server import worker_cli
     from pdserve.server.launcher import _router_cmd, _worker_cmd
+    from pdserve.worker import cli as worker_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
@@ -192,6 +193,7 @@ def test_kv_timeout_has_one_default_whoever_starts_the_router():
         assert rp.parse_args(_router_cmd([], args)[1:]).kv_timeout_s == expected
 
 
+@pytest.mark.integration
 def test_router_refuses_on_predicted_tpot(tiny_model_dir):
     """The decode worker calibrated its step model at start-up: a TPOT SLO below one
     step is refused before any prefill, as tpot_slo."""
@@ -208,6 +210,7 @@ def test_router_refuses_on_predicted_tpot(tiny_model_dir):
         assert c.worker_state("prefill0")["stats"]["prefix_cache_queries_tokens"] == 0
 
 
+@pytest.mark.integration
 def test_conductor_status_non_null_after_traffic(tiny_model_dir):
     """Lin / Lout observed, Theta_P and Theta_D from the workers' calibrations: the
     decode-per-prefill ratio is a number on /internal/conductor and /metrics."""
@@ -242,8 +245,8 @@ def test_serve_hands_its_engine_flags_to_the_workers_it_starts():
     import argparse
 
     from pdserve.server import cli as serve_cli
-    from pdserve.server import worker_cli
     from pdserve.server.launcher import _engine_args
+    from pdserve.worker import cli as worker_cli
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)

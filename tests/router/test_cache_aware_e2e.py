@@ -3,8 +3,11 @@
 import time
 
 import httpx
+import pytest
 
 from tests.transfer.cluster import Cluster
+
+pytestmark = pytest.mark.integration
 
 ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "512"]
 # three conversations, so round robin over two workers sends a conversation's turns to alternating workers

@@ -12,7 +12,7 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerInfo
 from pdserve.server.async_engine import ENGINE_COMMANDS
 from pdserve.server.errors import APIError
-from pdserve.server.kv_publisher import KVEventPublisher
+from pdserve.worker.kv_publisher import KVEventPublisher
 
 BS = 16
 

@@ -3,8 +3,11 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from tests.server.conftest import API_KEY
+
+pytestmark = pytest.mark.integration
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"model": "tiny", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}

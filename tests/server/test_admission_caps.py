@@ -20,6 +20,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}
 
 
+@pytest.mark.integration
 def test_the_12kb_request_that_wedged_the_engine_is_refused_at_once(tiny_server):
     raw = json.dumps({"model": "tiny", "prompt": ["hi"] * 2000, "n": 128}).encode()
     assert len(raw) < 13_000
@@ -71,6 +72,7 @@ def _data(lines):
     return (line for line in lines if line.startswith("data: "))
 
 
+@pytest.mark.integration
 def test_server_flags_cap_fanout_and_waiting_sequences(server_model_dir):
     flags = engine_flags(**{**TINY_ENGINE, "max_num_seqs": 1})
     with ServerProcess("--model", server_model_dir, "--threads", "1", *flags, "--max-seqs-per-request", "4",

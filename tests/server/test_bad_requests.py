@@ -7,6 +7,8 @@ import pytest
 from pdserve import SamplingParams
 from tests.server.conftest import API_KEY
 
+pytestmark = pytest.mark.integration
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

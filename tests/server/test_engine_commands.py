@@ -133,7 +133,7 @@ def test_every_named_command_has_an_engine_side():
 def test_worker_heartbeat_stats_from_a_snapshot():
     from pdserve.router.conductor import DecodeCostModel
     from pdserve.server.async_engine import HeartbeatSnapshot
-    from pdserve.server.worker_cli import WorkerState
+    from pdserve.worker.cli import WorkerState
 
     snap = HeartbeatSnapshot([], 16, None, running_context_tokens=300, prefill_steps=[], decode_steps=[])
     state = WorkerState(static_stats={"num_layers": 2, "max_num_seqs": 8})

@@ -13,6 +13,8 @@ from schemathesis import GenerationMode
 from tests.server.conftest import TINY_ENGINE, engine_flags
 from tests.server.serverproc import ServerProcess
 
+pytestmark = pytest.mark.integration
+
 # A short context and a small fan-out cap keep every accepted request cheap, so
 # the examples stay a few seconds of engine time in all.
 CONTEXT = 64

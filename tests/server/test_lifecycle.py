@@ -9,6 +9,8 @@ import pytest
 from tests.server.conftest import TINY_ENGINE, engine_flags
 from tests.server.serverproc import ServerProcess
 
+pytestmark = pytest.mark.integration
+
 LONG = {"prompt": "busy", "max_tokens": 1500, "ignore_eos": True, "stream": True}
 
 

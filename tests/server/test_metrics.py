@@ -1,8 +1,11 @@
 """/metrics parses as Prometheus text and its histograms fill up as requests run."""
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import API_KEY
+
+pytestmark = pytest.mark.integration
 
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"]

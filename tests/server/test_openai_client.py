@@ -6,6 +6,8 @@ import pytest
 from pdserve import SamplingParams
 from tests.server.conftest import API_KEY
 
+pytestmark = pytest.mark.integration
+
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "x"]

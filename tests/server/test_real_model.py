@@ -4,6 +4,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.server.serverproc import ServerProcess
 
+pytestmark = pytest.mark.integration
+
 openai = pytest.importorskip("openai")
 
 ENGINE = dict(num_gpu_blocks=128, max_num_seqs=4)  # a small KV pool loads fast

@@ -6,10 +6,13 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from pdserve import auth
 from tests.server.deployment import Deployment, metric
 from tests.server.serverproc import REPO
+
+pytestmark = pytest.mark.integration
 
 
 class Load:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.server.deployment import Deployment, metric
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def model(tiny_model_dir):

@@ -75,6 +75,7 @@ def tiny_dir(tmp_path_factory):
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny-cal")), max_pos=1024)
 
 
+@pytest.mark.integration
 def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, capsys):
     from pdserve.bench.tokens import TokenSource
     from pdserve.sim.calibrate import drive_grid
@@ -117,6 +118,7 @@ def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, caps
     assert json.loads(capsys.readouterr().out)["completed"] == 8
 
 
+@pytest.mark.integration
 def test_step_trace_path_that_cannot_be_written_is_refused_at_start(tmp_path):
     from tests.server.serverproc import ServerProcess
 

@@ -9,6 +9,8 @@ from pdserve.transfer.pull import PullKVExporter
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
+pytestmark = pytest.mark.integration
+
 SECRET = b"real-model-test-secret-0123"
 
 LENGTHS = (10, 3000)

@@ -12,6 +12,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from tests.transfer.cluster import Cluster
 
+pytestmark = pytest.mark.integration
+
 ENGINE = ["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "512", "--kv-transport", "tcp"]
 PROMPT = "tell me a story about the sea and the ships that sail on it " * 4
 MAX = 24

@@ -123,9 +123,9 @@ def build(args, port: int):
     from pdserve.server.async_engine import AsyncEngine
     from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
-    from pdserve.server.worker import WorkerApi, build_worker_app
     from pdserve.transfer.receiver import KVReceiverServer
     from pdserve.transfer.sender import AutoKVSender
+    from pdserve.worker.app import WorkerApi, build_worker_app
 
     role = args.role
     secret = auth.load_cluster_secret(args.cluster_token_file)
@@ -200,9 +200,6 @@ def build(args, port: int):
     return build_worker_app(api, secret, on_startup=join_router, on_shutdown=close), api, beat_now
 
 
-RESTARTS_ENV = "PDSERVE_RESTARTS"  # set by `pdserve serve` on a worker it restarted
-
-
 def advertised(address: str, host: str) -> str:
     """A KV endpoint's address as others must dial it: `scheme://host:port` with the
     advertised host in place of the one bound (which may be 0.0.0.0)."""
@@ -220,7 +217,8 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
     from pdserve import auth
     from pdserve.control_api import HeartbeatRequest, HeartbeatResponse, KVEventsBody, RegisterRequest
     from pdserve.server.errors import APIError
-    from pdserve.server.kv_publisher import KVEventPublisher
+    from pdserve.server.launcher import RESTARTS_ENV
+    from pdserve.worker.kv_publisher import KVEventPublisher
 
     kv_pub = KVEventPublisher()
     restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
