@@ -35,6 +35,7 @@ class Linear(nn.Linear):
     kernel = None
     max_rows: int = 16
     int8_activations: bool = False  # qweight is then q8_repack's layout, multiplied by q8_matmul
+    packed: torch.Tensor | None = None  # the bf16 weight in oneDNN's blocked layout (`pack_dense`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None and x.shape[0] <= self.max_rows:
@@ -43,7 +44,21 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 y = y + self.bias
             return y.to(x.dtype)
+        if self.packed is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+    def pack_dense(self, rows_hint: int = 64) -> bool:
+        """Keep a copy of the bf16 weight in oneDNN's own blocked layout, so each many-row
+        product skips re-laying the weight out (as vLLM's CPU backend and torch.compile do):
+        ~1.25x on this model's 64-row GEMMs, ~1.07x at 256 rows. Costs the weight's bytes again."""
+        if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        try:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
+        except (RuntimeError, AttributeError):  # a torch build without the op: the plain GEMM
+            self.packed = None
+        return self.packed is not None
 
     def set_quantized(self, blocks: list[tuple[int, torch.Tensor]], kernel, int8_activations: bool = False) -> bool:
         """Use these raw block rows (one entry per fused part) if they share one type."""

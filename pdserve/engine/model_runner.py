@@ -5,7 +5,7 @@ import torch
 
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv.block_manager import BlockManager
 
@@ -31,6 +31,7 @@ class ModelRunner:
         self.model.init_rope_tables(self.device)
         self.decode_kernel = None
         self.num_quantized_linears = 0
+        self.num_packed_linears = 0
         if self.device.type == "cpu":
             from pdserve.engine import cpu_kernels
 
@@ -39,6 +40,8 @@ class ModelRunner:
                 self.num_quantized_linears = self.model.load_quantized(
                     quantized, self.decode_kernel, int8_activations=config.int8_activations)
         self.prefill_kernel = self._prefill_kernel(model_config)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            self.num_packed_linears = sum(m.pack_dense() for m in self.model.modules() if isinstance(m, Linear))
         self.num_blocks = config.cache.num_gpu_blocks or self._blocks_for_memory()
         self.kv_shape = [self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim]
         self.kv_shm_paths: list[str] = []

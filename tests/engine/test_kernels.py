@@ -320,3 +320,23 @@ def test_a_build_killed_midway_does_not_block_later_starts(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "left by a kernel build that did not finish" in r.stderr
     assert not (cache / "lock").exists()
+
+
+@pytest.mark.parametrize("rows", [17, 64, 300])
+def test_packed_bf16_linear_matches_the_plain_gemm(rows):
+    """bf16 weights kept in oneDNN's blocked layout (`Linear.pack_dense`) give the plain
+    GEMM's product, up to the summation order of a bf16 result."""
+    from pdserve.engine.model import Linear
+
+    g = torch.Generator().manual_seed(rows)
+    lin = Linear(576, 960, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(960, 576, generator=g) / 24)
+        lin.bias.copy_(torch.randn(960, generator=g))
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    plain = lin(x)
+    if not lin.pack_dense():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    packed = lin(x)
+    assert packed.dtype == torch.bfloat16 and packed.shape == plain.shape
+    torch.testing.assert_close(packed.float(), plain.float(), rtol=1e-2, atol=1e-2)
