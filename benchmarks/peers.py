@@ -33,13 +33,10 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from benchmarks.interference_lib import ServerProcess, _cpu_s, _session_pids, load_str  # noqa: E402
-from benchmarks.interference_vllm import ensure_hf_dir, ensure_venv, vllm_version  # noqa: E402
-from pdserve.bench import TokenSource, datasets  # noqa: E402
-from pdserve.bench.runner import run_benchmark  # noqa: E402
+from interference_lib import ServerProcess, _cpu_s, _session_pids, load_str
+from interference_vllm import ensure_hf_dir, ensure_venv, vllm_version
+from pdserve.bench import TokenSource, datasets
+from pdserve.bench.runner import run_benchmark
 
 SERVED_NAME = "smollm2-135m"
 HIGHER = {"prefill_512": "tok/s", "prefill_2048": "tok/s", "decode_b1": "tok/s", "batch_64": "tok/s"}
