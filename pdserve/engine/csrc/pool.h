@@ -10,6 +10,12 @@
 // helper got to, the caller runs itself. So 2 threads are never much slower
 // than 1, and as fast as OpenMP when both cores are free.
 //
+// PDSERVE_PARALLEL=omp runs these loops on OpenMP's threads instead (the ones the
+// GEMMs use). In-process on a quiet 2-core machine that is faster (a batch-64 bf16
+// decode step ~80 ms against ~115 ms: here the helpers and OpenMP's spinning threads
+// take turns on the same cores); served, the two measured the same, so this pool,
+// which does not stall when another thread takes a core, stays the default.
+//
 // Correctness never depends on a helper running (after a fork, say: the caller
 // then runs every chunk). Helpers spin briefly between loops, then sleep.
 //
