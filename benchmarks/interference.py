@@ -98,6 +98,8 @@ def _engine_flags(cfg: dict, model: str | None) -> list[str]:
 def trace_paths(cfg: dict, out_dir: str) -> dict[str, str]:
     """Where each engine process of the config writes its step trace (engine/step_trace.py):
     role ("both", "prefill-0", "decode-0", ...) -> path."""
+    if "pools" not in cfg:  # a peer's server (interference_vllm.py): no pdserve engine, no trace
+        return {}
     if cfg["mode"] == "collocated":
         roles = ["both"]
     else:
