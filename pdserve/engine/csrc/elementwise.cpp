@@ -62,22 +62,7 @@ inline Vec vround(Vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(vround_b
 inline void vstore(bf16* p, Vec v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(vround_bits(v)));
 }
-// simd_exp.h's exp8, 16 wide: the same reduction and polynomial (the same results), with
-// 2^n applied by scalef, which needs no split of n. Twice as fast as exp8 on each half.
-inline Vec vexp(Vec x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, vset(-87.3f)), vset(88.3f));
-  const Vec n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), x);
-  Vec y = vset(1.9875691500e-4f);
-  y = vfmadd(y, x, vset(1.3981999507e-3f));
-  y = vfmadd(y, x, vset(8.3334519073e-3f));
-  y = vfmadd(y, x, vset(4.1665795894e-2f));
-  y = vfmadd(y, x, vset(1.6666665459e-1f));
-  y = vfmadd(y, x, vset(5.0000001201e-1f));
-  y = vfmadd(y, vmul(x, x), vadd(x, vset(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
+inline Vec vexp(Vec x) { return pds::exp16(x); }  // simd_exp.h
 #elif defined(PDS_SIMD_EXP)
 #define PDS_EW_VEC 1
 constexpr int64_t kLanes = 8;
