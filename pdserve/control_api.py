@@ -21,6 +21,8 @@ the answers through them, so both ends agree by construction.
       POST /internal/heartbeat                      HeartbeatRequest   HeartbeatResponse
       POST /internal/admin/pools/poll               PoolPollRequest    PoolPollResponse
       POST /internal/admin/scale                    ScaleRequest       ScaleResponse
+      POST /internal/resume/{completions,chat/completions}
+                                                    ResumeRequest      SSE, as the /v1 route
 
 Field names are the wire format: a router and workers of different versions must
 understand each other, so fields are added with defaults, never renamed, and
@@ -49,6 +51,8 @@ MAX_RESERVE_WAIT_S = 60.0
 MAX_REGISTRATION_CHARS = 512  # each string a worker registers with
 MAX_PULL_ADDRESS_CHARS = 256
 MAX_POOL_COUNT = 1024  # workers of one role a supervisor may say it runs
+MAX_RESUMED_CHOICES = 4096  # the router also holds a resume to its --max-seqs-per-request
+MAX_RESUMED_TOKENS = 1 << 20  # per choice; the engine holds it to the context length
 
 Role = Literal["prefill", "decode", "both"]  # pdserve.router.registry.ROLES
 
@@ -328,3 +332,44 @@ class ScaleResponse(_Message):
     wanted: dict[str, int]
     live: dict[str, int]
     note: str | None = None
+
+
+# ---- a stream resumed on a restarted router (pdserve/server/front.py)
+#
+# The deployment's front (the process that holds the clients' connections under
+# `pdserve serve`) asks the router for each streamed chunk's token ids with the
+# header below. The router then writes them as SSE comment lines, which clients
+# ignore and the front removes:
+#
+#     : pd-stream <created>                       once, first
+#     : pd-t <choice index> <id,id,...> <0|1>     before the chunk of those tokens; 1: finished
+#
+# If the router dies mid-stream, the front sends the original body and what each
+# choice streamed so far to the restarted router, which continues the stream under
+# the same id: prompt + tokens so far run on a worker, as when a decode worker dies.
+TOKEN_IDS_HEADER = "x-pdserve-token-ids"
+STREAM_COMMENT = ": pd-stream "
+TOKENS_COMMENT = ": pd-t "
+
+
+def tokens_comment(index: int, token_ids, finished: bool) -> str:
+    return f"{TOKENS_COMMENT}{index} {','.join(map(str, token_ids))} {int(finished)}\n"
+
+
+def parse_tokens_comment(line: str) -> tuple[int, list[int], bool]:
+    """(choice index, token ids, finished) of a `: pd-t` line; ValueError if it is not one."""
+    index, ids, finished = line[len(TOKENS_COMMENT):].split(" ")
+    return int(index), [int(t) for t in ids.split(",")] if ids else [], finished == "1"
+
+
+class ResumedChoice(_Message):
+    index: int = Field(ge=0, lt=MAX_RESUMED_CHOICES)
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=MAX_RESUMED_TOKENS)
+    finished: bool = False
+
+
+class ResumeRequest(_Message):
+    body: str  # the client's request body, as it sent it (held to --max-request-body-bytes)
+    request_id: str = Field(max_length=128)  # the stream's id ("chatcmpl-...") the client already has
+    created: int = Field(ge=0)
+    choices: list[ResumedChoice] = Field(default=[], max_length=MAX_RESUMED_CHOICES)  # those that streamed

@@ -23,6 +23,7 @@ from pdserve.control_api import (
     PoolPollResponse,
     RegisterRequest,
     RegisterResponse,
+    ResumeRequest,
     ScaleRequest,
     ScaleResponse,
 )
@@ -102,6 +103,13 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         await engine.pools.tick()  # shrink at once; growth is the supervisor's next poll
         return ScaleResponse(wanted=wanted, live=live, note=note)
 
+    async def resume(request: Request, path: str, b: ResumeRequest):
+        if path not in ("completions", "chat/completions"):
+            raise APIError(404, f"no route POST /internal/resume/{path}")
+        return await app.state.api.resume(request, b, path)
+
+    app.add_api_route("/internal/resume/{path:path}", resume, methods=["POST"], include_in_schema=False,
+                      response_model=None)
     app.add_api_route("/internal/admin/pools", pools, methods=["GET"], include_in_schema=False)
     app.add_api_route("/internal/admin/pools/poll", supervisor_poll, methods=["POST"], include_in_schema=False)
     app.add_api_route("/internal/admin/scale", scale, methods=["POST"], include_in_schema=False)
@@ -194,6 +202,8 @@ class _RouterCollector:
                                ("request_replaced", "Requests moved to another worker mid-decode.", "replaced"),
                                ("request_whole_on_one_worker", "Requests one worker ran whole because the "
                                 "other role had no live worker.", "whole"),
+                               ("request_resumed", "Streams resumed here after the router that served them "
+                                "died (the front sent what they had streamed).", "resumed"),
                                ("kv_transfer_exposed_seconds", "Transfer seconds left after the prefill ended "
                                 "(what TTFT pays; layer-wise hides the rest).", "kv_exposed_seconds"),
                                ("kv_transfer_exposed_bytes", "Bytes that travelled in the exposed seconds.",

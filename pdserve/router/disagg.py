@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from typing import TypeVar
 
 import httpx
@@ -86,14 +87,17 @@ def _unreachable(w, e: Exception) -> WorkerGone:
 class _Choice:
     """One engine-level request: accumulates what the workers stream."""
 
-    def __init__(self, group, index: int, rid: str, prompt: list[int], params):
+    def __init__(self, group, index: int, rid: str, prompt: list[int], params, resumed: list[int] | None = None):
         self.group, self.index, self.rid, self.prompt, self.params = group, index, rid, prompt, params
-        self.token_ids: list[int] = []
+        # resumed: what the choice streamed through a router that died (the front resumes it)
+        self.resumed = bool(resumed)
+        self.token_ids: list[int] = list(resumed or ())
         self.text = ""
         self.logprobs: list[dict] = []
         self.finished = False
         self.arrival_s = time.monotonic()
-        self.first_token_s = self.last_token_s = None
+        # a resumed choice had its first token long ago: its gaps count from now, not its TTFT
+        self.first_token_s = self.last_token_s = self.arrival_s if resumed else None
         self.workers: set[str] = set()
         self.remote_ids: dict[str, str] = {}  # worker id -> the request id used there
 
@@ -132,8 +136,8 @@ class RouterGroup:
     def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
         self.engine = engine
         self.request_id = request_id
-        self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params)
-                     for i, inp in enumerate(inputs)]
+        self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params,
+                             inp.resume_token_ids) for i, inp in enumerate(inputs)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending_acks = len(self.subs)
@@ -204,7 +208,7 @@ class DisaggEngine:
         self.stats: dict | None = None
         self.num_waiting = 0
         self.counters = {"kv_bytes": 0, "kv_seconds": 0.0, "kv_failed": 0, "kv_retries": 0,
-                         "recomputed": 0, "replaced": 0, "whole": 0, "kv_exposed_bytes": 0.0,
+                         "recomputed": 0, "replaced": 0, "whole": 0, "resumed": 0, "kv_exposed_bytes": 0.0,
                          "kv_exposed_seconds": 0.0}
         self._groups: set[RouterGroup] = set()
         self._http: httpx.AsyncClient | None = None
@@ -350,6 +354,8 @@ class DisaggEngine:
     def _admit(self, inputs) -> None:
         """Refuse before any prefill work what would miss its SLO (429 with Retry-After)."""
         for inp in inputs:
+            if inp.resume_token_ids:
+                continue  # admitted once already, by the router that died
             max_tokens = inp.params.max_tokens or self.engine.max_model_len - len(inp.prompt_token_ids)
             d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens)
             if not d.admitted:
@@ -374,6 +380,9 @@ class DisaggEngine:
 
     async def _run(self, c: _Choice) -> None:
         await self._workers_registered()
+        if c.resumed:
+            await self._run_whole(c, "resumed")
+            return
         params = params_to_json(c.params)
         reserve = ReserveRequest(request_id=c.rid, prompt_token_ids=c.prompt, params=params,
                                  deadline_s=self.kv_timeout_s)
@@ -502,16 +511,18 @@ class DisaggEngine:
                 self.registry.mark_dead(d.worker_id)
                 await self._replace(c, reason=str(e2))
 
-    async def _run_whole(self, c: _Choice) -> None:
-        """One role has no live worker: a worker of the other role runs the request alone."""
+    async def _run_whole(self, c: _Choice, counter: str = "whole") -> None:
+        """One role has no live worker: a worker of the other role runs the request alone. A resumed
+        choice runs the same way: its prompt and the tokens it streamed on one worker (a decode
+        worker if one is alive), under an id of its own there (the dead router's may still run)."""
         w = self.placer.pick_any(self.registry, exclude=set())
         if w is None:
             raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
         c.group.acknowledge()
         c.workers = {w.worker_id}
-        self.counters["whole"] += 1
+        self.counters[counter] += 1
         try:
-            await self._resume_on(c, w, c.rid)
+            await self._resume_on(c, w, f"{c.rid}-f{uuid.uuid4().hex[:8]}" if c.resumed else c.rid)
         except WorkerGone as e:
             if not isinstance(e, WorkerSlow):
                 self.registry.mark_dead(w.worker_id)

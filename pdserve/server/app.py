@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.server import protocol as P
 from pdserve.server.async_engine import EngineInput
 from pdserve.server.engine_client import EngineClient
@@ -124,9 +125,15 @@ class _Api:
             return self.settings.served_model_names[0]
         return core.model_config.name if core is not None else None
 
-    async def _parse(self, request: Request, cls):
+    async def _parse(self, request: Request, cls, resume: ResumeRequest | None = None):
         self._check_key(request)
-        raw = await read_body(request, self.settings.max_request_body_bytes)
+        if resume is None:
+            raw = await read_body(request, self.settings.max_request_body_bytes)
+        else:
+            raw = resume.body.encode()
+            if len(raw) > self.settings.max_request_body_bytes:
+                raise APIError(413, f"the request body is over the limit of {self.settings.max_request_body_bytes} "
+                                    "bytes")
         req = P.parse_body(raw, cls)
         self._core()
         P.check_model(getattr(req, "model", None), self.served_names())
@@ -164,7 +171,18 @@ class _Api:
 
     # ---- generation
     async def completions(self, request: Request):
-        req: P.CompletionRequest = await self._parse(request, P.CompletionRequest)
+        return await self._completions(request)
+
+    async def chat(self, request: Request):
+        return await self._chat(request)
+
+    async def resume(self, request: Request, b: ResumeRequest, path: str):
+        """A stream the front resumes after its router died: the same request, the same id, only the
+        choices not finished, each from its prompt and the tokens it streamed (control_api)."""
+        return await (self._chat if path == "chat/completions" else self._completions)(request, b)
+
+    async def _completions(self, request: Request, resume: ResumeRequest | None = None):
+        req: P.CompletionRequest = await self._parse(request, P.CompletionRequest, resume)
         self._check_request(req, req.prompts())
         prompts = [await self._encode(p) if isinstance(p, str) else p for p in req.prompts()]
         params = req.sampling_params(req.max_tokens, req.logprobs)
@@ -172,24 +190,25 @@ class _Api:
         if req.echo:
             echo = [p if isinstance(p, str) else self._core().tokenizer.decode(ids)
                     for p, ids in zip(req.prompts(), prompts)]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = resume.request_id if resume else f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormatter(rid, self.served_names()[0], self._text(), len(prompts) * req.n, req.logprobs,
                                   echo_texts=echo, n=req.n)
-        return await self._generate(request, req, rid, prompts, params, fmt)
+        return await self._generate(request, req, rid, prompts, params, fmt, resume)
 
-    async def chat(self, request: Request):
-        req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest)
+    async def _chat(self, request: Request, resume: ResumeRequest | None = None):
+        req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest, resume)
         text = self._chat_prompt(req.conversation(), req.add_generation_prompt)
         self._check_request(req, [text])
         prompt = await self._encode(text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, req.engine_logprobs())
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(rid, self.served_names()[0], self._text(), req.n,
                             req.engine_logprobs())
-        return await self._generate(request, req, rid, [prompt], params, fmt)
+        return await self._generate(request, req, rid, [prompt], params, fmt, resume)
 
-    async def _generate(self, request: Request, req, rid: str, prompts: list[list[int]], params, fmt):
+    async def _generate(self, request: Request, req, rid: str, prompts: list[list[int]], params, fmt,
+                        resume: ResumeRequest | None = None):
         inputs = []
         for ids in prompts:
             if not ids:
@@ -198,10 +217,14 @@ class _Api:
                 # choice j of a seeded request gets seed + j, as the offline LLM.generate does
                 seed = None if params.seed is None else params.seed + j
                 inputs.append(EngineInput(ids, _with_seed(params, seed)))
+        indices, streamed = None, 0
+        if resume is not None:
+            inputs, indices, streamed = _resumed(inputs, resume, req.stream, fmt)
         t0 = time.monotonic()
-        group = self.engine.submit(inputs, priority=req.priority, request_id=rid)
+        group = self.engine.submit(inputs, priority=req.priority, request_id=rid) if inputs else None
         try:
-            await group.accepted()
+            if group is not None:
+                await group.accepted()
         except BaseException:
             group.abort()
             raise
@@ -216,7 +239,9 @@ class _Api:
 
         headers = {"X-Request-Id": rid}
         if req.stream:
-            body = sse_events(group, fmt, req.include_usage, num_prompt_tokens, on_done=done)
+            body = sse_events(group, fmt, req.include_usage, num_prompt_tokens, on_done=done,
+                              tag_tokens=request.headers.get(TOKEN_IDS_HEADER) == "1", indices=indices,
+                              completion_tokens=streamed, preamble=resume is None)
             return StreamingResponse(body, media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         try:
@@ -276,6 +301,29 @@ class _Api:
             self._check_key(request)
         m = self.engine.metrics
         return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
+
+
+def _resumed(inputs: list[EngineInput], resume: ResumeRequest, stream: bool, fmt):
+    """(what still runs, its client choice indices, tokens streamed before) of a resumed stream."""
+    if not stream:
+        raise bad_request("only a streamed request can be resumed", "stream")
+    before = {c.index: c for c in resume.choices}
+    if any(i >= len(inputs) for i in before):
+        raise bad_request(f"the request has {len(inputs)} choices; the resume names more", "choices")
+    fmt.created = resume.created
+    kept, indices, streamed = [], [], 0
+    for i, inp in enumerate(inputs):
+        c = before.get(i)
+        if c is not None:
+            streamed += len(c.token_ids)
+            fmt.resume(i, c.token_ids)
+            if c.finished:
+                continue
+            if c.token_ids:
+                inp = EngineInput(inp.prompt_token_ids, inp.params, resume_token_ids=list(c.token_ids))
+        kept.append(inp)
+        indices.append(i)
+    return kept, indices, streamed
 
 
 def _with_seed(params, seed):

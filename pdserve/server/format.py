@@ -103,6 +103,9 @@ class _Base:
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
+    def resume(self, index: int, token_ids: list[int]) -> None:
+        """Choice `index` streamed `token_ids` before its stream was resumed elsewhere."""
+
     def usage_chunk(self, u: dict) -> dict:
         return {**self._envelope(self.chunk_object_name, []), "usage": u}
 
@@ -140,6 +143,9 @@ class CompletionFormatter(_Base):
         if all(t != token_id for t, _ in items):  # the sampled token is always listed
             items = [(token_id, entry[token_id])] + items
         return {self.token_text(t): lp for t, lp in items}
+
+    def resume(self, index: int, token_ids: list[int]) -> None:
+        self._offsets[index] = sum(len(self.token_text(t)) for t in token_ids)
 
     def _echo(self, index: int) -> str:
         return self.echo_texts[index // self.n] if self.echo_texts else ""

@@ -2,24 +2,29 @@
 
 Each part is the same process an operator would start by hand (`pdserve
 router`, `pdserve worker`); this launcher starts them, spreads the workers over
-the cores, and supervises:
+the cores, and supervises. Clients connect to the launcher itself: its front
+(front.py) forwards every request to the router on a loopback port and resumes
+the streams of a router that dies, so a router crash costs a pause, not answers.
 
 - a fresh cluster secret per deployment (unless one is given), handed to the
   children in their environment, never on a command line;
 - a child that exits is restarted with exponential backoff (reset once it has
   run for a minute); the restart count reaches the router's /metrics;
-- SIGTERM / SIGINT drains: the router first (it refuses new requests with 503
-  and lets those in flight finish, up to --shutdown-timeout), then the
-  workers, so no stream loses its worker before its router is done with it.
+
+- SIGTERM / SIGINT drains: the front and the router first (new requests get
+  503, those in flight finish, up to --shutdown-timeout), then the workers, so
+  no stream loses its worker before its router is done with it.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -27,6 +32,7 @@ import httpx
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.engine.cli import TIER_FLAGS
+from pdserve.server.front import Front
 
 log = logging.getLogger("pdserve.launcher")
 
@@ -34,6 +40,7 @@ ENGINE_FLAGS = ("dtype", "device", "block_size", "num_gpu_blocks", "kv_cache_mem
                 "max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 RESTARTS_ENV = "PDSERVE_RESTARTS"  # in each worker's environment: how often it was restarted (it tells the router)
+LOOPBACK = "127.0.0.1"
 USAGE_ERROR = 2  # what a pdserve command exits with for bad flags or config: restarting cannot help
 
 
@@ -72,10 +79,12 @@ def _flags(args, names) -> list[str]:
     return out
 
 
-def _router_cmd(py, args) -> list[str]:
+def _router_cmd(py, args, host: str | None = None, port: int | None = None) -> list[str]:
     """The router's flags that were set: early rejection (each off unless given), the KV
-    bandwidth for its TTFT model, its timeouts and limits (the router's defaults otherwise)."""
-    cmd = py + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.router_policy,
+    bandwidth for its TTFT model, its timeouts and limits (the router's defaults otherwise).
+    It listens on host:port (default: the deployment's --host and --port)."""
+    host, port = host or args.host, port or args.port
+    cmd = py + ["router", "--host", host, "--port", str(port), "--policy", args.router_policy,
                 "--kv-mode", args.kv_mode, "--log-level", args.log_level, "--log-format", args.log_format,
                 *_flags(args, ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark", "kv_bandwidth_gbps", "worker_timeout_s",
                                "kv_timeout_s", "max_request_body_bytes", "shutdown_timeout",
@@ -92,8 +101,7 @@ def _router_cmd(py, args) -> list[str]:
     return cmd
 
 
-def _worker_cmd(py, args, role: str, index: int, pinned_cores: list[int] | None) -> list[str]:
-    router_url = f"http://{args.host}:{args.port}"
+def _worker_cmd(py, args, role: str, index: int, pinned_cores: list[int] | None, router_url: str) -> list[str]:
     cmd = py + ["worker", "--role", role, "--router", router_url, "--host", args.host,
                 "--worker-id", f"{role}-{index}", "--log-level", args.log_level, "--log-format", args.log_format,
                 *_flags(args, ("shutdown_timeout", "max_waiting_requests")), *_engine_args(args)]
@@ -117,13 +125,14 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
 
 
-def _initial_workers(py, args) -> list[tuple[str, str, list[str]]]:
+def _initial_workers(py, args, router_url: str) -> list[tuple[str, str, list[str]]]:
     """(role, worker id, command) of the workers the deployment starts with."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cores = _cores()
     threads = args.threads or max(1, len(cores) // len(roles))
     pin = len(roles) <= len(cores) and not args.no_pin
-    return [(role, f"{role}-{i}", _worker_cmd(py, args, role, i, cores[i * threads:(i + 1) * threads] if pin else None))
+    return [(role, f"{role}-{i}", _worker_cmd(py, args, role, i, cores[i * threads:(i + 1) * threads] if pin else None,
+                                              router_url))
             for i, role in enumerate(roles)]
 
 
@@ -215,16 +224,22 @@ def launch(args) -> int:
     except OSError as e:
         print(f"pdserve serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return USAGE_ERROR
-    fd = listener.fileno()
-    router = Child("router", _router_cmd(py, args) + ["--fd", str(fd)], env, pass_fds=(fd,))
-    workers = [Child(name, cmd, env, role) for role, name, cmd in _initial_workers(py, args)]
-    pools = _Pools(py, args, env, workers, auth.load_cluster_secret())
-    return _supervise(router, pools, args.shutdown_timeout, listener)
+    internal = _listen(LOOPBACK, 0)
+    fd, port = internal.fileno(), internal.getsockname()[1]
+    router_url = f"http://{LOOPBACK}:{port}"  # the workers started here skip the front
+    secret = auth.load_cluster_secret()
+    router = Child("router", _router_cmd(py, args, LOOPBACK, port) + ["--fd", str(fd)], env, pass_fds=(fd,))
+    workers = [Child(name, cmd, env, role) for role, name, cmd in _initial_workers(py, args, router_url)]
+    pools = _Pools(py, args, env, workers, secret, router_url)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request is noise
+    front = _FrontThread(Front(router_url, secret, args.max_request_body_bytes), listener)
+    return _supervise(router, pools, args.shutdown_timeout, front, internal)
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """The router's listening socket, held here for the deployment's life: a router that
-    crashes and restarts takes over its queue, so clients wait rather than being refused."""
+    """A listening socket held here for the deployment's life. The router's: a router that
+    crashes and restarts takes over its queue, so the front's requests wait rather than
+    being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=2048)
     sock.set_inheritable(True)
@@ -235,11 +250,12 @@ class _Pools:
     """The workers, kept at the router's wanted pool sizes: new ones started when a pool
     grows (the router drains the ones it removes itself)."""
 
-    def __init__(self, py, args, env, workers: list[Child], secret: bytes):
+    def __init__(self, py, args, env, workers: list[Child], secret: bytes, router_url: str):
         self.py, self.args, self.env = py, args, env
         self.workers = workers
         self.next_index = len(workers)
-        self.url = f"http://{args.host}:{args.port}/internal/admin/pools/poll"
+        self.router_url = router_url
+        self.url = f"{router_url}/internal/admin/pools/poll"
         self.http = httpx.Client(auth=auth.http_auth(secret), timeout=2)
         self.polled_s = 0.0
 
@@ -262,12 +278,39 @@ class _Pools:
             for _ in range(max(0, (wanted or {}).get(role, 0) - running[role])):
                 name = f"{role}-{self.next_index}"
                 log.info("pool %s grows: starting %s", role, name)
-                self.workers.append(Child(name, _worker_cmd(self.py, self.args, role, self.next_index, None),
+                self.workers.append(Child(name, _worker_cmd(self.py, self.args, role, self.next_index, None,
+                                                                      self.router_url),
                                           self.env, role))
                 self.next_index += 1
 
 
-def _supervise(router: Child, pools: _Pools, grace_s: float, listener: socket.socket) -> int:
+class _FrontThread:
+    """The front's own event loop and uvicorn server, on a thread of the launcher, serving
+    the deployment's public listener."""
+
+    def __init__(self, front: Front, listener: socket.socket):
+        import uvicorn
+
+        self.front, self.listener = front, listener
+        config = uvicorn.Config(front, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[listener])),
+                                       name="front", daemon=True)
+        self.thread.start()
+
+    def drain(self, deadline_s: float) -> None:
+        """New requests get 503 from now; wait (up to the deadline) for those in flight."""
+        self.front.draining = True
+        while self.front.in_flight and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.listener.close()
+
+
+def _supervise(router: Child, pools: _Pools, grace_s: float, front: _FrontThread, internal: socket.socket) -> int:
     stopping = False
 
     def stop(sig, frame):
@@ -290,12 +333,15 @@ def _supervise(router: Child, pools: _Pools, grace_s: float, listener: socket.so
             log.error("%s: stopping the deployment", e)
             code, stopping = USAGE_ERROR, True
         time.sleep(0.2)
-    router.signal(signal.SIGTERM)  # drains: in-flight requests finish on the workers
-    # The router has its own descriptor of the socket and answers 503 while it drains. Ours
-    # goes now, so the socket closes the moment the router lets go of it: held here until
-    # the router had exited, it queued connections nobody would accept, reset at our exit.
-    listener.close()
-    router.wait(time.monotonic() + grace_s + 10)
+    # The front refuses new requests (503, Retry-After) and the router drains: what is in
+    # flight finishes on the workers, which go last.
+    front.front.draining = True
+    router.signal(signal.SIGTERM)
+    internal.close()
+    deadline = time.monotonic() + grace_s + 10
+    front.drain(deadline)
+    router.wait(deadline)
+    front.stop()
     for w in pools.workers:
         w.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s + 10

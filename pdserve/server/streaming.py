@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from pdserve.control_api import STREAM_COMMENT, tokens_comment
 from pdserve.server.engine_client import RequestStream
 from pdserve.server.errors import APIError
 from pdserve.server.format import dumps, usage
@@ -36,20 +37,34 @@ async def read_body(request, limit_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-async def sse_events(group: RequestStream, fmt, include_usage: bool, num_prompt_tokens: int, on_done=None) -> AsyncIterator[str]:
-    """The SSE body of a streamed response; one write per engine step, however many chunks it made."""
-    completion_tokens = 0
+async def sse_events(group: RequestStream | None, fmt, include_usage: bool, num_prompt_tokens: int, on_done=None,
+                     *, tag_tokens: bool = False, indices: list[int] | None = None, completion_tokens: int = 0,
+                     preamble: bool = True) -> AsyncIterator[str]:
+    """The SSE body of a streamed response; one write per engine step, however many chunks it made.
+
+    For a front that resumes streams (control_api: TOKEN_IDS_HEADER): `tag_tokens` writes each
+    chunk's token ids as a comment before it. A resumed stream runs only the choices that had not
+    finished (`group` is None when none is left): `indices` maps the group's choices to the
+    client's, `completion_tokens` counts what streamed before, and the preamble is not sent again.
+    """
     finish = "error"
     try:
-        for obj in fmt.preamble():
-            yield sse(obj)
-        while (batch := await group.next_batch()) is not None:
+        if tag_tokens:
+            yield f"{STREAM_COMMENT}{fmt.created}\n\n"
+        if preamble:
+            for obj in fmt.preamble():
+                yield sse(obj)
+        while group is not None and (batch := await group.next_batch()) is not None:
             parts = []
-            for index, out in batch:
+            for i, out in batch:
+                index = i if indices is None else indices[i]
                 completion_tokens += len(out.new_token_ids)
                 chunk = fmt.chunk_json(index, out, include_usage)
+                tag = tokens_comment(index, out.new_token_ids, out.finished) if tag_tokens else ""
                 if chunk is not None:
-                    parts.append(f"data: {chunk}\n\n")
+                    parts.append(f"{tag}data: {chunk}\n\n")
+                elif tag:
+                    parts.append(f"{tag}\n")
             if parts:
                 yield "".join(parts)
         if include_usage:
@@ -65,7 +80,8 @@ async def sse_events(group: RequestStream, fmt, include_usage: bool, num_prompt_
         finish = "client gone"
         raise
     finally:
-        group.abort()
+        if group is not None:
+            group.abort()
         if on_done is not None:
             on_done(finish, completion_tokens)
 

@@ -168,7 +168,7 @@ def test_serve_passes_its_flags_to_the_router_and_workers():
     assert (default.slo_ttft_ms, default.kv_watermark, default.autoscale) == (None, None, False)
     wp = argparse.ArgumentParser()
     worker_cli.add_arguments(wp)
-    w = wp.parse_args(_worker_cmd([], args, "decode", 1, None)[1:])
+    w = wp.parse_args(_worker_cmd([], args, "decode", 1, None, "http://127.0.0.1:9")[1:])
     assert (w.role, w.worker_id, w.shutdown_timeout, w.max_waiting_requests, w.log_format) == (
         "decode", "decode-1", 7, 9, "json")
 

@@ -92,3 +92,84 @@ def test_sigterm_drains_then_exits_clean(model):
     left = [f for f in os.listdir("/dev/shm") if any(f.startswith(f"pdserve-kv-{pid}-") for pid in pids)]
     assert left == [], left
     dep.http.close()
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """Sharp (greedy picks survive a recompute, see tests/transfer/test_faults.py) and long
+    enough that a stream is still running when the router dies."""
+    from tests.tiny import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("long")), logit_scale=8.0, max_pos=4096)
+
+
+def _read_stream(r, on_chunk=None) -> dict:
+    """Text per choice, ids, error events and [DONE]s of an SSE completion stream."""
+    import json
+
+    out = {"text": {}, "ids": set(), "errors": [], "done": 0, "usage": None, "comments": 0}
+    for line in r.iter_lines():
+        if line.startswith(":"):
+            out["comments"] += 1
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            out["done"] += 1
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            out["errors"].append(chunk)
+            continue
+        out["ids"].add(chunk["id"])
+        out["usage"] = chunk.get("usage") or out["usage"]
+        for c in chunk["choices"]:
+            out["text"][c["index"]] = out["text"].get(c["index"], "") + c["text"]
+        if on_chunk is not None:
+            on_chunk()
+    return out
+
+
+def test_router_killed_mid_stream_loses_nothing(long_model):
+    """kill -9 of the router: the front (in the launcher) resumes the cut streams on the
+    restarted router and sends again the requests it had not answered; the client sees one
+    stream with a pause, the same text as without the fault, one id, one [DONE]."""
+    MAX = 1500
+    dep = Deployment(long_model, "--served-model-name", "tiny")
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": MAX, "temperature": 0, "ignore_eos": True, "n": 2}
+    try:
+        ref = httpx.post(dep.url + "/v1/completions", json=body, timeout=120).json()
+        ref_text = [c["text"] for c in ref["choices"]]
+        router = dep.child("router")
+        whole = {}
+
+        def not_streamed():  # sent just before the kill: answered by the restarted router
+            whole["r"] = httpx.post(dep.url + "/v1/completions", json=body, timeout=120)
+
+        def kill_once(state={"n": 0}):
+            state["n"] += 1
+            if state["n"] == 5:
+                t = threading.Thread(target=not_streamed)
+                t.start()
+                whole["t"] = t
+                time.sleep(0.2)
+                router.kill()
+
+        with httpx.stream("POST", dep.url + "/v1/completions", timeout=120,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            got = _read_stream(r, kill_once)
+        whole["t"].join(120)
+        assert not router.is_running() and dep.child("router").pid != router.pid
+        assert got["errors"] == [] and got["done"] == 1 and got["comments"] == 0, got["errors"]
+        assert len(got["ids"]) == 1
+        assert [got["text"][i] for i in range(2)] == ref_text
+        assert got["usage"]["completion_tokens"] == 2 * MAX
+        w = whole["r"]
+        assert w.status_code == 200, w.text
+        assert [c["text"] for c in w.json()["choices"]] == ref_text
+        text = httpx.get(dep.url + "/metrics", timeout=5).text
+        assert metric(text, "pdserve:front_requests_resumed_total") >= 1, text
+        assert metric(text, "pdserve:request_resumed_total") >= 1, text  # the new router's count
+        assert metric(text, "pdserve:front_requests_failed_total") == 0
+    finally:
+        assert dep.stop() == 0, dep.log()
