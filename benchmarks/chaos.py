@@ -379,7 +379,10 @@ def window_latencies(outs, max_tokens: list[int], t0: float, t1: float) -> dict:
 # ---------------------------------------------------------------- what the deployment says
 
 COUNTERS = ("kv_transfer_failed_total", "kv_transfer_retries_total", "request_recomputed_total",
-            "request_replaced_total", "request_whole_on_one_worker_total", "internal_auth_refused_total")
+            "request_replaced_total", "request_whole_on_one_worker_total", "internal_auth_refused_total",
+            "request_resumed_total")
+# the launcher's front: these do not start again when the router restarts
+FRONT_COUNTERS = ("front_requests_resumed_total", "front_requests_retried_total", "front_requests_failed_total")
 
 
 def counters(dep: Deployment) -> dict[str, float]:
@@ -388,7 +391,7 @@ def counters(dep: Deployment) -> dict[str, float]:
         m = dep.metrics()
     except httpx.HTTPError:
         return {}
-    out = {c: m.get(f"pdserve:{c}", 0.0) for c in COUNTERS}
+    out = {c: m.get(f"pdserve:{c}", 0.0) for c in COUNTERS + FRONT_COUNTERS}
     for key, v in m.items():
         if key.startswith("pdserve:worker_restarts_total{"):
             wid = re.search(r'worker_id="([^"]*)"', key)
@@ -400,9 +403,13 @@ def counter_deltas(before: dict, after: dict) -> dict[str, float]:
     """What the counters moved by; after a router restart they started again from 0, so
     the new router's values are the deltas (marked with `router_restarted`)."""
     keys = sorted(set(before) | set(after))
+    front = {k: after.get(k, 0) - before.get(k, 0) for k in keys
+             if k in FRONT_COUNTERS and after.get(k, 0) != before.get(k, 0)}
+    keys = [k for k in keys if k not in FRONT_COUNTERS]
     if any(after.get(k, 0) < before.get(k, 0) for k in keys):
-        return {"router_restarted": 1, **{k: v for k, v in after.items() if v}}
-    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
+        return {"router_restarted": 1, **{k: after[k] for k in keys if after.get(k)}, **front}
+    return {**{k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)},
+            **front}
 
 
 def worker_blocks(dep: Deployment) -> dict[str, dict]:

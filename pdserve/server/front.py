@@ -142,11 +142,13 @@ class Front:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    # ---- everything but generation: forwarded once (GETs again while the router restarts)
+    # ---- everything but generation: forwarded as it is
     async def _forward(self, scope, receive, send):
         limit = auth.MAX_SIGNED_BODY_BYTES if scope["path"].startswith("/internal/") else self.max_body_bytes
         body = await _read_body(receive, limit)
-        deadline = time.monotonic() + (self.retry_window_s if scope["method"] == "GET" else 0.0)
+        # a signed internal POST cannot be sent twice (its nonce is spent): its sender retries
+        once = scope["method"] == "POST" and scope["path"].startswith("/internal/")
+        deadline = time.monotonic() + (0.0 if once else self.retry_window_s)
         while True:
             try:
                 resp = await self._http.send(self._request(scope, body))

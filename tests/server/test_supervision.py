@@ -145,9 +145,11 @@ def test_router_killed_mid_stream_loses_nothing(long_model):
         def not_streamed():  # sent just before the kill: answered by the restarted router
             whole["r"] = httpx.post(dep.url + "/v1/completions", json=body, timeout=120)
 
-        def kill_once(state={"n": 0}):
-            state["n"] += 1
-            if state["n"] == 5:
+        chunks = []
+
+        def kill_once():
+            chunks.append(1)
+            if len(chunks) == 5:
                 t = threading.Thread(target=not_streamed)
                 t.start()
                 whole["t"] = t
