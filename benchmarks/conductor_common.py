@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
 from pdserve import auth
-from pdserve.ports import free_port
+from pdserve.ports import free_port, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,20 +58,12 @@ class Deployment:
         self.stop()
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            for name, p, _ in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
-            try:
-                ws = self.status()["workers"]
-                roles = [w["role"] for w in ws if w["alive"]]
-                if roles.count("prefill") >= self.prefill and roles.count("decode") >= self.decode:
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("workers did not register:\n" + "\n".join(self.log(n) for n, _, _ in self.procs))
+        def registered() -> bool:
+            roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
+            return roles.count("prefill") >= self.prefill and roles.count("decode") >= self.decode
+
+        wait_until(registered, [p for _, p, _ in self.procs], self.startup_timeout_s, "the router and its workers",
+                   lambda: "\n".join(self.log(n) for n, _, _ in self.procs), interval_s=0.5)
 
     def status(self) -> dict:
         return self.http.get(self.url + "/internal/workers").json()

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from pdserve.ports import free_port
+from pdserve.ports import free_port, health_is, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -91,21 +91,13 @@ class ServerProcess:
         self.stop()
 
     def _wait_ready(self) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < self.timeout_s:
-            for p in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{p.args[:4]} exited with {p.returncode}; see {self.log_path}")
-            try:
-                health = httpx.get(self.url + "/health", timeout=2, trust_env=False)
-                models = httpx.get(self.url + self.ready_path, timeout=2, trust_env=False)
-                if health.status_code == 200 and models.status_code == 200:
-                    print(f"   ready in {time.monotonic() - t0:.1f} s on {self.url}", flush=True)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {self.timeout_s:.0f} s; see {self.log_path}")
+        def ready() -> bool:
+            return health_is(self.url) and httpx.get(self.url + self.ready_path, timeout=2,
+                                                     trust_env=False).status_code == 200
+
+        took = wait_until(ready, self.procs, self.timeout_s, f"{self.cmds[0][:4]}", lambda: f"see {self.log_path}",
+                          interval_s=0.5)
+        print(f"   ready in {took:.1f} s on {self.url}", flush=True)
 
     def stop(self, grace_s: float = 30.0) -> None:
         for p in reversed(self.procs):  # workers first, the front (router or launcher) last

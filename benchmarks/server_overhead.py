@@ -24,6 +24,7 @@ import httpx
 import numpy as np
 
 from pdserve.engine.cli import add_engine_arguments, engine_kwargs
+from pdserve.ports import health_is, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,17 +155,7 @@ def run_server(args, prompts, llm=None) -> dict:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("server did not become ready")
+    wait_until(lambda: health_is(url), [proc], timeout_s)
 
 
 def main() -> int:

@@ -1,8 +1,18 @@
-"""A free TCP port, for the servers that pick their own (tests, benchmarks, a worker's KV
-listener, a Mooncake master)."""
+"""Processes and ports: a free TCP port for the servers that pick their own (tests,
+benchmarks, a worker's KV listener, a Mooncake master); children tied to their parent's
+life; and the wait until a started server answers."""
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -10,3 +20,45 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent_fn() -> Callable[[], None] | None:
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the child
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# `preexec_fn` for a child that must get SIGTERM (and drain) when its parent dies without
+# stopping it (a killed launcher, a killed test run); None where prctl is not available (not Linux).
+die_with_parent = _die_with_parent_fn()
+
+
+def wait_until(ready: Callable[[], bool], procs: Sequence[subprocess.Popen] = (), timeout_s: float = 300.0,
+               what: str = "the server", log: Callable[[], str] = lambda: "", interval_s: float = 0.2,
+               errors: tuple[type[BaseException], ...] = (httpx.HTTPError, OSError, ValueError, KeyError)
+               ) -> float:
+    """Poll `ready()` until it is true; seconds waited. RuntimeError as soon as one of `procs`
+    exits, TimeoutError after `timeout_s`, each with `log()` (the process's output) appended.
+    `errors` raised by `ready()` mean "not yet"."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what} exited with {p.returncode}:\n{log()}")
+        try:
+            if ready():
+                return time.monotonic() - start
+        except errors:
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} was not ready after {timeout_s:.0f} s:\n{log()}")
+
+
+def health_is(url: str, status: int = 200, timeout_s: float = 2.0) -> bool:
+    """GET url/health answers `status` (no proxies from the environment)."""
+    try:
+        return httpx.get(url + "/health", timeout=timeout_s, trust_env=False).status_code == status
+    except httpx.HTTPError:
+        return False

@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 
-from pdserve.ports import free_port
+from pdserve.ports import die_with_parent, free_port
 
 PIP_HINT = "pip install mooncake-transfer-engine-non-cuda"
 APT_HINT = "apt-get install -y libibverbs1"
@@ -49,16 +49,6 @@ def _find_binary() -> str | None:
     if os.access(here, os.X_OK):
         return here
     return shutil.which("mooncake_master")
-
-
-def _die_with_parent():
-    """What the child runs before exec, so that a master whose parent died (a killed
-    test run) does not hold its ports forever; None where prctl is unavailable."""
-    try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here, not in the child
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class MooncakeMaster:
@@ -123,7 +113,7 @@ class MooncakeMaster:
         self.proc = subprocess.Popen(
             self.command(_find_binary()), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, close_fds=True,
-            preexec_fn=_die_with_parent())  # noqa: PLW1509 - one C call, no locks taken
+            preexec_fn=die_with_parent)  # noqa: PLW1509 - one C call, no locks taken
         self._reader = threading.Thread(target=self._read_log, args=(self.proc.stdout,),
                                         name="mooncake-master-log", daemon=True)
         self._reader.start()

@@ -23,7 +23,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from typing import TypeVar
 
 import httpx
@@ -514,7 +513,7 @@ class DisaggEngine:
     async def _run_whole(self, c: _Choice, counter: str = "whole") -> None:
         """One role has no live worker: a worker of the other role runs the request alone. A resumed
         choice runs the same way: its prompt and the tokens it streamed on one worker (a decode
-        worker if one is alive), under an id of its own there (the dead router's may still run)."""
+        worker if one is alive)."""
         w = self.placer.pick_any(self.registry, exclude=set())
         if w is None:
             raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
@@ -522,7 +521,7 @@ class DisaggEngine:
         c.workers = {w.worker_id}
         self.counters[counter] += 1
         try:
-            await self._resume_on(c, w, f"{c.rid}-f{uuid.uuid4().hex[:8]}" if c.resumed else c.rid)
+            await self._resume_on(c, w, c.rid)
         except WorkerGone as e:
             if not isinstance(e, WorkerSlow):
                 self.registry.mark_dead(w.worker_id)

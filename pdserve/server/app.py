@@ -217,11 +217,14 @@ class _Api:
                 # choice j of a seeded request gets seed + j, as the offline LLM.generate does
                 seed = None if params.seed is None else params.seed + j
                 inputs.append(EngineInput(ids, _with_seed(params, seed)))
-        indices, streamed = None, 0
+        indices, streamed, engine_rid = None, 0, rid
         if resume is not None:
             inputs, indices, streamed = _resumed(inputs, resume, req.stream, fmt)
+            # the client keeps the stream's id; the workers get new ones (what the dead router
+            # started under the old ids may still be there until its workers notice)
+            engine_rid = f"{rid}-f{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
-        group = self.engine.submit(inputs, priority=req.priority, request_id=rid) if inputs else None
+        group = self.engine.submit(inputs, priority=req.priority, request_id=engine_rid) if inputs else None
         try:
             if group is not None:
                 await group.accepted()

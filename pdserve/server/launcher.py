@@ -32,6 +32,7 @@ import httpx
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.engine.cli import TIER_FLAGS
+from pdserve.ports import die_with_parent
 from pdserve.server.front import Front
 
 log = logging.getLogger("pdserve.launcher")
@@ -147,16 +148,6 @@ def _child_env(args) -> dict:
     return env
 
 
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM (and drains) if this launcher dies without stopping it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Child:
     """One supervised process: restarted with backoff whenever it crashes. A worker that
     exits 0 was drained on purpose (its pool shrank, or someone stopped it): retired."""
@@ -174,7 +165,7 @@ class Child:
     def start(self) -> None:
         env = {**self.env, RESTARTS_ENV: str(self.restarts)}
         # own session: a terminal's Ctrl-C reaches only us, and we stop the children in order
-        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent,
                                      pass_fds=self.pass_fds)
         self.started_s = time.monotonic()
         self.restart_at_s = None

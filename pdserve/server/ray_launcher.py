@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
+from pdserve.ports import die_with_parent
 from pdserve.server.launcher import RESTARTS_ENV, _engine_args, _flags, _router_cmd
 
 log = logging.getLogger("pdserve.ray")
@@ -54,7 +55,7 @@ class PdserveProcess:
         argv = [a.replace(NODE_IP, self.node_ip) for a in argv]
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv],
                                      env={**os.environ, **env, RESTARTS_ENV: str(restarts)},
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         self.stopping = False
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -80,15 +81,6 @@ class PdserveProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _actor_class(max_restarts: int):

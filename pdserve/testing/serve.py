@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import auth
-from pdserve.ports import free_port
+from pdserve.ports import free_port, wait_until
 
 
 class Serve:
@@ -53,17 +52,7 @@ class Serve:
         return sum(w["alive"] for w in self.workers()) >= self.wait_workers
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if self._ready():
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"pdserve serve did not become ready:\n{self.tail()}")
+        wait_until(self._ready, [self.proc], self.startup_timeout_s, "pdserve serve", self.tail, interval_s=0.5)
 
     def workers(self) -> list[dict]:
         return self.http.get(self.url + "/internal/workers").json()["workers"]

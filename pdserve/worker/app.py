@@ -184,7 +184,7 @@ class WorkerApi:
         self.receiver.fail(choice_request_id(b.request_id), b.reason)
         return KVFailedResponse(failed=b.request_id)
 
-    async def decode(self, b: DecodeRequest) -> StreamingResponse:
+    async def decode(self, b: DecodeRequest, request: Request) -> StreamingResponse:
         rid = choice_request_id(b.request_id)
         first = b.first_token
         kv_ok = False
@@ -200,8 +200,7 @@ class WorkerApi:
                 if not await self.engine.claim_reservation(rid, wait_s + 5.0):
                     raise _reservation_gone(rid)
                 try:
-                    await asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s)
-                    kv_ok = True
+                    kv_ok = await self._wait_for_kv(rid, wait_s, request)
                 except KVTransferError as e:
                     log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
             self.receiver.cancel(rid)  # landed or given up: late frames must not touch the blocks
@@ -212,6 +211,25 @@ class WorkerApi:
             group.abort()
             raise _reservation_gone(rid) from None
         return StreamingResponse(self._stream(group, first_out, kv_ok), media_type="application/x-ndjson")
+
+    async def _wait_for_kv(self, rid: str, wait_s: float, request: Request) -> bool:
+        """True once the KV landed. If the caller (the router) goes away meanwhile (it died),
+        nobody will read this decode: free its blocks now, not when the wait runs out."""
+        wait = asyncio.ensure_future(asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not wait.done():
+            self.receiver.fail(rid, "the router that asked for this decode went away")
+            await asyncio.gather(wait, return_exceptions=True)
+            await self.engine.abort_request(rid)
+            self.receiver.cancel(rid)
+            log.warning("request %s: its router went away while the KV was on its way; blocks freed", rid)
+            raise APIError(499, "the caller went away")
+        wait.result()  # KVTransferError if the transfer failed
+        return True
 
     async def _stream(self, group, first_out=None, kv_ok: bool = True):
         try:
@@ -330,3 +348,10 @@ def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown
                              ("/internal/drain", api.drain, "POST"), ("/internal/fault", api.fault, "POST")):
         app.add_api_route(path, fn, methods=[method])
     return app
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client closes the connection (the body was read already, so the next
+    ASGI message can only be the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -4,12 +4,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
 import pytest
 
-from pdserve.ports import free_port
+from pdserve.ports import free_port, health_is, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_FLAGS = ["--dtype", "float32", "--threads", "1", "--block-size", "4", "--num-gpu-blocks", "1024",
@@ -31,17 +29,7 @@ class Server:
             raise
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log()}")
+        wait_until(lambda: health_is(self.url), [self.proc], timeout_s, "the server", self.log, interval_s=0.1)
 
     def log(self) -> str:
         self._log.seek(0)

@@ -7,13 +7,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import psutil
 
 from pdserve import auth
-from tests.server.serverproc import REPO, _die_with_parent, free_port
+from pdserve.ports import die_with_parent, free_port, wait_until
+from tests.server.serverproc import REPO
 
 
 class Deployment:
@@ -29,7 +29,7 @@ class Deployment:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, auth.TOKEN_ENV: token, "OMP_NUM_THREADS": "1",
                                           "PDSERVE_ENABLE_FAULT_INJECTION": "1"},
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         try:
             self.wait_serving(180)
         except BaseException:
@@ -53,18 +53,8 @@ class Deployment:
 
     def wait_serving(self, timeout_s: float) -> float:
         """Seconds until a completion succeeds."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                ws = self.workers()
-                if sum(w["alive"] for w in ws.values()) >= 2 and self.complete(4).status_code == 200:
-                    return time.monotonic() - start
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"not serving after {timeout_s}s:\n{self.log()}")
+        return wait_until(lambda: sum(w["alive"] for w in self.workers().values()) >= 2
+                          and self.complete(4).status_code == 200, [self.proc], timeout_s, "pdserve serve", self.log)
 
     def complete(self, max_tokens: int, timeout_s: float = 30) -> httpx.Response:
         return httpx.post(self.url + "/v1/completions", timeout=timeout_s, json={

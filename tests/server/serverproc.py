@@ -10,19 +10,9 @@ import time
 
 import httpx
 
-from pdserve.ports import free_port
+from pdserve.ports import die_with_parent, free_port, health_is, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM the server if the test process dies without stopping it (killed run)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class ServerProcess:
@@ -37,7 +27,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self._log = tempfile.TemporaryFile()  # read back on failure, gone afterwards
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+                                     env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
         if wait_ready:
             try:
                 self.wait_health(200, timeout_s)
@@ -50,20 +40,9 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_health(self, status: int, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        last = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                r = httpx.get(self.url + "/health", timeout=2)
-                last = r.status_code
-                if r.status_code == status:
-                    return r.json()
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"/health never answered {status} (last {last}):\n{self.log()}")
+        wait_until(lambda: health_is(self.url, status), [self.proc], timeout_s, f"the server (/health {status})",
+                   self.log, interval_s=0.1)
+        return self.health()
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()

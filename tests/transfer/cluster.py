@@ -14,7 +14,8 @@ import time
 import httpx
 
 from pdserve import auth
-from tests.server.serverproc import REPO, _die_with_parent, free_port
+from pdserve.ports import die_with_parent, free_port, wait_until
+from tests.server.serverproc import REPO
 
 
 class Proc:
@@ -26,7 +27,7 @@ class Proc:
         cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", host, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
 
     def log(self) -> str:
         self._log.flush()
@@ -82,21 +83,13 @@ class Cluster:
         return self.http.get(self.url + "/internal/workers").json()
 
     def wait_workers(self, prefill: int, decode: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for p in [self.router, *self.workers]:
-                if p.proc.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log()}")
-            try:
-                ws = [w for w in self.status()["workers"] if w["alive"]]
-                roles = [w["role"] for w in ws]
-                if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("workers did not register:\n" + "\n".join(f"--- {p.name}\n{p.log()}"
-                                                                      for p in [self.router, *self.workers]))
+        def registered() -> bool:
+            roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
+            return roles.count("prefill") >= prefill and roles.count("decode") >= decode
+
+        procs = [self.router, *self.workers]
+        wait_until(registered, [p.proc for p in procs], timeout_s, "the cluster",
+                   lambda: "\n".join(f"--- {p.name}\n{p.log()}" for p in procs))
 
     def worker_state(self, name: str) -> dict:
         return self.http.get(self.worker(name).url + "/internal/state").json()
