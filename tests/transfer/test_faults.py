@@ -148,3 +148,22 @@ def test_reservation_lease_expires(sharp_model_dir):
         time.sleep(2.5)
         s = c.worker_state("decode0")["stats"]
         assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_a_decode_whose_router_goes_away_while_its_kv_is_on_the_way_frees_its_blocks(sharp_model_dir):
+    """The router died (here: its connection closes) while the decode waited for KV that will
+    never come: the blocks are freed at once, not when the 60 s lease runs out."""
+    with Cluster(sharp_model_dir, worker_args=ENGINE) as c:
+        d = c.worker("decode0")
+        r = c.http.post(d.url + "/internal/reserve", json={"request_id": "left", "prompt_token_ids": list(range(40)),
+                                                          "params": {"max_tokens": 4}, "deadline_s": 60})
+        assert r.status_code == 200
+        s = c.worker_state("decode0")["stats"]
+        assert s["num_free_blocks"] < s["num_blocks"]
+        with pytest.raises(httpx.ReadTimeout):  # the decode waits for KV; we leave after 1 s
+            c.http.post(d.url + "/internal/decode", json={"request_id": "left", "first_token": 5, "timeout_s": 60},
+                        timeout=httpx.Timeout(5.0, read=1.0))
+        deadline = time.monotonic() + 10
+        while (s := c.worker_state("decode0")["stats"])["num_free_blocks"] != s["num_blocks"]:
+            assert time.monotonic() < deadline, "the blocks stayed reserved for a decode nobody reads"
+            time.sleep(0.2)
