@@ -45,7 +45,7 @@ log = logging.getLogger("pdserve.front")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # hop-by-hop headers, and those the front sets itself
 _DROPPED = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
-            b"proxy-connection", b"trailer", TOKEN_IDS_HEADER.encode()}
+            b"proxy-connection", b"trailer", b"date", b"server", TOKEN_IDS_HEADER.encode()}
 _DONE = b"data: [DONE]"
 RETRY_WINDOW_S = 60.0  # how long a request or a cut stream waits for the router to come back
 
@@ -253,7 +253,7 @@ class Front:
             finally:
                 await resp.aclose()
             deadline = time.monotonic() + self.retry_window_s
-            if self.draining or not await self._wait_again(deadline, why, resume=True):
+            if self.draining or not await self._wait_again(deadline, why, resume=stream is not None):
                 return await self._give_up(send, stream, why)
 
     async def _wait_again(self, deadline: float, why: Exception, resume: bool = False) -> bool:
