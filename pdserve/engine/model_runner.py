@@ -8,6 +8,7 @@ from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.slots import slot_list
 
 
 class ModelRunner:
@@ -136,7 +137,7 @@ class ModelRunner:
                 first = len(ids)
                 ids.extend(tokens)
                 pos.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                slots.extend(slot_list(table, start, start + n, bs))
                 if start + n == seq.num_tokens:
                     logits_idx.append(len(ids) - 1)
                     rows.append(s)

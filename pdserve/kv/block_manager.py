@@ -1,8 +1,8 @@
 """Paged KV block accounting: the block pool, block tables, prefix cache, ref counts.
 
 This file holds no tensors: it decides which block ids a sequence owns. The
-model runner turns block tables into slot mappings; the simulator reuses this
-same class with a latency model in place of the model.
+model runner turns block tables into slot mappings (`pdserve.kv.slots`); the
+simulator reuses this same class with a latency model in place of the model.
 
 Life of a block: free (maybe still holding a cached prefix, findable by hash)
 -> owned by one or more sequences (ref_cnt > 0) -> back to the free queue when
