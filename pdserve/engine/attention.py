@@ -2,7 +2,8 @@
 
 Cache layout, per layer: ``k_cache, v_cache: [num_blocks, block_size, n_kv_heads, head_dim]``.
 Token t of a sequence lives in block ``block_table[t // block_size]`` at offset
-``t % block_size``; its flat "slot" is ``block * block_size + offset``.
+``t % block_size``; its flat "slot" is ``block * block_size + offset``
+(``pdserve.kv.slots`` computes them; the runner passes them in ``slot_mapping``).
 
 Batch layout: the first ``num_decodes`` tokens are decode tokens (one per
 sequence), the rest are prefill spans. Decodes run as one batched call. With a

@@ -8,6 +8,7 @@ from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.slots import slot_list
 
 
 class ModelRunner:
@@ -104,16 +105,6 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate block src into dst in every layer."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
-
     def prepare(self, out: SchedulerOutput, kv: BlockManager):
         """Flatten the step: decode tokens first, then prefill spans.
 
@@ -136,7 +127,7 @@ class ModelRunner:
                 first = len(ids)
                 ids.extend(tokens)
                 pos.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                slots.extend(slot_list(table, start, start + n, bs))
                 if start + n == seq.num_tokens:
                     logits_idx.append(len(ids) - 1)
                     rows.append(s)
@@ -189,27 +180,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):
         """Run the step; returns (logits for the sampling rows, those rows)."""
-        self.copy_blocks(kv.pending_copies)
-        kv.pending_copies.clear()
         input_ids, positions, meta, logits_idx, rows = self.prepare(out, kv)
         meta.on_layer_done = on_layer_done
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         return logits, rows
-
-    # ---- seams for the KV bridge and tiered cache: move a request's KV per layer, per block
-    def export_kv(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `block_ids` in `layer`: two [n, block_size, n_kv, head_dim] tensors."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        k, v = self.kv_caches[layer]
-        return k.index_select(0, idx), v.index_select(0, idx)
-
-    def import_kv(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K and V (as `export_kv` returns them) into `block_ids` of `layer`."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        kc, vc = self.kv_caches[layer]
-        kc.index_copy_(0, idx, k.to(device=self.device, dtype=kc.dtype))
-        vc.index_copy_(0, idx, v.to(device=self.device, dtype=vc.dtype))
-
 
 
 def sweep_stale_kv_files(directory: str) -> list[str]:

@@ -1,13 +1,18 @@
 """Paged KV block accounting: the block pool, block tables, prefix cache, ref counts.
 
 This file holds no tensors: it decides which block ids a sequence owns. The
-model runner turns block tables into slot mappings; the simulator reuses this
-same class with a latency model in place of the model.
+model runner turns block tables into slot mappings (`pdserve.kv.slots`); the
+simulator reuses this same class with a latency model in place of the model.
 
 Life of a block: free (maybe still holding a cached prefix, findable by hash)
 -> owned by one or more sequences (ref_cnt > 0) -> back to the free queue when
 the last owner lets go. The free queue is LRU: allocation takes from its head,
 so the least recently used cached prefix is the one evicted.
+
+Only full, registered blocks are ever shared (a prefix-cache hit, which always
+leaves the sequence's last token to compute), and a registered block keeps its
+hash while anyone owns it, so no sequence writes into a block another one
+holds: there is no copy-on-write.
 """
 from __future__ import annotations
 
@@ -66,7 +71,6 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self.record_events = record_events
         self.events: list[KVEvent] = []
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
         # With lower KV tiers: registered blocks evicted, and blocks registered, since the last
         # drain, as (block id, hash, token ids); the KV store copies their data out before reuse.
         self.track_tiers = False
@@ -129,40 +133,14 @@ class BlockManager:
         need_new = max(0, self.blocks_needed(num_total_tokens) - have)
         # Taking a cached block that sits in the free queue removes it from there.
         revived = sum(1 for b in cached if b.ref_cnt == 0)
-        cow = self._needs_cow(sb, num_total_tokens)
-        if need_new + revived + cow > self.num_free_blocks:
+        if need_new + revived > self.num_free_blocks:
             return False
         for b in cached:
             self._touch(b)
         sb.blocks.extend(cached)
         sb.num_cached_blocks = len(sb.blocks)
-        if cow:
-            self._copy_on_write(sb)
         sb.blocks.extend(self._pop_free() for _ in range(need_new))
         return True
-
-    def _needs_cow(self, sb: SeqBlocks, num_total_tokens: int) -> int:
-        """1 if the sequence will write into a block it shares with another sequence."""
-        if not sb.blocks:
-            return 0
-        last = sb.blocks[-1]
-        written = len(sb.blocks) * self.block_size
-        grows_into_last = num_total_tokens > (len(sb.blocks) - 1) * self.block_size
-        return int(last.ref_cnt > 1 and last.block_hash is None and grows_into_last and written > 0)
-
-    def _copy_on_write(self, sb: SeqBlocks) -> None:
-        old = sb.blocks[-1]
-        new = self._pop_free()
-        old.ref_cnt -= 1
-        sb.blocks[-1] = new
-        self.pending_copies.append((old.block_id, new.block_id))
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """The child shares every block of the parent; writes into a shared block copy it first."""
-        parent = self.seqs[parent_id]
-        for b in parent.blocks:
-            b.ref_cnt += 1
-        self.seqs[child_id] = SeqBlocks(list(parent.blocks), list(parent.hashes), parent.num_cached_blocks)
 
     def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register blocks made full by the last step so later requests can reuse them."""

@@ -10,8 +10,7 @@ the difference).
 """
 from __future__ import annotations
 
-import torch
-
+from pdserve.kv.slots import slot_mapping
 from pdserve.transfer.connector import KVDestination, KVSender
 
 
@@ -51,9 +50,7 @@ class PrefillBridge:
             self.sent_upto[s.seq.seq_id] = max(start, end)
             if start >= end:
                 continue
-            table = torch.tensor(block_manager.block_table(s.seq.seq_id), dtype=torch.long)
-            pos = torch.arange(start, end)
-            out.append((dest, start, table[pos // block_size] * block_size + pos % block_size))
+            out.append((dest, start, slot_mapping(block_manager.block_table(s.seq.seq_id), start, end, block_size)))
         return out
 
     def layer_hook(self, scheduled, runner, block_manager):

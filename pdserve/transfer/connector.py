@@ -2,9 +2,8 @@
 
 In the spirit of vLLM's KV connector: the prefill side *saves* layers as its
 forward pass produces them (`save_layer`, then `wait_for_save`); the decode side
-*expects* a transfer into blocks it reserved (`expect`), and can wait for any
-one layer or for all of them (`wait_for_layer`, `wait_for_all`). Finished and
-failed transfers are reported by `poll`.
+*expects* a transfer into blocks it reserved (`expect`) and waits for all of
+it (`wait_for_all`).
 
 Data moves as tokens, not blocks: the sender ships, per layer, K and V of a
 token range as `[n_tokens, n_kv_heads, head_dim]`; the receiver scatters them
@@ -104,18 +103,11 @@ class KVReceiver(abc.ABC):
         dest.start_token to dest.num_tokens)."""
 
     @abc.abstractmethod
-    def wait_for_layer(self, transfer_id: str, layer: int, timeout_s: float) -> None: ...
-
-    @abc.abstractmethod
     def wait_for_all(self, transfer_id: str, timeout_s: float) -> TransferStats: ...
 
     @abc.abstractmethod
     def cancel(self, transfer_id: str) -> None:
         """Forget a transfer (lease expired, request aborted); late frames are dropped."""
-
-    @abc.abstractmethod
-    def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
-        """(finished transfer ids, [(failed id, reason)]) since the last call."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -30,9 +30,7 @@ class _Expected:
     dest: KVDestination
     slots: torch.Tensor
     num_layers: int
-    deadline: float
     covered: list[set] = field(default_factory=list)  # per layer: received (start, n) ranges
-    layer_events: list[threading.Event] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     stats: TransferStats = field(default_factory=TransferStats)
@@ -53,8 +51,6 @@ class KVReceiverServer(KVReceiver):
         self.secret = wire.require_secret(secret)
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
-        self._finished: list[str] = []
-        self._failed: list[tuple[str, str]] = []
         self._listener = wire.KVListener(host, port, secret, self._serve, "kv-recv")
         self.address = f"{scheme}://{host}:{self._listener.port}"
         self._closed = False
@@ -66,20 +62,12 @@ class KVReceiverServer(KVReceiver):
 
     # ---- contract
     def expect(self, dest, slots, num_layers, deadline_s):
-        e = _Expected(dest, slots, num_layers, time.monotonic() + deadline_s,
-                      covered=[set() for _ in range(num_layers)],
-                      layer_events=[threading.Event() for _ in range(num_layers)])
+        # deadline_s is not kept here: the engine holds the reservation's lease and, once
+        # it runs out, frees the blocks and the worker cancels the transfer
+        e = _Expected(dest, slots, num_layers, covered=[set() for _ in range(num_layers)])
         e.stats.started_s = time.monotonic()
-        if e.tokens <= 0:  # everything already cached here: nothing will travel
-            for ev in e.layer_events:
-                ev.set()
         with self._lock:
             self._expected[dest.transfer_id] = e
-
-    def wait_for_layer(self, transfer_id, layer, timeout_s):
-        e = self._get(transfer_id)
-        if not e.layer_events[layer].wait(timeout_s) or e.error:
-            raise KVTransferError(e.error or f"{transfer_id}: layer {layer} did not arrive in {timeout_s}s")
 
     def wait_for_all(self, transfer_id, timeout_s):
         e = self._get(transfer_id)
@@ -101,13 +89,6 @@ class KVReceiverServer(KVReceiver):
         """Give up on a transfer now (its sender is known to be gone): waiters wake with
         KVTransferError instead of sleeping to the deadline. No-op once it completed."""
         self._fail(transfer_id, reason)
-
-    def poll(self):
-        self._expire()
-        with self._lock:
-            out = (self._finished, self._failed)
-            self._finished, self._failed = [], []
-        return out
 
     def close(self):
         self._closed = True
@@ -155,16 +136,7 @@ class KVReceiverServer(KVReceiver):
             if e is None or e.error or e.done.is_set():
                 return
             e.error = reason
-            self._failed.append((transfer_id, reason))
         e.done.set()
-        for ev in e.layer_events:
-            ev.set()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for tid, e in list(self._expected.items()):
-            if not e.done.is_set() and now > e.deadline:
-                self._fail(tid, f"{tid}: KV did not arrive before its deadline")
 
     def _serve(self, sock: socket.socket) -> None:
         """Receive frames; land each layer in a helper thread while the next one arrives
@@ -242,8 +214,6 @@ class KVReceiverServer(KVReceiver):
             if missing:
                 return {"op": "ack", "tid": tid, "ok": False, "missing_layers": missing}
             e.stats.finished_s = time.monotonic()
-            with self._lock:
-                self._finished.append(tid)
             e.done.set()
             return {"op": "ack", "tid": tid, "ok": True}
         raise wire.FrameError(f"unknown op {op!r}")
@@ -310,6 +280,3 @@ class KVReceiverServer(KVReceiver):
                 e.stats.bytes += h["nbytes"]
             e.covered[layer].add((int(h["start"]), int(h["n"])))
             e.stats.layers += 1
-            complete = e.layer_complete(layer)
-        if complete:
-            e.layer_events[layer].set()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve import auth
+from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
 
@@ -453,9 +454,7 @@ class ShmKVSender(TcpKVSender):
 
 def destination_slots(dest: KVDestination, start: int, n: int) -> torch.Tensor:
     """The receiver's flat slot for each token in [start, start + n)."""
-    pos = torch.arange(start, start + n)
-    blocks = torch.tensor(dest.block_ids, dtype=torch.long)[pos // dest.block_size]
-    return blocks * dest.block_size + pos % dest.block_size
+    return slot_mapping(dest.block_ids, start, start + n, dest.block_size)
 
 
 def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[torch.Tensor]:

@@ -74,17 +74,22 @@ def test_shared_prefix_outlives_unique_suffix():
     assert n == 8
 
 
-def test_fork_and_copy_on_write():
+def test_shared_blocks_are_full_and_registered_so_growth_takes_fresh_ones():
+    """Why there is no copy-on-write: a prefix hit shares only full, registered blocks, and
+    a sequence that grows gets blocks of its own."""
     bm = BlockManager(8, 4)
-    bm.allocate("p", 6)  # one full + one partial block
-    bm.fork("p", "c")
-    assert bm.block_table("c") == bm.block_table("p")
-    assert bm.allocate("c", 7)  # writes into the shared partial block -> copy it
-    assert bm.block_table("c")[0] == bm.block_table("p")[0]
-    assert bm.block_table("c")[1] != bm.block_table("p")[1]
-    assert bm.pending_copies == [(bm.block_table("p")[1], bm.block_table("c")[1])]
-    bm.free("p")
-    bm.free("c")
+    toks = list(range(8))
+    bm.find_cached_prefix("a", toks)
+    assert bm.allocate("a", 8)
+    bm.cache_full_blocks("a", toks, 8)
+    hit, n = bm.find_cached_prefix("b", toks + [1, 2])
+    assert n == 8 and bm.allocate("b", 10, hit)
+    assert bm.allocate("b", 13)  # grows past the shared blocks
+    shared = [b for b in bm.blocks if b.ref_cnt > 1]
+    assert shared == hit and all(b.block_hash is not None for b in shared)
+    assert all(bm.blocks[i].ref_cnt == 1 for i in bm.block_table("b")[2:])
+    bm.free("a")
+    bm.free("b")
     assert bm.num_free_blocks == 8
 
 

@@ -9,6 +9,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import gather_kv
 from pdserve.engine.gguf_dequant import dequantize
+from pdserve.kv.slots import slot_mapping
 
 kernels = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(kernels is None, reason="C++ kernels could not be built here")
@@ -186,7 +187,7 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     tables = torch.randperm(kv_shape[0], generator=g)[:batch * nb].view(batch, nb)
     lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
     pos = lens - 1
-    slots = tables[torch.arange(batch), pos // bs] * bs + pos % bs
+    slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
     meta = AttentionMetadata(slot_mapping=slots, num_decodes=batch, decode_block_tables=tables,
                              decode_seq_lens=lens, decode_kernel=kernels)
     inv = rope_inv_freq(cfg)
@@ -226,7 +227,7 @@ def test_fused_decode_layer_over_a_bf16_cache(batch):
     tables = torch.randperm(kv_shape[0], generator=g)[:batch * nb].view(batch, nb)
     lens = torch.randint(2, nb * bs + 1, (batch,), generator=g)
     pos = lens - 1
-    slots = tables[torch.arange(batch), pos // bs] * bs + pos % bs
+    slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
     meta = AttentionMetadata(slot_mapping=slots, num_decodes=batch, decode_block_tables=tables,
                              decode_seq_lens=lens, decode_kernel=kernels)
     emb = torch.cat((torch.outer(pos.float(), rope_inv_freq(cfg)),) * 2, dim=-1)

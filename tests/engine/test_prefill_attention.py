@@ -6,6 +6,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine import cpu_kernels
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.kv.slots import slot_mapping
 from tests.tiny import write_tiny_model
 
 kernels = cpu_kernels.load()
@@ -25,8 +26,9 @@ def reference(q, kc, vc, spans, tables):
     out = torch.zeros(q.shape, dtype=torch.float64)
     for (start, end, ctx), table in zip(spans, tables):
         pos = torch.arange(ctx)
-        k = kc.double()[table[pos // bs], pos % bs].repeat_interleave(group, 1)  # [ctx, H, D]
-        v = vc.double()[table[pos // bs], pos % bs].repeat_interleave(group, 1)
+        slots = slot_mapping(table.tolist(), 0, ctx, bs)
+        k = kc.double().flatten(0, 1)[slots].repeat_interleave(group, 1)  # [ctx, H, D]
+        v = vc.double().flatten(0, 1)[slots].repeat_interleave(group, 1)
         s = torch.einsum("lhd,chd->hlc", q[start:end].double(), k) * d ** -0.5
         q_pos = torch.arange(ctx - (end - start), ctx)
         s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.kv.slots import slot_mapping
 from pdserve.transfer.bridge import PrefillBridge
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
@@ -182,14 +183,13 @@ def test_receiver_converts_kv_dtype_and_block_size(tiny_model_dir, reference):
     p_table = list(p.block_manager.block_table("dt")) if p.block_manager.owns_blocks("dt") else None
     rx.wait_for_all("dt", 30)
     d_table = d.block_manager.block_table("dt")
-    pos = torch.arange(len(ids))
-    d_slots = torch.tensor(d_table)[pos // 8] * 8 + pos % 8
+    d_slots = slot_mapping(d_table, 0, len(ids), 8)
     for layer in (0, p.model_config.num_hidden_layers - 1):
         dk = d.runner.kv_caches[layer][0].view(-1, *d.runner.kv_caches[layer][0].shape[-2:])[d_slots]
         assert dk.dtype == torch.bfloat16
         # P's own copy: recompute from P's prefix cache blocks (still cached after the request)
         hit, n = p.block_manager.find_cached_prefix("probe", ids + [0])
-        p_slots = torch.tensor([b.block_id for b in hit])[pos[:n] // 4] * 4 + pos[:n] % 4
+        p_slots = slot_mapping([b.block_id for b in hit], 0, n, 4)
         pk = p.runner.kv_caches[layer][0].view(-1, *p.runner.kv_caches[layer][0].shape[-2:])[p_slots]
         torch.testing.assert_close(dk[:n], pk.to(torch.bfloat16))
         p.block_manager.seqs.pop("probe", None)
