@@ -15,7 +15,7 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import SampledToken, Scheduler
 from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
@@ -48,7 +48,9 @@ class LLMEngine:
         del loaded
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_ids=self.eos_token_ids,
+                                   max_model_len=self.max_model_len)
         self.kv_store = None
         if config.tiers.enabled:
             from pdserve.kvstore.setup import build_kv_store
@@ -57,7 +59,6 @@ class LLMEngine:
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
         self.sampler = Sampler(self.runner.device)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
@@ -208,7 +209,10 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens)
         first = None
         if first_token is not None:
-            first = self._append_token(seq, int(first_token), None, time.monotonic())
+            token = int(first_token)
+            if self.scheduler.append_token(seq, token, None, time.monotonic(), self._detokenize):
+                self._forget(seq)
+            first = self._output(seq, [token])
         if not seq.is_finished:
             self.scheduler.add(seq)
         return first
@@ -303,65 +307,30 @@ class LLMEngine:
         logits, rows = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
         if self.bridge is not None:
             self.bridge.after_step(sched.scheduled, self.runner, self.block_manager)
-        for s in sched.scheduled:
-            start = s.seq.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(start + s.num_new_tokens, s.seq.num_prompt_tokens) - start)
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)
-        outputs = []
+        sampled = []
         if rows:
             seqs = [r.seq for r in rows]
             result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
                                   [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
-            now = time.monotonic()
-            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
-                outputs.append(self._append_token(seq, tok, lp, now))
+            sampled = [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)]
+        upd = self.scheduler.update_from_output(sched, sampled, time.monotonic(), self._detokenize)
+        self.num_prompt_tokens_computed += upd.num_prompt_tokens
+        for seq in upd.finished:
+            self._forget(seq)
+        outputs = [self._output(x.seq, [x.token]) for x in sampled]
         if self._pending_reserve:  # finished sequences may have made room
             self.retry_reservations()
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
-        seq.output_token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        if lp is not None:
-            seq.cumulative_logprob += lp[0]
-            seq.logprobs.append({token: lp[0], **lp[1]})
-        delta = self._detok[seq.seq_id].step([token])
-        self._check_stop(seq, token, delta)
-        if seq.is_finished or seq.finish_reason is not None:
-            if not seq.is_finished:
-                self._finish(seq)
-        return self._output(seq, [token])
-
-    def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        text_before = seq.output_text
-        seq.output_text += delta
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
-                return
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-                return
-            if p.stop and delta:
-                # only the tail can hold a new match: look back one stop-string length
-                window_start = max(0, len(text_before) - max(len(s) for s in p.stop) + 1)
-                for stop in p.stop:
-                    i = seq.output_text.find(stop, window_start)
-                    if i != -1:
-                        cut = i + len(stop) if p.include_stop_str_in_output else i
-                        seq.output_text = seq.output_text[:cut]
-                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
-                        return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FinishReason.LENGTH
+    def _detokenize(self, seq: Sequence, token: int) -> str:
+        return self._detok[seq.seq_id].step([token])
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop the engine's own state of a finished sequence (the scheduler has let it go)."""
         self.sampler.forget(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
         # keep finished sequences out of the table so ids can be reused and memory stays flat
