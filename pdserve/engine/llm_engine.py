@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -17,6 +18,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
 from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
+from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
 from pdserve.kvstore.store import BlockRef
@@ -73,6 +75,9 @@ class LLMEngine:
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
+        self._step_observers: list[Callable[[StepRecord], None]] = []
+        self._idle = True  # found with nothing to do since the last step (StepRecord.idle)
+        self.calibrating = False  # calibration requests are running (StepRecord.calibration)
         self.load_time_s = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
                  self.load_time_s, self.model_config.name, self.runner.num_blocks, config.cache.block_size,
@@ -265,7 +270,19 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self.scheduler.has_unfinished():
+            return True
+        self._idle = True
+        return False
+
+    # ---- step observers: the one place steps are timed
+    def add_step_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        """Have `fn(StepRecord)` called after every step that ran something (on the engine thread)."""
+        self._step_observers.append(fn)
+
+    def remove_step_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        if fn in self._step_observers:
+            self._step_observers.remove(fn)
 
     # ---- the step
     def _move_tiers(self) -> None:
@@ -294,6 +311,23 @@ class LLMEngine:
             self.kv_store.start_load(seq.seq_id, blocks)
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; an output per request that got a token. Timed here, for the step
+        observers, when there are any."""
+        if not self._step_observers:
+            self._idle = False
+            return self._step()
+        t0, c0 = time.monotonic(), time.thread_time()
+        outputs = self._step()
+        t1, c1 = time.monotonic(), time.thread_time()
+        idle, self._idle = self._idle, False
+        sched = self.last_schedule
+        if sched is not None and sched.scheduled:
+            rec = StepRecord(t0, t1, c1 - c0, step_rows(sched), idle, self.calibrating)
+            for fn in list(self._step_observers):
+                fn(rec)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.kv_store is not None:
             self._finish_tier_loads()
         sched = self.last_schedule = self.scheduler.schedule()
