@@ -379,13 +379,16 @@ class LLMEngine:
         end = max(seq.emitted_text_len, len(text) - hold)
         delta = text[seq.emitted_text_len:end]
         seq.emitted_text_len = end
-        comp = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-        )
+        want_lp = seq.params.logprobs is not None
+        if finished:  # the whole completion, once
+            comp = CompletionOutput(index=0, text=text, token_ids=list(seq.output_token_ids),
+                                    logprobs=list(seq.logprobs) if want_lp else None)
+        else:  # only what is new: a step costs the same at the 10,000th token as at the 10th
+            comp = CompletionOutput(index=0, text=delta, token_ids=list(new_ids),
+                                    logprobs=seq.logprobs[-len(new_ids):] if want_lp else None)
+        comp.cumulative_logprob = seq.cumulative_logprob if want_lp else None
+        comp.finish_reason = seq.finish_reason.value if seq.finish_reason else None
+        comp.stop_reason = seq.stop_reason
         return RequestOutput(
             request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             outputs=[comp], finished=finished, new_token_ids=new_ids, new_text=delta,
