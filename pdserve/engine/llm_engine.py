@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -15,8 +16,9 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import SampledToken, Scheduler
 from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
+from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
 from pdserve.kvstore.store import BlockRef
@@ -48,7 +50,9 @@ class LLMEngine:
         del loaded
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_ids=self.eos_token_ids,
+                                   max_model_len=self.max_model_len)
         self.kv_store = None
         if config.tiers.enabled:
             from pdserve.kvstore.setup import build_kv_store
@@ -57,7 +61,6 @@ class LLMEngine:
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
         self.sampler = Sampler(self.runner.device)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
@@ -72,6 +75,9 @@ class LLMEngine:
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
+        self._step_observers: list[Callable[[StepRecord], None]] = []
+        self._idle = True  # found with nothing to do since the last step (StepRecord.idle)
+        self.calibrating = False  # calibration requests are running (StepRecord.calibration)
         self.load_time_s = time.monotonic() - t0
         log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
                  self.load_time_s, self.model_config.name, self.runner.num_blocks, config.cache.block_size,
@@ -208,7 +214,10 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens)
         first = None
         if first_token is not None:
-            first = self._append_token(seq, int(first_token), None, time.monotonic())
+            token = int(first_token)
+            if self.scheduler.append_token(seq, token, None, time.monotonic(), self._detokenize):
+                self._forget(seq)
+            first = self._output(seq, [token])
         if not seq.is_finished:
             self.scheduler.add(seq)
         return first
@@ -261,7 +270,19 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        if self.scheduler.has_unfinished():
+            return True
+        self._idle = True
+        return False
+
+    # ---- step observers: the one place steps are timed
+    def add_step_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        """Have `fn(StepRecord)` called after every step that ran something (on the engine thread)."""
+        self._step_observers.append(fn)
+
+    def remove_step_observer(self, fn: Callable[[StepRecord], None]) -> None:
+        if fn in self._step_observers:
+            self._step_observers.remove(fn)
 
     # ---- the step
     def _move_tiers(self) -> None:
@@ -290,6 +311,23 @@ class LLMEngine:
             self.kv_store.start_load(seq.seq_id, blocks)
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; an output per request that got a token. Timed here, for the step
+        observers, when there are any."""
+        if not self._step_observers:
+            self._idle = False
+            return self._step()
+        t0, c0 = time.monotonic(), time.thread_time()
+        outputs = self._step()
+        t1, c1 = time.monotonic(), time.thread_time()
+        idle, self._idle = self._idle, False
+        sched = self.last_schedule
+        if sched is not None and sched.scheduled:
+            rec = StepRecord(t0, t1, c1 - c0, step_rows(sched), idle, self.calibrating)
+            for fn in list(self._step_observers):
+                fn(rec)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self.kv_store is not None:
             self._finish_tier_loads()
         sched = self.last_schedule = self.scheduler.schedule()
@@ -303,65 +341,30 @@ class LLMEngine:
         logits, rows = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
         if self.bridge is not None:
             self.bridge.after_step(sched.scheduled, self.runner, self.block_manager)
-        for s in sched.scheduled:
-            start = s.seq.num_computed_tokens
-            self.num_prompt_tokens_computed += max(0, min(start + s.num_new_tokens, s.seq.num_prompt_tokens) - start)
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq.seq_id, s.seq.all_token_ids, s.seq.num_computed_tokens)
-        outputs = []
+        sampled = []
         if rows:
             seqs = [r.seq for r in rows]
             result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
                                   [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
-            now = time.monotonic()
-            for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs):
-                outputs.append(self._append_token(seq, tok, lp, now))
+            sampled = [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)]
+        upd = self.scheduler.update_from_output(sched, sampled, time.monotonic(), self._detokenize)
+        self.num_prompt_tokens_computed += upd.num_prompt_tokens
+        for seq in upd.finished:
+            self._forget(seq)
+        outputs = [self._output(x.seq, [x.token]) for x in sampled]
         if self._pending_reserve:  # finished sequences may have made room
             self.retry_reservations()
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, lp, now: float) -> RequestOutput:
-        seq.output_token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        if lp is not None:
-            seq.cumulative_logprob += lp[0]
-            seq.logprobs.append({token: lp[0], **lp[1]})
-        delta = self._detok[seq.seq_id].step([token])
-        self._check_stop(seq, token, delta)
-        if seq.is_finished or seq.finish_reason is not None:
-            if not seq.is_finished:
-                self._finish(seq)
-        return self._output(seq, [token])
-
-    def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
-        p = seq.params
-        n_out = len(seq.output_token_ids)
-        text_before = seq.output_text
-        seq.output_text += delta
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
-                return
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
-                return
-            if p.stop and delta:
-                # only the tail can hold a new match: look back one stop-string length
-                window_start = max(0, len(text_before) - max(len(s) for s in p.stop) + 1)
-                for stop in p.stop:
-                    i = seq.output_text.find(stop, window_start)
-                    if i != -1:
-                        cut = i + len(stop) if p.include_stop_str_in_output else i
-                        seq.output_text = seq.output_text[:cut]
-                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
-                        return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FinishReason.LENGTH
+    def _detokenize(self, seq: Sequence, token: int) -> str:
+        return self._detok[seq.seq_id].step([token])
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop the engine's own state of a finished sequence (the scheduler has let it go)."""
         self.sampler.forget(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
         # keep finished sequences out of the table so ids can be reused and memory stays flat
@@ -376,13 +379,16 @@ class LLMEngine:
         end = max(seq.emitted_text_len, len(text) - hold)
         delta = text[seq.emitted_text_len:end]
         seq.emitted_text_len = end
-        comp = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-        )
+        want_lp = seq.params.logprobs is not None
+        if finished:  # the whole completion, once
+            comp = CompletionOutput(index=0, text=text, token_ids=list(seq.output_token_ids),
+                                    logprobs=list(seq.logprobs) if want_lp else None)
+        else:  # only what is new: a step costs the same at the 10,000th token as at the 10th
+            comp = CompletionOutput(index=0, text=delta, token_ids=list(new_ids),
+                                    logprobs=seq.logprobs[-len(new_ids):] if want_lp else None)
+        comp.cumulative_logprob = seq.cumulative_logprob if want_lp else None
+        comp.finish_reason = seq.finish_reason.value if seq.finish_reason else None
+        comp.stop_reason = seq.stop_reason
         return RequestOutput(
             request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
             outputs=[comp], finished=finished, new_token_ids=new_ids, new_text=delta,

@@ -14,6 +14,11 @@ its blocks from this scheduler's admission, waits as WAITING_FOR_REMOTE_KV
 while the KV is copied in, and rejoins the queue once it is (`remote_kv_done`).
 Admitting remote KV keeps headroom for the sequences already running and never
 takes blocks that a queued request is waiting for.
+
+What a step did comes back through this scheduler as well (vLLM's
+`update_from_output`): computed tokens, newly full blocks into the prefix cache,
+sampled tokens appended, stop conditions, finished sequences out. The engine
+calls it with what its model sampled, the simulator with placeholder tokens.
 """
 from __future__ import annotations
 
@@ -21,10 +26,11 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.sequence import Sequence, Status
+from pdserve.engine.sequence import FinishReason, Sequence, Status
 from pdserve.kv.block_manager import BlockManager
 
 
@@ -49,6 +55,24 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    """A token sampled for a sequence whose tokens were all computed (one row of the model's output)."""
+
+    seq: Sequence
+    token: int
+    # the sampler's (logprob of the token, {token id: logprob} of the top others), when asked for
+    logprobs: tuple[float, dict[int, float]] | None = None
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update_from_output` did with one step."""
+
+    num_prompt_tokens: int = 0  # prompt tokens computed by the step (not cached, not loaded)
+    finished: list[Sequence] = field(default_factory=list)  # in the order their last tokens came
 
 
 class WaitingQueue:
@@ -116,9 +140,17 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
+                 cache_generated_blocks: bool = True):
+        """`eos_token_ids` and `max_model_len` end sequences (`update_from_output`).
+        `cache_generated_blocks`: blocks full of generated tokens go into the prefix cache
+        too; the simulator turns it off (its placeholder outputs match no later prompt)."""
         self.config = config
         self.kv = block_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.cache_generated_blocks = cache_generated_blocks
         self.waiting = WaitingQueue(by_priority=config.policy == "priority")
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -305,6 +337,82 @@ class Scheduler:
         out.preempted.append(seq)
         self.num_preemptions += 1
         return refund
+
+    # ---- after the step
+    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[SampledToken], now: float | None = None,
+                           detokenize: Callable[[Sequence, int], str] | None = None) -> StepUpdate:
+        """The bookkeeping of a step that ran `out` and sampled `sampled`.
+
+        First every scheduled sequence advances by the tokens the step computed (in
+        schedule order) and its newly full blocks go into the prefix cache; then each
+        sampled token, in the order given, is appended (`append_token`): a sequence
+        that meets a stop condition finishes and its blocks are freed. `now` stamps
+        the tokens (default: the monotonic clock); `detokenize(seq, token)` gives a
+        token's text, for stop strings (without it there is no text)."""
+        upd = StepUpdate()
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted while its step ran
+                continue
+            start = seq.num_computed_tokens
+            upd.num_prompt_tokens += max(0, min(start + s.num_new_tokens, seq.num_prompt_tokens) - start)
+            seq.num_computed_tokens = start + s.num_new_tokens
+            if self.cache_generated_blocks:
+                self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            elif start < seq.num_prompt_tokens:
+                self.kv.cache_full_blocks(seq.seq_id, seq.prompt_token_ids,
+                                          min(seq.num_computed_tokens, seq.num_prompt_tokens))
+        now = time.monotonic() if now is None else now
+        for x in sampled:
+            if self.append_token(x.seq, x.token, x.logprobs, now, detokenize):
+                upd.finished.append(x.seq)
+        return upd
+
+    def append_token(self, seq: Sequence, token: int, logprobs: tuple[float, dict[int, float]] | None = None,
+                     now: float | None = None, detokenize: Callable[[Sequence, int], str] | None = None) -> bool:
+        """Append one token to `seq` (sampled by a step, or by the prefill worker that
+        computed its prompt) and check the stop conditions; a sequence that meets one
+        is finished here. True if it finished."""
+        seq.output_token_ids.append(token)
+        now = time.monotonic() if now is None else now
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if logprobs is not None:
+            seq.cumulative_logprob += logprobs[0]
+            seq.logprobs.append({token: logprobs[0], **logprobs[1]})
+        self._check_stop(seq, token, detokenize(seq, token) if detokenize is not None else "")
+        if seq.finish_reason is not None and not seq.is_finished:
+            self.finish(seq)
+            return True
+        return False
+
+    def _check_stop(self, seq: Sequence, token: int, delta: str) -> None:
+        """Set finish_reason (and stop_reason) when `token`, whose text is `delta`, ends `seq`."""
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        text_before = seq.output_text
+        seq.output_text += delta
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
+                return
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+                return
+            if p.stop and delta:
+                # only the tail can hold a new match: look back one stop-string length
+                window_start = max(0, len(text_before) - max(len(s) for s in p.stop) + 1)
+                for stop in p.stop:
+                    i = seq.output_text.find(stop, window_start)
+                    if i != -1:
+                        cut = i + len(stop) if p.include_stop_str_in_output else i
+                        seq.output_text = seq.output_text[:cut]
+                        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+                        return
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or \
+                (self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = FinishReason.LENGTH
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

@@ -77,6 +77,16 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
+    """One completion of a request.
+
+    In the output of a finished request it is the whole completion. In the
+    outputs `LLMEngine.step` reports while the request runs, it holds only what
+    is new since the previous report, as vLLM's DELTA output kind: `token_ids`
+    (the request output's `new_token_ids`), `text` (its `new_text`: held back
+    while a stop string may be completing) and `logprobs` (those of the new
+    tokens); `cumulative_logprob` is the running total. Callers that want the
+    whole completion so far add the deltas up."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -88,7 +98,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What `LLMEngine.step` reports for a request that advanced this step."""
+    """What `LLMEngine.step` reports for a request that got a token this step (see
+    CompletionOutput: the whole completion once it has finished, the new part before)."""
 
     request_id: str
     prompt: str | None

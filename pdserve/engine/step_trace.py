@@ -1,5 +1,11 @@
 """A record of every engine step a serving process ran: when, and what was in the batch.
 
+Steps are timed once, by the engine: `LLMEngine.add_step_observer(fn)` has
+`fn(StepRecord)` called after every step that ran something. The step trace
+below is one observer; the live calibration of a worker's cost models
+(server/calibrate.py) and the simulator's calibration (sim/calibrate.py) are
+others.
+
 `pdserve serve --step-trace FILE` (and `pdserve worker --step-trace FILE`)
 append one JSON line per step:
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 FLUSH_EVERY_S = 1.0  # a trace read while the server runs is at most this stale
 
@@ -41,25 +48,41 @@ def step_rows(sched) -> list[list[int]]:
     return rows
 
 
+@dataclass
+class StepRecord:
+    """One engine step that ran something, as the engine hands it to its step observers."""
+
+    t0: float  # time.monotonic() when the step began
+    t1: float  # ... and when it ended
+    cpu_s: float  # CPU seconds the engine thread used in it (time.thread_time())
+    rows: list[list[int]]  # `step_rows` of what it ran, taken when it ended
+    # the engine was found with nothing to do (has_unfinished_requests() false) since its
+    # previous step: whoever drives it waited for work in between
+    idle: bool = False
+    calibration: bool = False  # it ran calibration requests (server/calibrate.py), not traffic
+
+    @property
+    def seconds(self) -> float:
+        return self.t1 - self.t0
+
+
 class StepTraceWriter:
-    """Appends step records to `path`; only the engine thread calls `record`."""
+    """Appends step records to `path`; `record` is an engine step observer (engine thread only)."""
 
     def __init__(self, path: str):
         self.path = path
         self._f = open(path, "a", encoding="utf-8")
         self._flushed = time.monotonic()
 
-    def record(self, t0: float, t1: float, sched, idle: bool, cpu: float | None = None) -> None:
-        if sched is None or not sched.scheduled:
+    def record(self, step: StepRecord) -> None:
+        if step.calibration:  # the trace is of served steps
             return
-        rec = {"t0": round(t0, 6), "t1": round(t1, 6)}
-        if cpu is not None:
-            rec["cpu"] = round(cpu, 6)
-        rec.update(idle=idle, seqs=step_rows(sched))
+        rec = {"t0": round(step.t0, 6), "t1": round(step.t1, 6), "cpu": round(step.cpu_s, 6), "idle": step.idle,
+               "seqs": step.rows}
         self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-        if t1 - self._flushed > FLUSH_EVERY_S:
+        if step.t1 - self._flushed > FLUSH_EVERY_S:
             self._f.flush()
-            self._flushed = t1
+            self._flushed = step.t1
 
     def close(self) -> None:
         if not self._f.closed:

@@ -341,6 +341,8 @@ class AsyncEngine:
             return
         self._post(self._on_ready, engine)
         trace = self.step_trace
+        if trace is not None:
+            engine.add_step_observer(trace.record)
         try:
             while True:
                 idle = not engine.has_unfinished_requests()
@@ -353,13 +355,7 @@ class AsyncEngine:
                     engine.retry_reservations()
                     self._post(self._on_stats, engine.stats())  # what /internal/state reports
                 if engine.has_unfinished_requests():
-                    if trace is None:
-                        outputs = engine.step()
-                    else:
-                        t0, c0 = time.monotonic(), time.thread_time()
-                        outputs = engine.step()
-                        trace.record(t0, time.monotonic(), engine.last_schedule, idle, time.thread_time() - c0)
-                    self._post(self._deliver, outputs, engine.stats())
+                    self._post(self._deliver, engine.step(), engine.stats())
         except Exception as e:
             # A failed step leaves the batch in an unknown state: stop, and let /health say so.
             log.exception("engine step failed; the engine is stopped")

@@ -9,19 +9,18 @@ placement score and TTFT prediction; reported in heartbeat stats as
 Decode roles: one decode step's time vs batch size and context, for the
 router's TPOT prediction; reported as `decode_cost_s` [base, per_seq,
 per_kv_token] and `decode_tokens_per_s` (Theta_D). The start-up fit gives the
-shape; live steps (timed by `DecodeStepRecorder`) rescale it to what the
-machine delivers under traffic.
+shape; live steps (recorded by `DecodeStepRecorder`, an engine step observer)
+rescale it to what the machine delivers under traffic.
 
 Everything runs on the engine thread while no request is in flight.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
 
 from pdserve.engine.sequence import choice_request_id
-from pdserve.engine.step_trace import step_rows
+from pdserve.engine.step_trace import StepRecord
 from pdserve.router import conductor
 
 LENGTHS_TOKENS = (16, 64, 256)  # short enough to cost well under a second on a CPU box
@@ -38,8 +37,9 @@ LIVE_SAMPLES = 128  # recent live decode steps kept for rescaling
 class _Quiet:
     """Run calibration requests without leaving a trace: empty prefix cache (the
     router's index assumes a fresh worker holds nothing), no KV events, hit
-    counters as they were (calibration is not traffic), and nothing written to or
-    looked up in the KV tiers."""
+    counters as they were (calibration is not traffic), nothing written to or
+    looked up in the KV tiers, and steps marked as calibration (the step trace
+    leaves them out)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -50,6 +50,7 @@ class _Quiet:
         self.computed = self.engine.num_prompt_tokens_computed
         self.tiers = self.bm.track_tiers, self.engine.scheduler.external
         self.bm.track_tiers, self.engine.scheduler.external = False, None
+        self.calibrating, self.engine.calibrating = self.engine.calibrating, True
         return self
 
     def __exit__(self, *exc):
@@ -59,6 +60,25 @@ class _Quiet:
         self.bm.stats = self.saved
         self.engine.num_prompt_tokens_computed = self.computed
         self.bm.track_tiers, self.engine.scheduler.external = self.tiers
+        self.engine.calibrating = self.calibrating
+
+
+class _StepClock:
+    """Adds up the seconds of the engine's steps while it is entered (a step observer)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seconds = 0.0
+
+    def record(self, step: StepRecord) -> None:
+        self.seconds += step.seconds
+
+    def __enter__(self):
+        self.engine.add_step_observer(self.record)
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.remove_step_observer(self.record)
 
 
 def _prompt(vocab: int, length: int, salt: int) -> list[int]:
@@ -67,23 +87,24 @@ def _prompt(vocab: int, length: int, salt: int) -> list[int]:
 
 
 def measure_prefill(engine, lengths_tokens=LENGTHS_TOKENS, repeats: int = REPEATS) -> list[tuple[int, float]]:
-    """(tokens, seconds) of prefill + one sampled token; run on the engine thread while idle."""
+    """(tokens, seconds) of prefill + one sampled token (the steps' time); run on the engine
+    thread while idle."""
     from pdserve.engine.sampling_params import SamplingParams
 
     vocab = engine.model_config.vocab_size
     limit = engine.max_model_len - 2
     samples = []
-    with _Quiet(engine):
+    with _Quiet(engine), _StepClock(engine) as clock:
         for n, length in enumerate(lengths_tokens):
             length = min(length, limit)
             best_s = float("inf")
             for r in range(repeats):
-                t0 = time.perf_counter()
+                clock.seconds = 0.0
                 engine.add_request(f"pdserve-calibrate-{n}-{r}", _prompt(vocab, length, n * repeats + r),
                                    SamplingParams(max_tokens=1, temperature=0))
                 while engine.has_unfinished_requests():
                     engine.step()
-                best_s = min(best_s, time.perf_counter() - t0)
+                best_s = min(best_s, clock.seconds)
             samples.append((length, best_s))
     return samples
 
@@ -97,33 +118,27 @@ def calibration_stats(samples: list[tuple[int, float]], reference_tokens: int = 
 
 
 class DecodeStepRecorder:
-    """Times the engine's steps. Pure decode steps (every scheduled sequence gets one
-    token) go to `samples` as (batch, context tokens in the batch, seconds); steps
-    that prefill go to `prefill_samples` as ([(tokens computed before, new tokens)
-    per sequence], seconds). Both are rings of recent samples.
+    """Keeps the engine's recent step times. Pure decode steps (every scheduled sequence
+    gets one token) go to `samples` as (batch, context tokens in the batch, seconds);
+    steps that prefill go to `prefill_samples` as ([(tokens computed before, new
+    tokens) per sequence], seconds). Both are rings of recent samples.
 
-    Installed by wrapping the engine's `step` (an instance attribute, this engine
-    only); what the step ran is the engine's `last_schedule`."""
+    An engine step observer from construction until `close()`."""
 
     def __init__(self, engine, maxlen: int = LIVE_SAMPLES):
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=maxlen)
         self.prefill_samples: deque[tuple[list[tuple[int, int]], float]] = deque(maxlen=maxlen)
-        step = engine.step
+        self.engine = engine
+        engine.add_step_observer(self.record)
 
-        def timed_step():
-            t0 = time.perf_counter()
-            outputs = step()
-            dt = time.perf_counter() - t0
-            s = engine.last_schedule
-            if s is None or not s.scheduled:
-                return outputs
-            if all(x.num_new_tokens == 1 for x in s.scheduled):
-                self.samples.append((len(s.scheduled), sum(x.seq.num_computed_tokens for x in s.scheduled), dt))
-            else:
-                self.prefill_samples.append(([(done, n) for done, n, _ in step_rows(s)], dt))
-            return outputs
+    def record(self, step: StepRecord) -> None:
+        if all(n == 1 for _, n, _ in step.rows):
+            self.samples.append((len(step.rows), sum(done + n for done, n, _ in step.rows), step.seconds))
+        else:
+            self.prefill_samples.append(([(done, n) for done, n, _ in step.rows], step.seconds))
 
-        engine.step = timed_step
+    def close(self) -> None:
+        self.engine.remove_step_observer(self.record)
 
     def recent(self) -> list[tuple[int, int, float]]:
         return list(self.samples)

@@ -14,10 +14,10 @@ The engine (pdserve/engine/llm_engine.py, the embedded SmolLM2 unless told
 otherwise) runs a grid of batches: prompts alone (32 to 1,024 tokens),
 decode batches (1 to 8 sequences at 64 and 512 tokens of context), prompts
 joining a running decode batch, and a 2,048-token prompt in chunks beside
-decodes. Every step is timed with a wall
-clock around `LLMEngine.step`, so sampling and bookkeeping are in it, and its
-`StepShape` is read from the sequences' computed-token counts before and
-after. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
+decodes. Every step is timed by the engine itself (a step observer: the
+record a served engine writes to its step trace), so sampling and
+bookkeeping are in it, and its `StepShape` is read from the step's rows,
+as a trace's is. `ProfileLatency.fit` then finds t = a + b*prefill_tokens +
 c*decode_seqs + d*decode_context + e*prefill_attention (+ f when the step has
 prompt tokens: another code path; + g per pass of the tiled kernels over the
 quantized weights in a step of few rows, or h once when a step of more rows
@@ -53,14 +53,12 @@ ENGINE_ROW_TILE = 4
 ENGINE_TILE_MAX_ROWS = 16
 
 
-def _shape(before: dict, seqs) -> StepShape:
+def _shape(rows) -> StepShape:
+    """The shape of a step from its rows ([tokens computed before, tokens computed, 1 if a
+    decode] per sequence: `StepRecord.rows`, a trace record's "seqs")."""
     shape = StepShape()
-    for seq in seqs:
-        done = before[seq.seq_id]
-        n = seq.num_computed_tokens - done
-        if n <= 0:
-            continue
-        shape.add(done, n, decode=n == 1 and done >= seq.num_prompt_tokens)
+    for done, n, decode in rows:
+        shape.add(int(done), int(n), bool(decode))
     return shape
 
 
@@ -68,9 +66,16 @@ class _Driver:
     def __init__(self, engine):
         self.engine = engine
         self.samples: list[tuple[StepShape, float]] = []
-        self.seqs = []
         self._n = 0
         self._vocab = engine.model_config.vocab_size
+        self._recording = False
+        engine.add_step_observer(self._on_step)
+
+    def _on_step(self, step) -> None:
+        if self._recording:
+            shape = _shape(step.rows)
+            if shape.tokens:
+                self.samples.append((shape, step.seconds))
 
     def add(self, prompt_tokens: int, max_tokens: int):
         from pdserve.engine.sampling_params import SamplingParams
@@ -78,21 +83,12 @@ class _Driver:
         self._n += 1
         # distinct ids per request: no prefix-cache hits in a calibration
         ids = [(self._n * 7919 + i * 31) % (self._vocab - 200) + 100 for i in range(prompt_tokens)]
-        seq = self.engine.add_request(f"cal-{self._n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                             temperature=0.0))
-        self.seqs.append(seq)
-        return seq
+        return self.engine.add_request(f"cal-{self._n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                              temperature=0.0))
 
     def step(self, record: bool = True) -> None:
-        before = {s.seq_id: s.num_computed_tokens for s in self.seqs}
-        t0 = time.perf_counter()
+        self._recording = record
         self.engine.step()
-        dt = time.perf_counter() - t0
-        if record:
-            shape = _shape(before, self.seqs)
-            if shape.tokens:
-                self.samples.append((shape, dt))
-        self.seqs = [s for s in self.seqs if not s.is_finished]
 
     def drain(self, record: bool = True) -> None:
         while self.engine.has_unfinished_requests():
@@ -160,9 +156,7 @@ def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
 def _samples_by_record(records: list[dict]) -> list[tuple[StepShape, float] | None]:
     out = []
     for i, rec in enumerate(records):
-        shape = StepShape()
-        for done, n, decode in rec["seqs"]:
-            shape.add(int(done), int(n), bool(decode))
+        shape = _shape(rec["seqs"])
         if not shape.tokens:
             out.append(None)
             continue

@@ -80,6 +80,15 @@ class ClusterConfig:
         return sum(p.count * p.gpus_per_instance for p in self.pools.values())
 
 
+@dataclass
+class _Handoff:
+    """Disaggregated: a prompt on its prefill instance, and where its KV goes."""
+
+    d_seq: Sequence  # the request's sequence on its decode instance (reserved there)
+    d_id: str  # that decode instance
+    kv_done_s: float = 0.0  # layer-wise: when the KV sent so far has all left the prefill instance
+
+
 class _Gate:
     """A concurrency limit: requests over it wait, in order, for a slot."""
 
@@ -101,6 +110,8 @@ class Cluster:
         self._event_seq: dict[str, int] = {}
         # disagg: placed requests waiting for room on their decode instance
         self._pending_d: dict[str, deque] = {}
+        # ... and requests being prefilled, by id
+        self._handoffs: dict[str, _Handoff] = {}
         for role, pool in cfg.pools.items():
             static = _cost_stats(pool.latency, cfg)
             for i in range(pool.count):
@@ -279,7 +290,7 @@ class Cluster:
         p = self.instances[p_id]
         pseq = Sequence(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
                         arrival_time=self.loop.now)
-        pseq.d_seq, pseq.d_id, pseq.kv_done_s = seq, d_id, 0.0
+        self._handoffs[rid] = _Handoff(seq, d_id)
         p.add(pseq, Timing(timing.start_s), hashes)
 
     def _room(self, d: SimInstance, prompt_tokens: int) -> bool:
@@ -306,13 +317,14 @@ class Cluster:
         """Layer-wise: a prompt chunk's KV leaves layer by layer while the step computes, on the
         prefill instance's link (shared by all its transfers). Tokens the decode side caches stay."""
         tr = self.cfg.transfer
-        tokens = start + n - max(start, pseq.d_seq.num_computed_tokens)
+        h = self._handoffs[pseq.seq_id]
+        tokens = start + n - max(start, h.d_seq.num_computed_tokens)
         if not tr.layerwise or tokens <= 0:
             return
         now = self.loop.now
         busy_s, exposed_s = tr.exposed_s(tokens * p.latency.kv_bytes_per_token(), p.latency.layers(), step_s)
         done = max(now + exposed_s - tr.latency_s, p.link_free_s + busy_s)
-        p.link_free_s = pseq.kv_done_s = done
+        p.link_free_s = h.kv_done_s = done
 
     def _prefilled(self, p: SimInstance, pseq: Sequence, now: float, step_s: float) -> None:
         """The prefill instance sampled the first token (it streams at once); the KV follows:
@@ -320,16 +332,17 @@ class Cluster:
         rid = pseq.seq_id
         _, timing = self._live[rid]
         timing.token(now)
+        h = self._handoffs.pop(rid)
         tr = self.cfg.transfer
         if tr.layerwise:
-            done = max(now, pseq.kv_done_s) + tr.latency_s
+            done = max(now, h.kv_done_s) + tr.latency_s
         else:
-            tokens = pseq.d_seq.num_external_tokens
+            tokens = h.d_seq.num_external_tokens
             busy_s = tr.exposed_s(tokens * p.latency.kv_bytes_per_token(), p.latency.layers(), step_s)[0]
             done = max(now, p.link_free_s) + busy_s
             p.link_free_s = done
             done += tr.latency_s
-        self.loop.at(done, self._kv_arrived, pseq.d_id, pseq.d_seq, timing)
+        self.loop.at(done, self._kv_arrived, h.d_id, h.d_seq, timing)
 
     def _kv_arrived(self, d_id: str, d_seq: Sequence, timing: Timing) -> None:
         self.instances[d_id].activate(d_seq, timing)

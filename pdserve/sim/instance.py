@@ -3,9 +3,10 @@ runner replaced by a latency model.
 
 A step is what LLMEngine.step does (pdserve/engine/llm_engine.py), minus the
 tensors: `scheduler.schedule()`, a latency-model duration instead of the
-forward pass, then the same bookkeeping when the step ends (computed tokens,
-`cache_full_blocks`, one new token for each sequence whose tokens are all
-computed, `scheduler.finish`).
+forward pass, then the same bookkeeping when the step ends, by the same
+`scheduler.update_from_output` (computed tokens, full blocks into the prefix
+cache, one new token for each sequence whose tokens are all computed, stop
+conditions, finished sequences out).
 
 Fast path (same results, fewer Python calls): when every running sequence is
 decoding, nothing waits and the pool has the blocks, the next k steps are
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence, Status
+from pdserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from pdserve.engine.sequence import Sequence
 from pdserve.kv.block_manager import BlockManager, SeqBlocks
 from pdserve.sim.events import EventLoop
 from pdserve.sim.latency import LatencyModel, StepShape
@@ -80,7 +81,8 @@ class SimInstance:
                  ff_max_steps: int | None = None):
         self.worker_id, self.role, self.latency, self.loop = worker_id, role, latency, loop
         self.bm = SimBlockManager(num_blocks, block_size, enable_prefix_caching, record_events)
-        self.sched = Scheduler(sched, self.bm)
+        # generated tokens are placeholders: their blocks are not cached (see above)
+        self.sched = Scheduler(sched, self.bm, cache_generated_blocks=False)
         self.timing: dict[str, Timing] = {}
         self.on_prefilled = self.on_finished = self.on_step = self.on_chunk = None
         # a cut-short run has allocated up to k tokens ahead: k <= a block keeps that to one block
@@ -118,10 +120,9 @@ class SimInstance:
         """The KV arrived: the prefill worker's first token is appended and decoding goes on."""
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids, seq.num_prompt_tokens)
-        seq.output_token_ids.append(OUTPUT_TOKEN)
         self.timing[seq.seq_id] = timing
-        if len(seq.output_token_ids) >= seq.params.max_tokens:
-            self._finish(seq)
+        if self.sched.append_token(seq, OUTPUT_TOKEN, now=self.loop.now):
+            self._done(seq)
             return
         self.sched.add(seq)
         self.kick()
@@ -157,37 +158,40 @@ class SimInstance:
         # still busy while the step's tokens go out: a request finishing here may bring the next
         # one (a closed loop), which must wait for this bookkeeping, not start a step inside it
         now = self.loop.now
+        # One sequence at a time, each one's callbacks before the next one's bookkeeping: a
+        # client whose request finishes may send its next one at once, and the router places it
+        # by these instances' stats as they stand then. (The order this simulator has always
+        # had; the engine does the whole step's bookkeeping before anyone hears of it.)
         for s in out.scheduled:
-            seq = s.seq
-            if seq.status is Status.FINISHED:
+            seq, before, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            if seq.is_finished:
                 continue
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = before + s.num_new_tokens
-            if before < seq.num_prompt_tokens:
-                self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids,
-                                          min(seq.num_computed_tokens, seq.num_prompt_tokens))
-                if self.on_chunk is not None:  # prefill role: this chunk's KV leaves layer by layer
-                    self.on_chunk(self, seq, before, s.num_new_tokens, dur)
-            if seq.num_computed_tokens == seq.num_tokens:
-                self._emit(seq, now, dur)
+            samples = before + n == seq.num_tokens  # as the model runner decides: its last token was computed
+            self.sched.update_from_output(SchedulerOutput([s]), [SampledToken(seq, OUTPUT_TOKEN)] if samples else (),
+                                          now)
+            if before < seq.num_prompt_tokens and self.on_chunk is not None:
+                self.on_chunk(self, seq, before, n, dur)  # prefill role: this chunk's KV leaves layer by layer
+            if samples:
+                self._emitted(seq, now, dur)
         self.busy = False
         if self.on_step:
             self.on_step(self)
         self.kick()
 
-    def _emit(self, seq: Sequence, now: float, dur: float) -> None:
-        seq.output_token_ids.append(OUTPUT_TOKEN)
+    def _emitted(self, seq: Sequence, now: float, dur: float) -> None:
+        """`seq` got a token in the step that ended at `now`."""
         if self.role == "prefill":
-            self.sched.finish(seq)
+            if not seq.is_finished:  # (its max_tokens is 1) the decode side goes on from here
+                self.sched.finish(seq)
             self.timing.pop(seq.seq_id, None)
             self.on_prefilled(self, seq, now, dur)
             return
         self.timing[seq.seq_id].token(now)
-        if len(seq.output_token_ids) >= seq.params.max_tokens:
-            self._finish(seq)
+        if seq.is_finished:
+            self._done(seq)
 
-    def _finish(self, seq: Sequence) -> None:
-        self.sched.finish(seq)
+    def _done(self, seq: Sequence) -> None:
+        """A finished sequence (the scheduler has let it go): its client sees the end."""
         t = self.timing.pop(seq.seq_id)
         t.done = True
         if self.on_finished:
@@ -248,15 +252,18 @@ class SimInstance:
         self.num_steps += k
         gaps = [ends[i] - ends[i - 1] for i in range(1, k)]
         for seq in ff.seqs:
+            # k one-token steps: only the last token can meet a stop condition (k <= the
+            # tokens left), so it alone goes through the scheduler's stop check
             seq.num_computed_tokens += k
-            seq.output_token_ids.extend([OUTPUT_TOKEN] * k)
+            seq.output_token_ids.extend([OUTPUT_TOKEN] * (k - 1))
+            finished = self.sched.append_token(seq, OUTPUT_TOKEN, now=ends[k - 1])
             t = self.timing[seq.seq_id]
             t.itl_s.append(ends[0] - t.last_s)
             t.itl_s.extend(gaps)
             t.last_s = ends[k - 1]
             t.tokens += k
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                self._finish(seq)
+            if finished:
+                self._done(seq)
         self.busy = False
         if self.on_step:
             self.on_step(self)

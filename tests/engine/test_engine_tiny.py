@@ -255,11 +255,12 @@ def test_resume_continues_the_text_exactly_where_the_stream_stopped(tmp_path):
     prompt = "tell me a story about the sea and the ships that sail on it " * 4
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eng.add_request("ref", prompt, params)
-    streamed, text = {}, ""  # tokens so far -> the text deltas a client had received by then
+    streamed, text, n = {}, "", 0  # tokens so far -> the text deltas a client had received by then
     while eng.has_unfinished_requests():
         for o in eng.step():
             text += o.new_text
-            streamed[len(o.outputs[0].token_ids)] = text
+            n += len(o.new_token_ids)
+            streamed[n] = text
     ids = o.outputs[0].token_ids
     held_back = [k for k in range(1, len(ids)) if len(eng.tokenizer.decode(ids[:k])) != len(streamed[k])]
     assert held_back, "the test needs a cut inside a UTF-8 character"
@@ -269,3 +270,37 @@ def test_resume_continues_the_text_exactly_where_the_stream_stopped(tmp_path):
         while eng.has_unfinished_requests():
             rest += "".join(o.new_text for o in eng.step())
         assert streamed[k] + rest == text, k
+
+
+def test_step_outputs_carry_only_what_is_new(tiny_llm):
+    """While a request runs, each step's output holds its new token, text and logprobs, not the
+    whole completion so far: the 40th step's output is no bigger than the 2nd's. The finished
+    output holds the whole completion, which the deltas add up to, as the offline API returns it."""
+    from pdserve.server.format import CompletionFormatter
+    from pdserve.worker.app import output_event
+
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    eng = tiny_llm.engine
+    eng.add_request("inc", "abc", p)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    running, final = outs[:-1], outs[-1]
+    assert len(running) == 39 and final.finished and not any(o.finished for o in running)
+    for o in running:
+        c = o.outputs[0]
+        assert c.token_ids == o.new_token_ids and len(c.token_ids) == 1
+        assert c.text == o.new_text
+        assert len(c.logprobs) == 1 and c.token_ids[0] in c.logprobs[0]
+        # what the server's streams take from a step's output: the new tokens' logprobs
+        assert CompletionFormatter.new_logprobs(o) == c.logprobs
+        assert output_event(o)["logprobs"] == [{str(k): v for k, v in e.items()} for e in c.logprobs]
+    c = final.outputs[0]
+    assert c.token_ids == [t for o in outs for t in o.new_token_ids] and len(c.token_ids) == 40
+    assert c.text == "".join(o.new_text for o in outs)
+    assert c.logprobs[:-1] == [e for o in running for e in o.outputs[0].logprobs] and len(c.logprobs) == 40
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
+    assert running[-1].outputs[0].cumulative_logprob == pytest.approx(c.cumulative_logprob - c.logprobs[-1][c.token_ids[-1]])
+    offline = tiny_llm.generate("abc", p)[0].outputs[0]
+    assert (offline.token_ids, offline.text, offline.logprobs) == (c.token_ids, c.text, c.logprobs)
+    assert offline.finish_reason == c.finish_reason == "length"

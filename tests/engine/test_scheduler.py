@@ -1,8 +1,8 @@
 """The real Scheduler with a real BlockManager, on synthetic sequences."""
 from pdserve.config import SchedulerConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.scheduler import SampledToken, Scheduler
+from pdserve.engine.sequence import FinishReason, Sequence
 from pdserve.kv.block_manager import BlockManager
 
 
@@ -15,11 +15,11 @@ def seq(sid, n, priority=0, t=0.0):
 
 
 def run_step(s, out, sample=True):
-    """Pretend the model ran: advance computed tokens, append a token when a prompt is done."""
-    for sc in out.scheduled:
-        sc.seq.num_computed_tokens += sc.num_new_tokens
-        if sample and sc.seq.num_computed_tokens == sc.seq.num_tokens:
-            sc.seq.output_token_ids.append(7)
+    """Pretend the model ran and sampled token 7 wherever a sequence's tokens are all computed;
+    the scheduler does the step's bookkeeping, as for the engine."""
+    sampled = [SampledToken(sc.seq, 7) for sc in out.scheduled
+               if sample and sc.seq.num_computed_tokens + sc.num_new_tokens == sc.seq.num_tokens]
+    return s.update_from_output(out, sampled)
 
 
 def test_budget_is_shared_by_decodes_and_prefill_chunks():
@@ -178,3 +178,70 @@ def test_loaded_sequences_waiting_behind_a_preempted_one_do_not_deadlock():
         if finished == {"r", "w"}:
             break
     assert finished == {"r", "w"}
+
+
+def test_update_from_output_advances_caches_appends_and_finishes():
+    """The step's bookkeeping: computed tokens, full blocks into the prefix cache, sampled
+    tokens appended, stop conditions (EOS, max_tokens), finished sequences out with their blocks."""
+    s = Scheduler(SchedulerConfig(), BlockManager(32, 4), eos_token_ids=[99])
+    a = Sequence("a", list(range(1, 9)), SamplingParams(max_tokens=2))
+    b = Sequence("b", list(range(20, 26)), SamplingParams(max_tokens=5))
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    upd = s.update_from_output(out, [SampledToken(b, 99), SampledToken(a, 5, (-0.5, {6: -1.5}))], now=3.0)
+    assert upd.num_prompt_tokens == 14 and upd.finished == [b]
+    assert (a.num_computed_tokens, a.output_token_ids, a.first_token_time) == (8, [5], 3.0)
+    assert a.logprobs == [{5: -0.5, 6: -1.5}] and a.cumulative_logprob == -0.5
+    assert len(s.kv.seqs["a"].hashes) == 2 and s.kv.seqs["a"].num_cached_blocks == 2  # both full blocks
+    assert b.is_finished and (b.finish_reason, b.stop_reason) == (FinishReason.STOP, None)
+    assert "b" not in s.kv.seqs and s.running == [a]
+    out = s.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.scheduled] == [(a, 1)]
+    upd = s.update_from_output(out, [SampledToken(a, 6)], now=4.0)
+    assert upd.num_prompt_tokens == 0 and upd.finished == [a] and a.finish_reason is FinishReason.LENGTH
+    assert (a.num_computed_tokens, a.output_token_ids, a.last_token_time) == (9, [5, 6], 4.0)
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 32
+
+
+def test_update_from_output_stop_strings_stop_ids_min_tokens_and_context():
+    text = {1: "a", 2: "x", 3: "y", 4: "z"}
+    s = Scheduler(SchedulerConfig(), BlockManager(32, 4), eos_token_ids=[2], max_model_len=10)
+
+    def run(seq, tokens):
+        s.add(seq)
+        for t in tokens:
+            out = s.schedule()
+            s.update_from_output(out, [SampledToken(x.seq, t) for x in out.scheduled], detokenize=lambda q, k: text[k])
+        return seq
+
+    st = run(Sequence("st", [9, 9], SamplingParams(stop=["xy"], ignore_eos=True)), [1, 2, 3])
+    assert st.is_finished and (st.output_text, st.stop_reason, st.finish_reason) == ("a", "xy", FinishReason.STOP)
+    ids = run(Sequence("ids", [9, 9], SamplingParams(stop_token_ids=[4])), [1, 4])
+    assert ids.is_finished and ids.stop_reason == 4 and ids.output_text == "az"
+    # EOS (token 2) before min_tokens does not end it; the context (10 tokens) does
+    ctx = run(Sequence("ctx", [9] * 6, SamplingParams(min_tokens=2, max_tokens=None)), [2, 1, 1, 1])
+    assert ctx.is_finished and ctx.finish_reason is FinishReason.LENGTH and ctx.num_tokens == 10
+
+
+def test_update_from_output_skips_a_sequence_aborted_while_its_step_ran():
+    s = make()
+    a, b = seq("a", 4), seq("b", 4)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    s.finish(b)
+    upd = s.update_from_output(out, [SampledToken(a, 7)])
+    assert upd.num_prompt_tokens == 4 and b.num_computed_tokens == 0 and a.output_token_ids == [7]
+
+
+def test_update_from_output_caches_generated_blocks_unless_told_not_to():
+    for cache_generated, cached in ((True, 7), (False, 4)):
+        # blocks of one token: each is full the step its token is computed
+        s = Scheduler(SchedulerConfig(), BlockManager(32, 1), cache_generated_blocks=cache_generated)
+        a = Sequence("a", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+        s.add(a)
+        for _ in range(4):  # the prompt, then three generated tokens computed
+            out = s.schedule()
+            s.update_from_output(out, [SampledToken(a, 7 + len(a.output_token_ids))])
+        assert a.num_computed_tokens == 7 and len(s.kv.cached) == cached

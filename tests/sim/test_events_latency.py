@@ -125,20 +125,20 @@ def test_kv_transfer_layerwise_hides_all_but_the_last_layer():
     assert slow == pytest.approx(kv_bytes / 1e9 - 1.0 + 1.0 / 80)
 
 
-def test_calibration_reads_the_step_shape_from_computed_token_counts():
+def test_calibration_reads_the_step_shape_from_the_step_rows():
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
     from pdserve.engine.sequence import Sequence
+    from pdserve.engine.step_trace import step_rows
     from pdserve.sim.calibrate import _shape
 
     dec = Sequence("d", [1] * 100, SamplingParams(max_tokens=8))
     dec.output_token_ids = [5]
-    dec.num_computed_tokens = 100
     chunk = Sequence("c", [2] * 1000, SamplingParams(max_tokens=1))
-    chunk.num_computed_tokens = 256
-    idle = Sequence("i", [3] * 10, SamplingParams(max_tokens=1))
-    before = {"d": 100, "c": 256, "i": 0}
-    dec.num_computed_tokens, chunk.num_computed_tokens = 101, 512  # what one engine step did
-    s = _shape(before, [dec, chunk, idle])
+    dec.num_computed_tokens, chunk.num_computed_tokens = 101, 512  # after one engine step
+    rows = step_rows(SchedulerOutput([ScheduledSeq(dec, 1), ScheduledSeq(chunk, 256)]))
+    assert rows == [[100, 1, 1], [256, 256, 0]]
+    s = _shape(rows)
     assert (s.decode_seqs, s.decode_context) == (1, 100)
     assert (s.prefill_tokens, s.prefill_seqs, s.prefill_context) == (256, 1, 256)
     assert s.prefill_attention == chunk_attention(256, 256)
