@@ -21,6 +21,7 @@ from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutpu
 from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.slots import slot_mapping
 from pdserve.kvstore.store import BlockRef
 
 log = logging.getLogger("pdserve.engine")
@@ -185,9 +186,7 @@ class LLMEngine:
             dest.shm_paths = self.runner.kv_shm_paths
             dest.shm_shape = self.runner.kv_shape
             dest.shm_dtype = self.config.device.dtype
-        pos = torch.arange(num_cached, len(ids))
-        blocks = torch.tensor(table, dtype=torch.long)[pos // bm.block_size]
-        receiver.expect(dest, blocks * bm.block_size + pos % bm.block_size,
+        receiver.expect(dest, slot_mapping(table, num_cached, len(ids), bm.block_size),
                         self.model_config.num_hidden_layers, deadline_s)
         return dest
 
