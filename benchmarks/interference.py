@@ -66,14 +66,6 @@ CONFIGS: dict[str, dict] = {
         # worker's core, so the decode worker's core runs the decode worker only
         cores={"prefill": [0], "decode": [1], "router": [0], "client": [0]},
         kv_transfer="shm, layer-wise push", worker_timeout_s=120.0, kv_timeout_s=900.0),
-    "disaggregated_shared": dict(
-        label="(d) disaggregated, 1 prefill + 1 decode sharing both cores, prefill at nice 19", mode="disaggregated",
-        threads=2, enable_chunked_prefill=True, chunk_size_tokens=128, max_num_batched_tokens=2048,
-        pools={"prefill": 1, "decode": 1}, pinned=False,
-        # no core of its own for either pool: the kernel's scheduler gives the decode worker the
-        # cores whenever it has a step to run, and the prefill worker whatever is left
-        nice={"prefill": 19},
-        kv_transfer="shm, layer-wise push", worker_timeout_s=120.0, kv_timeout_s=900.0),
 }
 # Engine settings every config leaves at pdserve's defaults (here for the simulator to mirror).
 ENGINE_DEFAULTS = dict(block_size=16, max_num_seqs=64, enable_prefix_caching=True, kv_cache_memory_bytes=1 << 30,
@@ -142,9 +134,7 @@ def server_commands(cfg: dict, model: str | None, traces: dict[str, str] | None 
                         "--worker-id", f"{role}-{i}", *_engine_flags(cfg, model)]
             if cfg["pinned"]:
                 cmd += ["--cpu-cores", ",".join(map(str, cfg["cores"][role]))]
-            nice = cfg.get("nice", {}).get(role)
-            workers.append((["nice", "-n", str(nice)] if nice else []) + cmd
-                           + ["--kv-transport", "auto", *trace(f"{role}-{i}")])
+            workers.append(cmd + ["--kv-transport", "auto", *trace(f"{role}-{i}")])
     return router, workers
 
 
