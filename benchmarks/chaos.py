@@ -56,7 +56,7 @@ import httpx
 import numpy as np
 import psutil
 
-from pdserve import auth
+from pdserve import auth, faults
 from pdserve.bench import datasets
 from pdserve.bench.client import CHAT, COMPLETIONS
 from pdserve.bench.runner import RunState, run_benchmark
@@ -65,7 +65,7 @@ from pdserve.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
+FAULT_ENV = faults.ENABLE_ENV
 PREFILL, DECODE = "prefill-0", "decode-1"  # the worker ids `pdserve serve --prefill 1 --decode 1` gives
 HUNG_S = 60.0  # no answer this long: hung (also the load's read timeout)
 RECOVERY_LIMIT_S = 30.0  # the deployment must serve again this soon after a fault

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve import auth
+from pdserve.faults import KV_FAULTS, FaultSet
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
@@ -76,50 +76,18 @@ def _host_port(address: str) -> tuple[str, int]:
 # A transfer whose connection breaks more often than this fails (its decode worker
 # recomputes): a receiver that refuses a frame refuses it again when it is resent.
 MAX_LOST_CONNECTIONS = 3
-SENDER_FAULTS = ("cut_at_layer", "stall_at_layer", "exit_at_layer", "corrupt_at_layer")
-WORKER_FAULTS = ("delay_prefill",)
-# What `corrupt_at_layer` sends: a length-prefixed header that is not JSON (not even UTF-8)
-_GARBAGE = b"{corrupt: \xff\xfe injected by PDSERVE_KV_FAULT}"
-_GARBAGE_FRAME = struct.pack("!I", len(_GARBAGE)) + _GARBAGE
-
-
-def parse_faults(spec: str | None) -> dict[str, tuple[int, float]]:
-    """Fault injection for tests of the failure paths and the chaos benchmark, from
-    $PDSERVE_KV_FAULT or `inject_fault`, each firing once: `cut_at_layer=K` (drop the
-    connection before layer K), `stall_at_layer=K:S` (sleep S seconds before layer K),
-    `exit_at_layer=K` (the process dies there), `corrupt_at_layer=K` (a frame header of
-    garbage before layer K: the receiver drops the connection, the sender resends on a
-    new one); the worker reads `delay_prefill=0:S` (its first prefill starts S seconds
-    late). ValueError for anything else."""
-    out = {}
-    for item in filter(None, (spec or "").split(",")):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in SENDER_FAULTS + WORKER_FAULTS:
-            raise ValueError(f"unknown fault {name!r}; one of {', '.join(SENDER_FAULTS + WORKER_FAULTS)}")
-        layer, _, arg = value.partition(":")
-        out[name] = (int(layer), float(arg or 0))
-    return out
-
-
-def _sender_faults(spec: str | None) -> dict[str, tuple[int, float]]:
-    return {k: v for k, v in parse_faults(spec).items() if k in SENDER_FAULTS}
-
-
 class TcpKVSender(KVSender):
     """Push: connect to the decode worker's receiver and send frames."""
 
     def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0, lease_s: float = 120.0, *,
                  secret: bytes):
-        import os
-
         if wire_mode not in wire.WIRE_MODES:
             raise ValueError(f"wire mode must be one of {wire.WIRE_MODES}")
         self.secret = wire.require_secret(secret)
         self.wire_mode = wire_mode
         self.retry_window_s = retry_window_s
         self.lease_s = lease_s  # a transfer nobody waits for is dropped after this
-        self.faults = _sender_faults(os.environ.get("PDSERVE_KV_FAULT"))
+        self.faults = FaultSet.from_env(KV_FAULTS)  # armed only by tests and the chaos benchmark
         self._transfers: dict[str, _Outgoing] = {}
         self._socks: dict[str, socket.socket] = {}
         self._q: queue.Queue = queue.Queue()
@@ -174,14 +142,9 @@ class TcpKVSender(KVSender):
             s.close()
 
     def inject_fault(self, spec: str) -> None:
-        """Arm faults at run time (the chaos benchmark, through the worker's fault route):
-        the sender faults of `parse_faults`, merged into those armed. ValueError for a bad
-        spec or a fault that is not the sender's."""
-        faults = parse_faults(spec)
-        other = set(faults) - set(SENDER_FAULTS)
-        if other:
-            raise ValueError(f"not a KV sender fault: {', '.join(sorted(other))}")
-        self.faults.update(faults)
+        """Arm faults at run time (the chaos benchmark, through the worker's fault route): the
+        KV faults of pdserve/faults.py. ValueError for a bad spec or a fault that is not the sender's."""
+        self.faults.arm(spec)
 
     # ---- internals
     def _enqueue(self, t: _Outgoing, header: dict, payload: list[torch.Tensor]) -> None:
@@ -240,35 +203,13 @@ class TcpKVSender(KVSender):
         finally:
             self._send_lock.release()
 
-    def _armed(self, name: str, layer: int) -> tuple[int, float] | None:
-        """The fault `name` if it is armed for `layer`; it fires once, so it is disarmed."""
-        fault = self.faults.get(name)
-        if fault is None or fault[0] != layer:
-            return None
-        return self.faults.pop(name, fault)
-
-    def _inject(self, header: dict, sock: socket.socket) -> None:
-        layer = header.get("layer", -1)
-        stall = self._armed("stall_at_layer", layer)
-        if stall:
-            time.sleep(stall[1])
-        if self._armed("cut_at_layer", layer):
-            sock.shutdown(socket.SHUT_RDWR)
-        if self._armed("corrupt_at_layer", layer):
-            log.warning("fault: a corrupt frame header to %s before layer %s", wire.peer_name(sock), layer)
-            sock.sendall(_GARBAGE_FRAME)
-        if self._armed("exit_at_layer", layer):
-            import os
-
-            os._exit(17)
-
     def _send_with_retry(self, t: _Outgoing, header: dict, payload) -> None:
         deadline = time.monotonic() + self.retry_window_s
         while True:
             try:
                 sock = self._sock(t.dest.address)
                 if self.faults:
-                    self._inject(header, sock)
+                    self.faults.before_kv_frame(header.get("layer", -1), sock)
                 if t.sock is not None and t.sock is not sock and header["op"] != "abort":
                     # a new connection: the receiver may lack what went on the old one
                     for h, p in t.frames:

@@ -24,14 +24,13 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from pdserve import auth
+from pdserve import auth, faults
 from pdserve.control_api import (
     MAX_RESERVE_WAIT_S,
     AbortRequest,
@@ -63,10 +62,8 @@ from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, from_validation_errors, install_handlers
 from pdserve.transfer.connector import KVDestination, KVTransferError
-from pdserve.transfer.sender import WORKER_FAULTS, parse_faults
 
 log = logging.getLogger("pdserve.worker")
-FAULT_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"
 
 
 def _params(d: dict) -> SamplingParams:
@@ -105,8 +102,7 @@ class WorkerApi:
         self.save_timeout_s = save_timeout_s
         self.max_lease_s = max_lease_s
         self.start_drain = None  # set by the process that serves this API (serving.DrainingServer)
-        # tests of the failure paths: `delay_prefill=0:S` holds the first prefill S seconds
-        self._faults = parse_faults(os.environ.get("PDSERVE_KV_FAULT"))
+        self._faults = faults.FaultSet.from_env(faults.WORKER_FAULTS)  # tests and the chaos benchmark only
 
     # Each route takes its body as a control_api model: FastAPI validates it, and a body
     # that does not fit is a 400 naming the field (errors.install_handlers), never a 500.
@@ -115,8 +111,8 @@ class WorkerApi:
     async def prefill(self, b: PrefillRequest) -> StreamingResponse:
         dest = KVDestination(**b.kv_destination.model_dump()) if b.kv_destination else None
         params = dataclasses.replace(_params(b.params), max_tokens=1, min_tokens=0)
-        if "delay_prefill" in self._faults:
-            await asyncio.sleep(self._faults.pop("delay_prefill")[1])
+        if self._faults:
+            await self._faults.before_prefill()
         group = self.engine.submit([EngineInput(b.prompt_token_ids, params, kv_destination=dest)],
                                    request_id=b.request_id)
         await group.accepted()
@@ -291,7 +287,7 @@ class WorkerApi:
         """Arm a fault for tests and the chaos benchmark: {"kv": "cut_at_layer=3"} for the KV
         sender, {"worker": "delay_prefill=0:2"} for this API. 404 unless the process was
         started with PDSERVE_ENABLE_FAULT_INJECTION=1."""
-        if os.environ.get(FAULT_ENV) != "1":
+        if not faults.route_enabled():
             raise APIError(404, "fault injection is off on this worker", code="not_found")
         # parsed here, not by FastAPI: a worker without fault injection answers 404 whatever the body
         try:
@@ -306,10 +302,7 @@ class WorkerApi:
                     raise APIError(400, "this worker sends no KV", param="kv")
                 self.sender.inject_fault(b.kv)
             if b.worker is not None:
-                faults = parse_faults(b.worker)
-                if set(faults) - set(WORKER_FAULTS):
-                    raise ValueError(f"worker faults are {', '.join(WORKER_FAULTS)}; KV faults go under \"kv\"")
-                self._faults.update(faults)
+                self._faults.arm(b.worker)
         except ValueError as e:
             raise APIError(400, f"bad fault spec: {e}") from None
         armed = b.model_dump(exclude_none=True)
