@@ -75,10 +75,10 @@ def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, 
     assert r["by_tag"]["chat"]["completed"] == 10 and r["by_tag"]["long"]["completed"] == 2
     assert r["by_tag"]["chat"]["max_concurrent_requests"] <= 3
     long_starts = sorted(s for s, t in zip(r["start_times"], r["tags"]) if t == "long")
-    # on their own clock (0.1 s, 0.3 s), not queued behind the chats; a loaded 2-core machine
-    # delays the client's first sends by up to a few hundred ms, but not the gap between them
-    assert 0.1 - 0.01 <= long_starts[0] < 0.1 + 0.5
-    assert long_starts[1] - long_starts[0] == pytest.approx(0.2, abs=0.1)
+    # on their own clock (0.1 s, 0.3 s), never early and not queued behind the chats (a loaded
+    # 2-core machine may delay the client's sends by a few hundred ms: CI once saw 0.34 s for 0.1 s)
+    for start, due in zip(long_starts, (0.1, 0.3)):
+        assert due - 0.01 <= start < due + 0.5, long_starts
     assert [n for n, t in zip(r["input_lens"], r["tags"]) if t == "long"] == [300, 300]
 
 
