@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.pdserve-setup
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-unit test-integration lint bench clean
+.PHONY: setup serve test test-unit test-integration lint format bench clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,10 @@ test-integration: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
 
 bench: setup
 	$(PY) benchmarks/engine.py

@@ -11,6 +11,7 @@ for transformers bf16 against transformers fp32 (what bf16 itself costs).
 
     .venv/bin/python benchmarks/agreement.py --threads 2 --tokens 32 --json agreement.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
-    ap.add_argument("--modes", nargs="+", default=["bfloat16", "float32"],
-                    help="engine dtypes to measure (float32 is the exact baseline: expect 100%%)")
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["bfloat16", "float32"],
+        help="engine dtypes to measure (float32 is the exact baseline: expect 100%%)",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -50,9 +55,15 @@ def main() -> None:
         outs = []
         for p in prompts:
             ids = torch.tensor([p])
-            g = refs["bfloat16"].generate(ids, max_new_tokens=args.tokens, do_sample=False,
-                                          attention_mask=torch.ones_like(ids), pad_token_id=2, eos_token_id=None)
-            outs.append(g[0, len(p):].tolist())
+            g = refs["bfloat16"].generate(
+                ids,
+                max_new_tokens=args.tokens,
+                do_sample=False,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=2,
+                eos_token_id=None,
+            )
+            outs.append(g[0, len(p) :].tolist())
     r = measure(refs["float32"], prompts, outs).summary()
     results["transformers bfloat16 vs transformers float32"] = r
     print(f"transformers bfloat16 vs transformers float32: {r}", flush=True)

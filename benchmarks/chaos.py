@@ -35,6 +35,7 @@ over and the deployment serves again) and after it, and the fault's own check.
     .venv/bin/python benchmarks/chaos.py                      # all faults, 3 repetitions -> results/chaos/
     .venv/bin/python benchmarks/chaos.py --quick --faults kill_decode,kv_cut --out results/chaos-quick
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,6 +79,7 @@ IDLE_WAIT_S = 30.0  # how long blocks may take to come back once the load is ove
 
 # ---------------------------------------------------------------- the deployment
 
+
 class Deployment:
     """`pdserve serve` as a subprocess, with signed access to its internal routes.
 
@@ -98,23 +100,44 @@ class Deployment:
         self.started_s = 0.0
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--prefill", "1", "--decode", "1", "--worker-timeout-s", str(self.args.worker_timeout_s),
-               "--num-gpu-blocks", str(self.args.num_gpu_blocks),
-               # info: the router logs one line per request with its outcome (where SSE 500s show)
-               "--log-level", "info", "--log-format", "json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--worker-timeout-s",
+            str(self.args.worker_timeout_s),
+            "--num-gpu-blocks",
+            str(self.args.num_gpu_blocks),
+            # info: the router logs one line per request with its outcome (where SSE 500s show)
+            "--log-level",
+            "info",
+            "--log-format",
+            "json",
+        ]
         return cmd + (["--model", self.args.model] if self.args.model else [])
 
     def start(self) -> float:
         """Start and wait until both workers are registered and a completion succeeds; returns the seconds."""
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=REPO, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.seen[self.proc.pid] = psutil.Process(self.proc.pid)
         if not self.wait_healthy(self.args.startup_timeout_s):
-            raise RuntimeError(f"the deployment did not come up in {self.args.startup_timeout_s:.0f} s; "
-                               f"log {self.log_path}:\n{self.log_tail()}")
+            raise RuntimeError(
+                f"the deployment did not come up in {self.args.startup_timeout_s:.0f} s; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
         self.started_s = time.monotonic() - t0
         return self.started_s
 
@@ -144,7 +167,7 @@ class Deployment:
                 continue
             if name == "router" and "router" in cmd:
                 return p
-            if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1:][:1] == [name]:
+            if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1 :][:1] == [name]:
                 return p
         return None
 
@@ -235,8 +258,12 @@ class Deployment:
 def probe(url: str, timeout_s: float = 10.0) -> bool:
     """One short completion: does the deployment serve?"""
     try:
-        r = httpx.post(url + COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2, "temperature": 0},
-                       timeout=timeout_s, trust_env=False)
+        r = httpx.post(
+            url + COMPLETIONS,
+            json={"prompt": "Hello", "max_tokens": 2, "temperature": 0},
+            timeout=timeout_s,
+            trust_env=False,
+        )
         return r.status_code == 200 and bool(r.json().get("choices"))
     except (httpx.HTTPError, ValueError):
         return False
@@ -283,13 +310,15 @@ class Recovery:
 
 # ---------------------------------------------------------------- the steady load
 
+
 class Load:
     """The steady load in a thread (run_benchmark): short chats, Poisson at `rate`, at most `streams` at once,
     sent for `seconds`. The arrival rate, not a closed loop: while requests fail fast (no router), a closed
     loop would spin out thousands of failures a second."""
 
-    def __init__(self, url: str, requests: list[datasets.Request], args, seconds: float, seed: int,
-                 rate: float | None = None):
+    def __init__(
+        self, url: str, requests: list[datasets.Request], args, seconds: float, seed: int, rate: float | None = None
+    ):
         self.requests, self.seconds = requests, seconds
         self.rate = args.rate if rate is None else rate
         self.state = RunState([])
@@ -303,9 +332,18 @@ class Load:
 
     def _run(self, url: str, args, seed: int) -> None:
         try:
-            run_benchmark(self.requests, url, endpoint=CHAT, request_rate=self.rate,
-                          tag_concurrency={"chat": args.streams}, ignore_eos=True, timeout_s=HUNG_S,
-                          state=self.state, send_until_s=self.seconds, seed=seed)
+            run_benchmark(
+                self.requests,
+                url,
+                endpoint=CHAT,
+                request_rate=self.rate,
+                tag_concurrency={"chat": args.streams},
+                ignore_eos=True,
+                timeout_s=HUNG_S,
+                state=self.state,
+                send_until_s=self.seconds,
+                seed=seed,
+            )
         except Exception as e:  # BenchError: the endpoint was unusable at the start
             self.error = f"{type(e).__name__}: {e}"
 
@@ -319,8 +357,9 @@ class Load:
 
 
 def chat_requests(n: int, tokens: TokenSource, args, seed: int) -> list[datasets.Request]:
-    return datasets.random(n, args.input_len, args.output_len, tokens, seed=seed, range_ratio=0.33,
-                           as_text=True, tag="chat")
+    return datasets.random(
+        n, args.input_len, args.output_len, tokens, seed=seed, range_ratio=0.33, as_text=True, tag="chat"
+    )
 
 
 def classify(out, max_tokens: int, in_flight_is_hung: bool = False) -> tuple[str, str]:
@@ -372,15 +411,25 @@ def window_latencies(outs, max_tokens: list[int], t0: float, t1: float) -> dict:
             t += gap
             if t0 <= t < t1:
                 itls.append(gap)
-    return {"p99_ttft_ms": percentile99(ttfts), "p99_itl_ms": percentile99(itls), "num_ttft": len(ttfts),
-            "num_itl": len(itls)}
+    return {
+        "p99_ttft_ms": percentile99(ttfts),
+        "p99_itl_ms": percentile99(itls),
+        "num_ttft": len(ttfts),
+        "num_itl": len(itls),
+    }
 
 
 # ---------------------------------------------------------------- what the deployment says
 
-COUNTERS = ("kv_transfer_failed_total", "kv_transfer_retries_total", "request_recomputed_total",
-            "request_replaced_total", "request_whole_on_one_worker_total", "internal_auth_refused_total",
-            "request_resumed_total")
+COUNTERS = (
+    "kv_transfer_failed_total",
+    "kv_transfer_retries_total",
+    "request_recomputed_total",
+    "request_replaced_total",
+    "request_whole_on_one_worker_total",
+    "internal_auth_refused_total",
+    "request_resumed_total",
+)
 # the launcher's front: these do not start again when the router restarts
 FRONT_COUNTERS = ("front_requests_resumed_total", "front_requests_retried_total", "front_requests_failed_total")
 
@@ -403,13 +452,15 @@ def counter_deltas(before: dict, after: dict) -> dict[str, float]:
     """What the counters moved by; after a router restart they started again from 0, so
     the new router's values are the deltas (marked with `router_restarted`)."""
     keys = sorted(set(before) | set(after))
-    front = {k: after.get(k, 0) - before.get(k, 0) for k in keys
-             if k in FRONT_COUNTERS and after.get(k, 0) != before.get(k, 0)}
+    front = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in keys
+        if k in FRONT_COUNTERS and after.get(k, 0) != before.get(k, 0)
+    }
     keys = [k for k in keys if k not in FRONT_COUNTERS]
     if any(after.get(k, 0) < before.get(k, 0) for k in keys):
         return {"router_restarted": 1, **{k: after[k] for k in keys if after.get(k)}, **front}
-    return {**{k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)},
-            **front}
+    return {**{k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}, **front}
 
 
 def worker_blocks(dep: Deployment) -> dict[str, dict]:
@@ -418,8 +469,12 @@ def worker_blocks(dep: Deployment) -> dict[str, dict]:
     for wid in (PREFILL, DECODE):
         try:
             st = dep.worker_call(wid, "GET", "/internal/state").json()["stats"]
-            out[wid] = {"held_blocks": st["num_blocks"] - st["num_free_blocks"], "num_blocks": st["num_blocks"],
-                        "running": st.get("num_running", 0), "waiting": st.get("num_waiting", 0)}
+            out[wid] = {
+                "held_blocks": st["num_blocks"] - st["num_free_blocks"],
+                "num_blocks": st["num_blocks"],
+                "running": st.get("num_running", 0),
+                "waiting": st.get("num_waiting", 0),
+            }
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             out[wid] = {"held_blocks": None, "error": f"{type(e).__name__}: {e}"}
     return out
@@ -432,8 +487,11 @@ def idle_blocks(dep: Deployment, wait_s: float, then_s: float) -> dict[str, dict
     t0 = time.monotonic()
 
     def settled(blocks: dict) -> bool:
-        return all(s["held_blocks"] == 0 and not s["running"] and not s["waiting"] for s in blocks.values()
-                   if s["held_blocks"] is not None)
+        return all(
+            s["held_blocks"] == 0 and not s["running"] and not s["waiting"]
+            for s in blocks.values()
+            if s["held_blocks"] is not None
+        )
 
     while not settled(held := worker_blocks(dep)) and time.monotonic() - t0 < wait_s:
         time.sleep(0.5)
@@ -478,11 +536,16 @@ def log_findings(lines: list[str]) -> dict:
             missed[m.group(1)] += 1
         if rec.get("level") in ("error", "critical") or "exc" in rec:
             errors.append(f"{rec.get('logger')}: {msg}"[:200])
-    return {"stream_500s": stream_500s, "heartbeats_missed": dict(missed), "num_errors": len(errors),
-            "errors": list(dict.fromkeys(errors))[:8]}
+    return {
+        "stream_500s": stream_500s,
+        "heartbeats_missed": dict(missed),
+        "num_errors": len(errors),
+        "errors": list(dict.fromkeys(errors))[:8],
+    }
 
 
 # ---------------------------------------------------------------- the faults
+
 
 class FaultError(RuntimeError):
     pass
@@ -521,14 +584,22 @@ def fault_kill_worker(ctx: Ctx, name: str) -> dict:
 
     def rejoined() -> bool:  # a new process, registered with the router again (its restart count is up)
         p = ctx.dep.process(name)
-        return (p is not None and p.pid != old.pid and ctx.dep.workers()[name]["alive"]
-                and counters(ctx.dep).get(f"restarts:{name}", 0) > before)
+        return (
+            p is not None
+            and p.pid != old.pid
+            and ctx.dep.workers()[name]["alive"]
+            and counters(ctx.dep).get(f"restarts:{name}", 0) > before
+        )
 
     back_s = wait_for(rejoined, ctx.args.rejoin_timeout_s, 0.5)
     ok = back_s is not None
-    return {"ok": ok, "rejoined_s": back_s,
-            "check": f"restarted and re-registered after {back_s:.1f} s" if ok else
-            f"not back within {ctx.args.rejoin_timeout_s:.0f} s"}
+    return {
+        "ok": ok,
+        "rejoined_s": back_s,
+        "check": f"restarted and re-registered after {back_s:.1f} s"
+        if ok
+        else f"not back within {ctx.args.rejoin_timeout_s:.0f} s",
+    }
 
 
 def fault_kill_router(ctx: Ctx) -> dict:
@@ -541,9 +612,13 @@ def fault_kill_router(ctx: Ctx) -> dict:
 
     back_s = wait_for(rejoined, ctx.args.rejoin_timeout_s, 0.25)
     ok = back_s is not None
-    return {"ok": ok, "rejoined_s": back_s,
-            "check": f"router back, both workers registered after {back_s:.1f} s" if ok else
-            f"not back within {ctx.args.rejoin_timeout_s:.0f} s"}
+    return {
+        "ok": ok,
+        "rejoined_s": back_s,
+        "check": f"router back, both workers registered after {back_s:.1f} s"
+        if ok
+        else f"not back within {ctx.args.rejoin_timeout_s:.0f} s",
+    }
 
 
 def fault_stop_decode(ctx: Ctx) -> dict:
@@ -556,9 +631,14 @@ def fault_stop_decode(ctx: Ctx) -> dict:
     t_cont = time.monotonic()
     back_s = wait_for(lambda: ctx.dep.workers()[DECODE]["alive"], 30.0)
     ok = dead_s is not None and back_s is not None
-    return {"ok": ok, "marked_dead_s": dead_s, "alive_after_cont_s": back_s, "resumed_at_s": t_cont - ctx.t_inject,
-            "check": (f"marked dead after {dead_s:.1f} s" if dead_s is not None else "never marked dead")
-            + (f"; alive again {back_s:.1f} s after SIGCONT" if back_s is not None else "; not alive after SIGCONT")}
+    return {
+        "ok": ok,
+        "marked_dead_s": dead_s,
+        "alive_after_cont_s": back_s,
+        "resumed_at_s": t_cont - ctx.t_inject,
+        "check": (f"marked dead after {dead_s:.1f} s" if dead_s is not None else "never marked dead")
+        + (f"; alive again {back_s:.1f} s after SIGCONT" if back_s is not None else "; not alive after SIGCONT"),
+    }
 
 
 def fault_kv(ctx: Ctx, spec: str) -> dict:
@@ -574,9 +654,15 @@ def fault_kv(ctx: Ctx, spec: str) -> dict:
         return any(after.get(k, 0) > before.get(k, 0) for k in keys)
 
     seen_s = wait_for(fired, 15.0, 0.5)
-    return {"ok": True, "fired_s": seen_s,
-            "check": (f"armed; retry/failure counted {seen_s:.1f} s later" if seen_s is not None else
-                      "armed; no retry, failure or recompute counted within 15 s")}
+    return {
+        "ok": True,
+        "fired_s": seen_s,
+        "check": (
+            f"armed; retry/failure counted {seen_s:.1f} s later"
+            if seen_s is not None
+            else "armed; no retry, failure or recompute counted within 15 s"
+        ),
+    }
 
 
 def fault_kv_fill(ctx: Ctx) -> dict:
@@ -603,8 +689,13 @@ def fault_kv_fill(ctx: Ctx) -> dict:
     kinds = Counter(classify(o, 16)[0] for o in state.outputs)
     errors = Counter(classify(o, 16)[1][:90] for o in state.outputs if o.error)
     bad = kinds["lost"] + kinds["hung"] + kinds["http500"]
-    return {"ok": bad == 0, "burst": dict(kinds), "burst_errors": dict(errors), "decode_min_free_blocks": low["free"],
-            "check": f"burst {dict(kinds)}; decode free blocks fell to {low['free']}"}
+    return {
+        "ok": bad == 0,
+        "burst": dict(kinds),
+        "burst_errors": dict(errors),
+        "decode_min_free_blocks": low["free"],
+        "check": f"burst {dict(kinds)}; decode free blocks fell to {low['free']}",
+    }
 
 
 def fault_fanout(ctx: Ctx) -> dict:
@@ -618,12 +709,25 @@ def fault_fanout(ctx: Ctx) -> dict:
             shaped = bool(err.get("message")) and "type" in err
         except (ValueError, KeyError, TypeError, AttributeError):
             err, shaped = {"message": r.text[:200]}, False
-        seen.append({"stream": stream, "status": r.status_code, "openai_shape": shaped, "seconds": time.monotonic() - t0,
-                     "message": str(err.get("message"))[:160] if isinstance(err, dict) else None})
+        seen.append(
+            {
+                "stream": stream,
+                "status": r.status_code,
+                "openai_shape": shaped,
+                "seconds": time.monotonic() - t0,
+                "message": str(err.get("message"))[:160] if isinstance(err, dict) else None,
+            }
+        )
     ok = all(s["status"] == 400 and s["openai_shape"] for s in seen)
-    return {"ok": ok, "answers": seen,
-            "check": "; ".join(f"{'stream' if s['stream'] else 'plain'}: {s['status']} in {s['seconds'] * 1e3:.0f} ms"
-                               + ("" if s["openai_shape"] else " (not OpenAI-shaped)") for s in seen)}
+    return {
+        "ok": ok,
+        "answers": seen,
+        "check": "; ".join(
+            f"{'stream' if s['stream'] else 'plain'}: {s['status']} in {s['seconds'] * 1e3:.0f} ms"
+            + ("" if s["openai_shape"] else " (not OpenAI-shaped)")
+            for s in seen
+        ),
+    }
 
 
 async def _disconnecting_clients(url: str, n: int, body: dict, read_s: float) -> Counter:
@@ -653,33 +757,46 @@ async def _disconnecting_clients(url: str, n: int, body: dict, read_s: float) ->
         except asyncio.TimeoutError:  # closing the stream mid-wait is the point too
             return "closed while waiting"
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(read_s + 5, connect=30), limits=limits,
-                                 trust_env=False) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(read_s + 5, connect=30), limits=limits, trust_env=False
+    ) as client:
         return Counter(await asyncio.gather(*(bounded(client) for _ in range(n))))
 
 
-DISCONNECT_BODY = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
-                   "max_tokens": 64, "stream": True, "ignore_eos": True}
+DISCONNECT_BODY = {
+    "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+    "max_tokens": 64,
+    "stream": True,
+    "ignore_eos": True,
+}
 
 
 def fault_disconnects(ctx: Ctx) -> dict:
     # in a process of its own: 500 clients in this one would take the GIL from the steady load's
     # client and show up as the deployment's TTFT and ITL
-    cmd = [sys.executable, os.path.abspath(__file__), "_disconnects", ctx.dep.url, str(ctx.args.clients),
-           str(ctx.args.disconnect_read_s)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "_disconnects",
+        ctx.dep.url,
+        str(ctx.args.clients),
+        str(ctx.args.disconnect_read_s),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=ctx.args.disconnect_read_s + 120)
     if run.returncode != 0:
         raise FaultError(f"the clients' process failed: {run.stderr[-500:]}")
     outcomes = Counter(json.loads(run.stdout))
     bad = sum(v for k, v in outcomes.items() if k.startswith("HTTP 5") and k != "HTTP 503")
-    return {"ok": bad == 0, "clients": dict(outcomes),
-            "check": ", ".join(f"{v} {k}" for k, v in outcomes.most_common())}
+    return {
+        "ok": bad == 0,
+        "clients": dict(outcomes),
+        "check": ", ".join(f"{v} {k}" for k, v in outcomes.most_common()),
+    }
 
 
 def fault_fake_worker(ctx: Ctx) -> dict:
     dep = ctx.dep
-    fake = {"worker_id": "chaos-fake", "url": "http://127.0.0.1:9", "role": "decode",
-            "kv_address": "tcp://127.0.0.1:9"}
+    fake = {"worker_id": "chaos-fake", "url": "http://127.0.0.1:9", "role": "decode", "kv_address": "tcp://127.0.0.1:9"}
     before = counters(dep).get("internal_auth_refused_total", 0)
     answers = {}
     wrong = httpx.Client(auth=auth.http_auth(auth.new_token().encode()), timeout=10, trust_env=False)
@@ -692,19 +809,26 @@ def fault_fake_worker(ctx: Ctx) -> dict:
             answers[f"heartbeat {label}"] = _status_and_shape(r)
         # the workers' routes are guarded the same way: a fault armed by a stranger would be a weapon
         prefill_url = dep.workers()[PREFILL]["url"]
-        answers["worker fault unsigned"] = _status_and_shape(plain.post(prefill_url + "/internal/fault",
-                                                                         json={"kv": "cut_at_layer=1"}))
-        answers["worker fault wrong token"] = _status_and_shape(wrong.post(prefill_url + "/internal/fault",
-                                                                           json={"kv": "cut_at_layer=1"}))
+        answers["worker fault unsigned"] = _status_and_shape(
+            plain.post(prefill_url + "/internal/fault", json={"kv": "cut_at_layer=1"})
+        )
+        answers["worker fault wrong token"] = _status_and_shape(
+            wrong.post(prefill_url + "/internal/fault", json={"kv": "cut_at_layer=1"})
+        )
     finally:
         wrong.close()
         plain.close()
     listed = "chaos-fake" in dep.workers()
     refused = counters(dep).get("internal_auth_refused_total", 0) - before
     ok = all(a == "401 ok" for a in answers.values()) and not listed and refused >= 4
-    return {"ok": ok, "answers": answers, "fake_listed": listed, "router_auth_refused": refused,
-            "check": f"{sum(a == '401 ok' for a in answers.values())}/{len(answers)} answered 401 (OpenAI-shaped); "
-                     f"router counted {refused:.0f} refused; fake {'LISTED' if listed else 'not listed'}"}
+    return {
+        "ok": ok,
+        "answers": answers,
+        "fake_listed": listed,
+        "router_auth_refused": refused,
+        "check": f"{sum(a == '401 ok' for a in answers.values())}/{len(answers)} answered 401 (OpenAI-shaped); "
+        f"router counted {refused:.0f} refused; fake {'LISTED' if listed else 'not listed'}",
+    }
 
 
 def _status_and_shape(r: httpx.Response) -> str:
@@ -732,8 +856,7 @@ FAULTS = [
     Fault("kv_corrupt", "corrupt KV frame at layer 5", lambda c: fault_kv(c, "corrupt_at_layer=5"), lambda a: 10.0),
     Fault("kv_fill", "decode KV pool filled by long prompts", fault_kv_fill, lambda a: a.burst_s),
     Fault("fanout", "fan-out request (2000 prompts x n=128)", fault_fanout, lambda a: 5.0),
-    Fault("disconnects", "clients disconnecting mid-stream", fault_disconnects,
-          lambda a: a.disconnect_read_s + 10),
+    Fault("disconnects", "clients disconnecting mid-stream", fault_disconnects, lambda a: a.disconnect_read_s + 10),
     Fault("fake_worker", "fake worker registering", fault_fake_worker, lambda a: 5.0),
     Fault("sigterm", "SIGTERM of the whole deployment", None, lambda a: 0.0),  # run_sigterm
 ]
@@ -741,6 +864,7 @@ BY_NAME = {f.name: f for f in FAULTS}
 
 
 # ---------------------------------------------------------------- one fault, one repetition
+
 
 def load_outcome(load: Load, in_flight_is_hung: bool) -> tuple[dict, dict]:
     max_tokens = [r.output_len for r in load.requests]
@@ -786,16 +910,28 @@ def run_fault(dep: Deployment, fault: Fault, rep: int, args, tokens: TokenSource
     logs = log_findings(dep.log_since(offset))
     max_tokens = [r.output_len for r in requests]
     outs = load.state.outputs
-    return {"fault": fault.name, "title": fault.title, "rep": rep, **result,
-            "sent": sum(kinds.values()), **{k: kinds.get(k, 0) for k in ("completed", "refused", "lost", "hung")},
-            "http500": kinds.get("http500", 0) + logs["stream_500s"], "errors": errors,
-            "recovered_s": recovered_s, "action_s": action_s, "window_s": window_s,
-            "fault_window": window_latencies(outs, max_tokens, rel_inject, rel_inject + window_s),
-            "after_window": window_latencies(outs, max_tokens, rel_inject + window_s, float("inf")),
-            "before_window": window_latencies(outs, max_tokens, 0.0, rel_inject),
-            "held_blocks": held, "counters": counter_deltas(before, counters(dep)),
-            "stale_shm_files": len(stale_shm_files(dep)), "log": logs, "load_finished": finished,
-            "loadavg": os.getloadavg()}
+    return {
+        "fault": fault.name,
+        "title": fault.title,
+        "rep": rep,
+        **result,
+        "sent": sum(kinds.values()),
+        **{k: kinds.get(k, 0) for k in ("completed", "refused", "lost", "hung")},
+        "http500": kinds.get("http500", 0) + logs["stream_500s"],
+        "errors": errors,
+        "recovered_s": recovered_s,
+        "action_s": action_s,
+        "window_s": window_s,
+        "fault_window": window_latencies(outs, max_tokens, rel_inject, rel_inject + window_s),
+        "after_window": window_latencies(outs, max_tokens, rel_inject + window_s, float("inf")),
+        "before_window": window_latencies(outs, max_tokens, 0.0, rel_inject),
+        "held_blocks": held,
+        "counters": counter_deltas(before, counters(dep)),
+        "stale_shm_files": len(stale_shm_files(dep)),
+        "log": logs,
+        "load_finished": finished,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def run_sigterm(dep: Deployment, rep: int, args, tokens: TokenSource) -> dict:
@@ -832,25 +968,52 @@ def run_sigterm(dep: Deployment, rep: int, args, tokens: TokenSource) -> dict:
     stale = len(stale_shm_files(dep))
     n503 = sum(a["status"] == 503 and a["retry_after"] and a["shaped"] for a in answers)
     other = unexpected_drain_answers(answers)
-    ok = (code == 0 and not survivors and n503 > 0 and not other and stale == 0 and long_kind == "completed"
-          and kinds.get("lost", 0) + kinds.get("hung", 0) + kinds.get("http500", 0) == 0)
-    check = (f"exit {code} after {exit_s:.1f} s; the {args.drain_long_tokens}-token chat in flight: {long_kind}"
-             + (f" ({long_why})" if long_why else "") + f"; {n503}/{len(answers)} new requests got 503 + Retry-After"
-             + (f"; unexpected answers {dict(Counter(str(a['status']) for a in other))}" if other else "")
-             + (f"; {len(survivors)} process(es) left running" if survivors else "")
-             + (f"; {stale} KV file(s) left in /dev/shm" if stale else ""))
+    ok = (
+        code == 0
+        and not survivors
+        and n503 > 0
+        and not other
+        and stale == 0
+        and long_kind == "completed"
+        and kinds.get("lost", 0) + kinds.get("hung", 0) + kinds.get("http500", 0) == 0
+    )
+    check = (
+        f"exit {code} after {exit_s:.1f} s; the {args.drain_long_tokens}-token chat in flight: {long_kind}"
+        + (f" ({long_why})" if long_why else "")
+        + f"; {n503}/{len(answers)} new requests got 503 + Retry-After"
+        + (f"; unexpected answers {dict(Counter(str(a['status']) for a in other))}" if other else "")
+        + (f"; {len(survivors)} process(es) left running" if survivors else "")
+        + (f"; {stale} KV file(s) left in /dev/shm" if stale else "")
+    )
     outs, max_tokens = load.state.outputs, [r.output_len for r in requests]
-    return {"fault": fault.name, "title": fault.title, "rep": rep, "ok": ok, "check": check,
-            "exit_code": code, "exit_s": exit_s, "drain_answers": answers[:60], "survivors": survivors,
-            "long_request": long_kind,
-            "sent": sum(kinds.values()), **{k: kinds.get(k, 0) for k in ("completed", "refused", "lost", "hung")},
-            "http500": kinds.get("http500", 0) + logs["stream_500s"], "errors": errors,
-            "recovered_s": None, "action_s": exit_s, "window_s": exit_s,
-            "fault_window": window_latencies(outs, max_tokens, rel_inject, float("inf")),
-            "after_window": window_latencies(outs, max_tokens, float("inf"), float("inf")),
-            "before_window": window_latencies(outs, max_tokens, 0.0, rel_inject),
-            "held_blocks": {}, "counters": {}, "stale_shm_files": stale, "log": logs, "load_finished": finished,
-            "loadavg": os.getloadavg()}
+    return {
+        "fault": fault.name,
+        "title": fault.title,
+        "rep": rep,
+        "ok": ok,
+        "check": check,
+        "exit_code": code,
+        "exit_s": exit_s,
+        "drain_answers": answers[:60],
+        "survivors": survivors,
+        "long_request": long_kind,
+        "sent": sum(kinds.values()),
+        **{k: kinds.get(k, 0) for k in ("completed", "refused", "lost", "hung")},
+        "http500": kinds.get("http500", 0) + logs["stream_500s"],
+        "errors": errors,
+        "recovered_s": None,
+        "action_s": exit_s,
+        "window_s": exit_s,
+        "fault_window": window_latencies(outs, max_tokens, rel_inject, float("inf")),
+        "after_window": window_latencies(outs, max_tokens, float("inf"), float("inf")),
+        "before_window": window_latencies(outs, max_tokens, 0.0, rel_inject),
+        "held_blocks": {},
+        "counters": {},
+        "stale_shm_files": stale,
+        "log": logs,
+        "load_finished": finished,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def unexpected_drain_answers(answers: list[dict]) -> list[dict]:
@@ -858,9 +1021,18 @@ def unexpected_drain_answers(answers: list[dict]) -> list[dict]:
     refused connection once it is gone. A 200 is fine until the first 503: the launcher forwards the
     signal to the router within its 0.2 s supervision tick."""
     first_503 = next((i for i, a in enumerate(answers) if a["status"] == 503), len(answers))
-    return [a for i, a in enumerate(answers)
-            if not (a["status"] == 200 and i < first_503 or a["status"] == "ConnectError"
-                    or a["status"] == 503 and a["retry_after"] and a["shaped"])]
+    return [
+        a
+        for i, a in enumerate(answers)
+        if not (
+            a["status"] == 200
+            and i < first_503
+            or a["status"] == "ConnectError"
+            or a["status"] == 503
+            and a["retry_after"]
+            and a["shaped"]
+        )
+    ]
 
 
 async def drain_probes(dep: Deployment, deadline: float, every_s: float = 0.1) -> list[dict]:
@@ -872,8 +1044,12 @@ async def drain_probes(dep: Deployment, deadline: float, every_s: float = 0.1) -
         t = round(time.monotonic() - t0, 2)
         try:
             r = await client.post(dep.url + COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2})
-            return {"t_s": t, "status": r.status_code, "retry_after": r.headers.get("retry-after"),
-                    "shaped": _status_and_shape(r).endswith(" ok")}
+            return {
+                "t_s": t,
+                "status": r.status_code,
+                "retry_after": r.headers.get("retry-after"),
+                "shaped": _status_and_shape(r).endswith(" ok"),
+            }
         except httpx.HTTPError as e:
             return {"t_s": t, "status": type(e).__name__, "retry_after": None, "shaped": False}
 
@@ -887,36 +1063,47 @@ async def drain_probes(dep: Deployment, deadline: float, every_s: float = 0.1) -
 
 # ---------------------------------------------------------------- the report
 
+
 def fmt(v, spec: str = ".0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
 def held_str(held: dict) -> str:
-    """"P/D" blocks held once idle, and when held ones came back ("0/6, freed at 121 s")."""
+    """ "P/D" blocks held once idle, and when held ones came back ("0/6, freed at 121 s")."""
     if not held:
         return "n/a"
-    text = "/".join("?" if held.get(w, {}).get("held_blocks") is None else str(held[w]["held_blocks"])
-                    for w in (PREFILL, DECODE))
+    text = "/".join(
+        "?" if held.get(w, {}).get("held_blocks") is None else str(held[w]["held_blocks"]) for w in (PREFILL, DECODE)
+    )
     late = [s["released_after_s"] for s in held.values() if s.get("held_blocks") and "released_after_s" in s]
     if late:
         text += ", " + ("never freed" if None in late else f"freed at {max(late):.0f} s")
     return text
 
 
-HEADER = ("| fault | rep | sent | completed | refused | lost | hung | 500s | held blocks P/D | serving again (s) "
-          "| P99 TTFT fault / after (ms) | P99 ITL fault / after (ms) | load | check |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| fault | rep | sent | completed | refused | lost | hung | 500s | held blocks P/D | serving again (s) "
+    "| P99 TTFT fault / after (ms) | P99 ITL fault / after (ms) | load | check |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def row(r: dict) -> str:
     f, a = r["fault_window"], r["after_window"]
-    rec = "n/a" if r["fault"] == "sigterm" else fmt(r["recovered_s"], ".1f") if r["recovered_s"] is not None \
+    rec = (
+        "n/a"
+        if r["fault"] == "sigterm"
+        else fmt(r["recovered_s"], ".1f")
+        if r["recovered_s"] is not None
         else f"> {PROBE_LIMIT_S:.0f}"
+    )
     flag = "" if r["ok"] else "FAIL: "
-    return (f"| {r['fault']} | {r['rep']} | {r['sent']} | {r['completed']} | {r['refused']} | {r['lost']} | "
-            f"{r['hung']} | {r['http500']} | {held_str(r['held_blocks'])} | {rec} | "
-            f"{fmt(f['p99_ttft_ms'])} / {fmt(a['p99_ttft_ms'])} | {fmt(f['p99_itl_ms'])} / {fmt(a['p99_itl_ms'])} | "
-            f"{r['loadavg'][0]:.1f} | {flag}{r['check']} |")
+    return (
+        f"| {r['fault']} | {r['rep']} | {r['sent']} | {r['completed']} | {r['refused']} | {r['lost']} | "
+        f"{r['hung']} | {r['http500']} | {held_str(r['held_blocks'])} | {rec} | "
+        f"{fmt(f['p99_ttft_ms'])} / {fmt(a['p99_ttft_ms'])} | {fmt(f['p99_itl_ms'])} / {fmt(a['p99_itl_ms'])} | "
+        f"{r['loadavg'][0]:.1f} | {flag}{r['check']} |"
+    )
 
 
 def problems(r: dict) -> list[str]:
@@ -925,9 +1112,12 @@ def problems(r: dict) -> list[str]:
     for k in ("lost", "hung", "http500"):
         if r[k]:
             out.append(f"{r[k]} {k}")
-    held = [f"{w} holds {s['held_blocks']} blocks {IDLE_WAIT_S:.0f} s after the load"
-            + (f" (freed {s['released_after_s']:.0f} s after it)" if s.get("released_after_s") else "")
-            for w, s in r["held_blocks"].items() if s.get("held_blocks")]
+    held = [
+        f"{w} holds {s['held_blocks']} blocks {IDLE_WAIT_S:.0f} s after the load"
+        + (f" (freed {s['released_after_s']:.0f} s after it)" if s.get("released_after_s") else "")
+        for w, s in r["held_blocks"].items()
+        if s.get("held_blocks")
+    ]
     out += held
     if r["fault"] != "sigterm" and (r["recovered_s"] is None or r["recovered_s"] >= RECOVERY_LIMIT_S):
         out.append(f"serving again after {fmt(r['recovered_s'], '.1f')} s (limit {RECOVERY_LIMIT_S:.0f})")
@@ -941,9 +1131,12 @@ def problems(r: dict) -> list[str]:
 
 
 def summary_rows(results: list[dict]) -> list[str]:
-    lines = ["| fault | runs | sent | completed | refused | lost | hung | 500s | max held blocks | "
-             "serving again, max (s) | P99 TTFT fault / after, median (ms) | P99 ITL fault / after, median (ms) | "
-             "checks passed |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| fault | runs | sent | completed | refused | lost | hung | 500s | max held blocks | "
+        "serving again, max (s) | P99 TTFT fault / after, median (ms) | P99 ITL fault / after, median (ms) | "
+        "checks passed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for fault in FAULTS:
         rs = [r for r in results if r["fault"] == fault.name]
         if not rs:
@@ -958,11 +1151,13 @@ def summary_rows(results: list[dict]) -> list[str]:
             vals = [r[window][key] for r in rs if r[window][key] is not None]
             return fmt(float(np.median(vals)) if vals else None)
 
-        lines.append(f"| {fault.title} | {len(rs)} | {tot['sent']} | {tot['completed']} | {tot['refused']} | "
-                     f"{tot['lost']} | {tot['hung']} | {tot['http500']} | {held} | {rec} | "
-                     f"{med('fault_window', 'p99_ttft_ms')} / {med('after_window', 'p99_ttft_ms')} | "
-                     f"{med('fault_window', 'p99_itl_ms')} / {med('after_window', 'p99_itl_ms')} | "
-                     f"{sum(r['ok'] for r in rs)}/{len(rs)} |")
+        lines.append(
+            f"| {fault.title} | {len(rs)} | {tot['sent']} | {tot['completed']} | {tot['refused']} | "
+            f"{tot['lost']} | {tot['hung']} | {tot['http500']} | {held} | {rec} | "
+            f"{med('fault_window', 'p99_ttft_ms')} / {med('after_window', 'p99_ttft_ms')} | "
+            f"{med('fault_window', 'p99_itl_ms')} / {med('after_window', 'p99_itl_ms')} | "
+            f"{sum(r['ok'] for r in rs)}/{len(rs)} |"
+        )
     return lines
 
 
@@ -978,35 +1173,73 @@ def write_report(out_dir: str, meta: dict, results: list[dict]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "chaos.json"), "w") as f:
         json.dump({**meta, "results": results}, f, indent=1, default=str)
-    lines = [f"# pdserve chaos run, {meta['date']}", "", f"`{meta['command']}`", "",
-             f"CPU: {meta['cpu']} ({meta['cores']} cores); load average (1, 5, 15 min) at the start "
-             f"{', '.join(f'{x:.2f}' for x in meta['loadavg_start'])}, at the end "
-             f"{', '.join(f'{x:.2f}' for x in meta.get('loadavg_end') or meta['loadavg_start'])}", "",
-             "## Summary", "", *summary_rows(results), "", "## Every run", "", HEADER, *map(row, results), ""]
+    lines = [
+        f"# pdserve chaos run, {meta['date']}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"CPU: {meta['cpu']} ({meta['cores']} cores); load average (1, 5, 15 min) at the start "
+        f"{', '.join(f'{x:.2f}' for x in meta['loadavg_start'])}, at the end "
+        f"{', '.join(f'{x:.2f}' for x in meta.get('loadavg_end') or meta['loadavg_start'])}",
+        "",
+        "## Summary",
+        "",
+        *summary_rows(results),
+        "",
+        "## Every run",
+        "",
+        HEADER,
+        *map(row, results),
+        "",
+    ]
     bad = [(r, p) for r in results if (p := problems(r))]
-    lines += ["## Problems", ""] + ([f"- {r['fault']} rep {r['rep']}: {'; '.join(p)}; errors: {r['errors']}"
-                                     for r, p in bad] or ["none"]) + [""]
+    lines += (
+        ["## Problems", ""]
+        + ([f"- {r['fault']} rep {r['rep']}: {'; '.join(p)}; errors: {r['errors']}" for r, p in bad] or ["none"])
+        + [""]
+    )
     with open(os.path.join(out_dir, "chaos.md"), "w") as f:
         f.write("\n".join(lines))
 
 
 # ---------------------------------------------------------------- main
 
-QUICK = dict(repetitions=1, warmup_s=5.0, after_s=8.0, stop_s=6.0, burst=6, burst_s=30.0, clients=100,
-             disconnect_read_s=8.0, rejoin_s=10.0)
+QUICK = dict(
+    repetitions=1,
+    warmup_s=5.0,
+    after_s=8.0,
+    stop_s=6.0,
+    burst=6,
+    burst_s=30.0,
+    clients=100,
+    disconnect_read_s=8.0,
+    rejoin_s=10.0,
+)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--faults", default=",".join(f.name for f in FAULTS),
-                   help="comma-separated subset, in the order given (default: all, in the listed order)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--faults",
+        default=",".join(f.name for f in FAULTS),
+        help="comma-separated subset, in the order given (default: all, in the listed order)",
+    )
     p.add_argument("--repetitions", type=int, default=3)
-    p.add_argument("--quick", action="store_true",
-                   help="a short smoke run: 1 repetition, short windows, a smaller burst, 100 clients, a 6 s stop")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short smoke run: 1 repetition, short windows, a smaller burst, 100 clients, a 6 s stop",
+    )
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the embedded SmolLM2-135M)")
-    p.add_argument("--out", default=os.path.join(REPO, "results", "chaos"),
-                   help="write chaos.json, chaos.md and the deployments' logs here (default: results/chaos)")
+    p.add_argument(
+        "--out",
+        default=os.path.join(REPO, "results", "chaos"),
+        help="write chaos.json, chaos.md and the deployments' logs here (default: results/chaos)",
+    )
     p.add_argument("--streams", type=int, default=4, help="steady load: chats in flight at most")
     p.add_argument("--rate", type=float, default=2.0, help="steady load: chats per second (Poisson)")
     p.add_argument("--input-len", type=int, default=64)
@@ -1018,20 +1251,40 @@ def parse_args(argv=None):
     p.add_argument("--burst-len", type=int, default=1500, help="kv_fill: tokens per long prompt")
     p.add_argument("--burst-s", type=float, default=60.0, help="kv_fill: how long the burst usually takes")
     p.add_argument("--clients", type=int, default=500, help="disconnects: streams opened and closed")
-    p.add_argument("--disconnect-read-s", type=float, default=15.0,
-                   help="disconnects: a client waiting longer than this for its chunks closes anyway")
-    p.add_argument("--num-gpu-blocks", type=int, default=320,
-                   help="KV blocks per worker (16 tokens each): small, so --burst x --burst-len fills the decode pool")
-    p.add_argument("--worker-timeout-s", type=float, default=2.0,
-                   help="the router's heartbeat timeout: a worker silent this long is dead (failures noticed fast)")
+    p.add_argument(
+        "--disconnect-read-s",
+        type=float,
+        default=15.0,
+        help="disconnects: a client waiting longer than this for its chunks closes anyway",
+    )
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=320,
+        help="KV blocks per worker (16 tokens each): small, so --burst x --burst-len fills the decode pool",
+    )
+    p.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=2.0,
+        help="the router's heartbeat timeout: a worker silent this long is dead (failures noticed fast)",
+    )
     p.add_argument("--rejoin-s", type=float, default=15.0, help="kill_*: how long a restarted worker usually takes")
     p.add_argument("--rejoin-timeout-s", type=float, default=120.0)
-    p.add_argument("--drain-long-tokens", type=int, default=256,
-                   help="sigterm: a chat this long is in flight when the signal comes, and must finish")
+    p.add_argument(
+        "--drain-long-tokens",
+        type=int,
+        default=256,
+        help="sigterm: a chat this long is in flight when the signal comes, and must finish",
+    )
     p.add_argument("--drain-timeout-s", type=float, default=90.0, help="sigterm: the launcher must exit by then")
-    p.add_argument("--lease-wait-s", type=float, default=130.0,
-                   help="blocks still held 30 s after the load: wait this much longer to see whether they come "
-                        "back (a reservation's lease is --kv-timeout-s, 120 s by default), 0: do not")
+    p.add_argument(
+        "--lease-wait-s",
+        type=float,
+        default=130.0,
+        help="blocks still held 30 s after the load: wait this much longer to see whether they come "
+        "back (a reservation's lease is --kv-timeout-s, 120 s by default), 0: do not",
+    )
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     if p.parse_args(argv).quick:  # shorter defaults; flags given explicitly still win
@@ -1052,12 +1305,24 @@ def main(argv=None) -> int:
     tokens = TokenSource.from_path(args.model or str(default_model_path()))  # chat text needs real words
     out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(), "cores": os.cpu_count(),
-            "command": " ".join([os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO)
-                                 else "python", "benchmarks/chaos.py", *(argv if argv is not None else sys.argv[1:])]),
-            "loadavg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items() if k != "fault_list"}}
-    print(f"{meta['command']}\nCPU: {meta['cpu']}, load average {', '.join(f'{x:.2f}' for x in meta['loadavg_start'])}",
-          flush=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "command": " ".join(
+            [
+                os.path.relpath(sys.executable, REPO) if sys.executable.startswith(REPO) else "python",
+                "benchmarks/chaos.py",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "loadavg_start": os.getloadavg(),
+        "args": {k: v for k, v in vars(args).items() if k != "fault_list"},
+    }
+    print(
+        f"{meta['command']}\nCPU: {meta['cpu']}, load average {', '.join(f'{x:.2f}' for x in meta['loadavg_start'])}",
+        flush=True,
+    )
     results: list[dict] = []
     dep: Deployment | None = None
     try:
@@ -1073,8 +1338,9 @@ def main(argv=None) -> int:
                 results.append(r)
                 print(HEADER.split("\n")[0] + "\n" + row(r), flush=True)
                 if problems(r):
-                    print(f"  problems: {'; '.join(problems(r))}\n  errors: {r['errors']}\n  log: {r['log']}",
-                          flush=True)
+                    print(
+                        f"  problems: {'; '.join(problems(r))}\n  errors: {r['errors']}\n  log: {r['log']}", flush=True
+                    )
                 write_report(out_dir, {**meta, "loadavg_end": os.getloadavg()}, results)
     except KeyboardInterrupt:
         print("interrupted: the report holds the runs so far", file=sys.stderr)

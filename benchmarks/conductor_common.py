@@ -3,6 +3,7 @@
 Real processes on 127.0.0.1 free ports, one thread each (the machine's cores are
 shared); stopped (SIGTERM, then SIGKILL) on exit, whatever happened.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Deployment:
-    def __init__(self, prefill: int, decode: int, *, model: str | None = None, router_args=(), worker_args=(),
-                 startup_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        prefill: int,
+        decode: int,
+        *,
+        model: str | None = None,
+        router_args=(),
+        worker_args=(),
+        startup_timeout_s: float = 300.0,
+    ):
         self.model_args = ["--model", model] if model else []
         self.router_args, self.worker_args = list(router_args), list(worker_args)
         self.prefill, self.decode, self.startup_timeout_s = prefill, decode, startup_timeout_s
@@ -35,19 +44,41 @@ class Deployment:
     def _start(self, name: str, *args: str) -> None:
         log = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
-        p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                             env=self.env, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         self.procs.append((name, p, log))
 
     def __enter__(self) -> Deployment:
         try:
-            self._start("router", "router", *self.model_args, "--host", "127.0.0.1", "--port", str(self.port),
-                        "--log-level", "warning", *self.router_args)
+            self._start(
+                "router",
+                "router",
+                *self.model_args,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *self.router_args,
+            )
             for role, n in (("prefill", self.prefill), ("decode", self.decode)):
                 for i in range(n):
-                    self._start(f"{role}{i}", "worker", "--role", role, *self.model_args, "--router", self.url,
-                                "--worker-id", f"{role}{i}", "--threads", "1", "--log-level", "warning",
-                                *self.worker_args)
+                    self._start(
+                        f"{role}{i}",
+                        "worker",
+                        "--role",
+                        role,
+                        *self.model_args,
+                        "--router",
+                        self.url,
+                        "--worker-id",
+                        f"{role}{i}",
+                        "--threads",
+                        "1",
+                        "--log-level",
+                        "warning",
+                        *self.worker_args,
+                    )
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -62,8 +93,14 @@ class Deployment:
             roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
             return roles.count("prefill") >= self.prefill and roles.count("decode") >= self.decode
 
-        wait_until(registered, [p for _, p, _ in self.procs], self.startup_timeout_s, "the router and its workers",
-                   lambda: "\n".join(self.log(n) for n, _, _ in self.procs), interval_s=0.5)
+        wait_until(
+            registered,
+            [p for _, p, _ in self.procs],
+            self.startup_timeout_s,
+            "the router and its workers",
+            lambda: "\n".join(self.log(n) for n, _, _ in self.procs),
+            interval_s=0.5,
+        )
 
     def status(self) -> dict:
         return self.http.get(self.url + "/internal/workers").json()

@@ -15,6 +15,7 @@ no complete answer `--timeout-s` after it was sent; rejected = HTTP 429.
 
     flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/conductor_overload.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,24 +35,48 @@ def workload(n: int, args, tokens, seed: int):
 
 def run(dep: Deployment, requests, args, rate: float | None, slos_ms: dict | None, concurrency=None) -> dict:
     state = RunState([])
-    res = run_benchmark(requests, dep.url, request_rate=rate or float("inf"), max_concurrency=concurrency,
-                        ignore_eos=True, seed=args.seed, timeout_s=args.timeout_s, goodput=slos_ms, state=state)
+    res = run_benchmark(
+        requests,
+        dep.url,
+        request_rate=rate or float("inf"),
+        max_concurrency=concurrency,
+        ignore_eos=True,
+        seed=args.seed,
+        timeout_s=args.timeout_s,
+        goodput=slos_ms,
+        state=state,
+    )
     outs = state.outputs
     rejected = sum("HTTP 429" in o.error for o in outs)
     # no answer in time: a read that waited timeout_s, or a stream that completed later than that
     timeout_errors = sum(not o.success and "HTTP 429" not in o.error and "timed out" in o.error for o in outs)
     timed_out = timeout_errors + sum(o.success and o.latency_s > args.timeout_s for o in outs)
-    good = sum(o.success and o.ttft_s * 1e3 <= slos_ms["ttft"] and (tpot_s(o) or 0.0) * 1e3 <= slos_ms["tpot"]
-               for o in outs) if slos_ms else None
+    good = (
+        sum(
+            o.success and o.ttft_s * 1e3 <= slos_ms["ttft"] and (tpot_s(o) or 0.0) * 1e3 <= slos_ms["tpot"]
+            for o in outs
+        )
+        if slos_ms
+        else None
+    )
     other = sum(not o.success and "HTTP 429" not in o.error for o in outs) - timeout_errors
-    return {"sent": len(outs), "completed": res["completed"], "rejected_429": rejected,
-            "admitted": len(outs) - rejected, "admitted_timed_out": timed_out, "other_failures": other,
-            "errors": sorted({o.error[:120] for o in outs if o.error and "HTTP 429" not in o.error})[:5],
-            "good": good, "duration_s": res["duration"],
-            "goodput_rps": good / res["duration"] if good is not None and res["duration"] else None,
-            "request_throughput": res["request_throughput"], "median_ttft_ms": res["median_ttft_ms"],
-            "median_tpot_ms": res["median_tpot_ms"], "p99_ttft_ms": res.get("p99_ttft_ms"),
-            "p99_tpot_ms": res.get("p99_tpot_ms")}
+    return {
+        "sent": len(outs),
+        "completed": res["completed"],
+        "rejected_429": rejected,
+        "admitted": len(outs) - rejected,
+        "admitted_timed_out": timed_out,
+        "other_failures": other,
+        "errors": sorted({o.error[:120] for o in outs if o.error and "HTTP 429" not in o.error})[:5],
+        "good": good,
+        "duration_s": res["duration"],
+        "goodput_rps": good / res["duration"] if good is not None and res["duration"] else None,
+        "request_throughput": res["request_throughput"],
+        "median_ttft_ms": res["median_ttft_ms"],
+        "median_tpot_ms": res["median_tpot_ms"],
+        "p99_ttft_ms": res.get("p99_ttft_ms"),
+        "p99_tpot_ms": res.get("p99_tpot_ms"),
+    }
 
 
 def engine_args(args) -> list[str]:
@@ -84,8 +109,10 @@ def main() -> int:
     print(f"load before: {report['load_before']}", flush=True)
     with Deployment(1, 1, model=args.model, worker_args=engine_args(args)) as dep:
         probe = run(dep, workload(8, args, tokens, 1), args, None, None, concurrency=2)
-        slos = {"ttft": args.slo_ttft_ms or max(500.0, args.slo_factor * probe["median_ttft_ms"]),
-                "tpot": args.slo_tpot_ms or max(50.0, args.slo_factor * probe["median_tpot_ms"])}
+        slos = {
+            "ttft": args.slo_ttft_ms or max(500.0, args.slo_factor * probe["median_ttft_ms"]),
+            "tpot": args.slo_tpot_ms or max(50.0, args.slo_factor * probe["median_tpot_ms"]),
+        }
         print(f"probe: {json.dumps(probe)}\nSLOs (ms): {slos}", flush=True)
         rate = args.rate or args.rate_factor * probe["request_throughput"]
         for attempt in range(3 if args.rate is None else 0):
@@ -109,9 +136,11 @@ def main() -> int:
     a, b = report["without_rejection"], report["with_rejection"]
     ratio = b["goodput_rps"] / a["goodput_rps"] if a["goodput_rps"] else float("inf")
     report["goodput_ratio"] = ratio
-    print(f"goodput: {a['goodput_rps']:.3f} -> {b['goodput_rps']:.3f} req/s (x{ratio:.2f}); rejected "
-          f"{b['rejected_429']}; admitted and timed out: without {a['admitted_timed_out']}, with "
-          f"{b['admitted_timed_out']}; load after: {load_str()}")
+    print(
+        f"goodput: {a['goodput_rps']:.3f} -> {b['goodput_rps']:.3f} req/s (x{ratio:.2f}); rejected "
+        f"{b['rejected_429']}; admitted and timed out: without {a['admitted_timed_out']}, with "
+        f"{b['admitted_timed_out']}; load after: {load_str()}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)

@@ -7,6 +7,7 @@ default (temperature 1) sampling the sampler's own share shows; `--greedy` for a
 
     flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/decode_step_breakdown.py --threads 1 --batch 1 8 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ def main() -> int:
                 return fn(*a, **kw)
             finally:
                 acc[key] = acc.get(key, 0.0) + time.perf_counter() - t
+
         setattr(obj, name, wrapper)
 
     timed(eng, "step", "step")

@@ -8,6 +8,7 @@ and noisy: only same-run ratios mean anything).
     .venv/bin/python benchmarks/engine.py --threads 2            # full run
     .venv/bin/python benchmarks/engine.py --threads 2 --quick    # smaller sizes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,13 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 # ---------------------------------------------------------------- pdserve
 
+
 def ours_decode(llm: LLM, batch: int, ctx: int, steps: int) -> float:
     eng = llm.engine
     p = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     for i, ids in enumerate(prompts(batch, ctx, seed=batch)):
         eng.add_request(f"d{batch}-{i}", ids, p)
-    while len(eng.scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens
-                                            for s in eng.scheduler.running):
+    while len(eng.scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
         eng.step()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -68,6 +69,7 @@ def ours_workload(llm: LLM, n: int, lin: int, lout: int) -> float:
 
 # ---------------------------------------------------------------- transformers baseline
 
+
 def hf_decode(model, batch: int, ctx: int, steps: int) -> float:
     ids = torch.tensor(prompts(batch, ctx, seed=batch))
     with torch.no_grad():
@@ -95,8 +97,14 @@ def hf_workload(model, n: int, lin: int, lout: int) -> float:
     ids = torch.tensor(prompts(n, lin, seed=7))
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=lout,
-                             min_new_tokens=lout, do_sample=False, pad_token_id=2)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=lout,
+            min_new_tokens=lout,
+            do_sample=False,
+            pad_token_id=2,
+        )
     return (out.shape[1] - lin) * n / (time.perf_counter() - t0)
 
 
@@ -110,6 +118,7 @@ def ready_seconds(code: str, threads: int) -> float:
 
 # ---------------------------------------------------------------- main
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -117,8 +126,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller workload, fewer batch sizes")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--int8-activations", action="store_true",
-                    help="pdserve with the opt-in int8-activation kernels (not token-identical to fp32)")
+    ap.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="pdserve with the opt-in int8-activation kernels (not token-identical to fp32)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # the cores are shared: the load around a run says how far to trust it
@@ -133,11 +145,15 @@ def main() -> None:
     def record(name, ours, hf=None):
         res[name] = {"pdserve": ours, "transformers": hf}
         ratio = f"{ours / hf:6.2f}x" if hf else "   -   "
-        print(f"{name:<24} pdserve {ours:9.1f}   transformers {hf or float('nan'):9.1f}   ratio {ratio}",
-              flush=True)
+        print(f"{name:<24} pdserve {ours:9.1f}   transformers {hf or float('nan'):9.1f}   ratio {ratio}", flush=True)
 
-    llm = LLM(dtype=args.dtype, threads=args.threads, max_num_seqs=64, max_num_batched_tokens=2048,
-              int8_activations=args.int8_activations)
+    llm = LLM(
+        dtype=args.dtype,
+        threads=args.threads,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        int8_activations=args.int8_activations,
+    )
     hf = None
     tmp = tempfile.TemporaryDirectory()
     if not args.skip_hf:
@@ -150,8 +166,11 @@ def main() -> None:
     # decode: best of 3 for both engines (a ~0.3-15 s measurement on a shared VM: one
     # slow time slice moves a single try by 20-30%); the first try also warms up
     for b in batches:
-        record(f"decode_b{b} tok/s", max(ours_decode(llm, b, 256, steps) for _ in range(3)),
-               hf and max(hf_decode(hf, b, 256, steps) for _ in range(3)))
+        record(
+            f"decode_b{b} tok/s",
+            max(ours_decode(llm, b, 256, steps) for _ in range(3)),
+            hf and max(hf_decode(hf, b, 256, steps) for _ in range(3)),
+        )
     if not args.int8_activations:  # the opt-in int8 kernels, for the small batches they serve
         q8 = LLM(dtype=args.dtype, threads=args.threads, max_num_seqs=64, int8_activations=True)
         for b in (1, 8):
@@ -162,13 +181,25 @@ def main() -> None:
     name = f"workload_{n_work}x256x128 tok/s"
     record(name, ours_workload(llm, n_work, 256, 128), hf and hf_workload(hf, n_work, 256, 128))
     ours_ready = ready_seconds(f"from pdserve import LLM; LLM(dtype={args.dtype!r})", args.threads)
-    hf_ready = None if args.skip_hf else ready_seconds(
-        "import transformers, torch; transformers.AutoModelForCausalLM.from_pretrained("
-        f"{tmp.name!r}); transformers.AutoTokenizer.from_pretrained({tmp.name!r})", args.threads)
+    hf_ready = (
+        None
+        if args.skip_hf
+        else ready_seconds(
+            "import transformers, torch; transformers.AutoModelForCausalLM.from_pretrained("
+            f"{tmp.name!r}); transformers.AutoTokenizer.from_pretrained({tmp.name!r})",
+            args.threads,
+        )
+    )
     record("ready_s (lower=better)", ours_ready, hf_ready)
     print("targets (issue 2, 2 threads):", TARGETS)
-    print("cpu capability:", torch.backends.cpu.get_cpu_capability(), "threads:", args.threads,
-          "int8 activations:", args.int8_activations)
+    print(
+        "cpu capability:",
+        torch.backends.cpu.get_cpu_capability(),
+        "threads:",
+        args.threads,
+        "int8 activations:",
+        args.int8_activations,
+    )
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     res["load_average"] = {"before": list(load_before), "after": list(load_after)}

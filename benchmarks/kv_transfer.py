@@ -15,6 +15,7 @@
     .venv/bin/python benchmarks/kv_transfer.py [--tokens 2000] [--rounds 41] [--reps 5] [--skip-bandwidth]
         [--skip-exposed] [--skip-ttft]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,9 +70,13 @@ class ReceiverProcess:
         import subprocess
 
         spec = json.dumps({"kind": kind, "num_blocks": num_blocks, "block": block, "paths": shm_paths})
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receiver-child", spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, **{auth.TOKEN_ENV: SECRET.decode()}))
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--receiver-child", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **{auth.TOKEN_ENV: SECRET.decode()}),
+        )
         self.address = self._read()
 
     def _read(self) -> str:
@@ -129,9 +134,18 @@ def receiver_child(spec: str) -> None:
 
 def one_transfer(sender, rx: ReceiverProcess, tokens: int, block: int, tid: str, paths, pull=False) -> float:
     """Seconds from the first layer handed to the sender to the receiver acknowledging all."""
-    dest = KVDestination(tid, rx.address, list(range(tokens // block + 1)), block, 0, tokens,
-                         pull=pull, shm_paths=paths, shm_shape=[tokens // block + 1, block, HEADS, DIM],
-                         shm_dtype="float32" if paths else "")
+    dest = KVDestination(
+        tid,
+        rx.address,
+        list(range(tokens // block + 1)),
+        block,
+        0,
+        tokens,
+        pull=pull,
+        shm_paths=paths,
+        shm_shape=[tokens // block + 1, block, HEADS, DIM],
+        shm_dtype="float32" if paths else "",
+    )
     rx.call(op="expect", dest=dest.to_json(), pull_from=getattr(sender, "address", ""))
     k = torch.randn(tokens, HEADS, DIM)
     v = torch.randn(tokens, HEADS, DIM)
@@ -175,8 +189,9 @@ class RawSocket:
         import subprocess
 
         self.nbytes, self.chunk = nbytes, chunk
-        self.proc = subprocess.Popen([sys.executable, "-c", _RAW_RECEIVER, str(nbytes), str(chunk)],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _RAW_RECEIVER, str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True
+        )
         self.port = int(self.proc.stdout.readline())
         self.data = memoryview(torch.randn(chunk // 4).numpy().view("uint8"))
 
@@ -231,10 +246,14 @@ def bandwidth(tokens: int, rounds: int) -> dict:
                     paired[name].append((nbytes / t / 1e9, nbytes / b / 1e9))
         for name, pairs in paired.items():
             ratios = [g / r for g, r in pairs]
-            out[name] = {"transport": statistics.median(g for g, _ in pairs),
-                         "raw": statistics.median(r for _, r in pairs),
-                         "ratio": statistics.median(ratios), "ratio_ci90": median_ci(ratios),
-                         "ratios": ratios, "rounds": pairs}
+            out[name] = {
+                "transport": statistics.median(g for g, _ in pairs),
+                "raw": statistics.median(r for _, r in pairs),
+                "ratio": statistics.median(ratios),
+                "ratio_ci90": median_ci(ratios),
+                "ratios": ratios,
+                "rounds": pairs,
+            }
 
     def close_all() -> None:
         while closers:
@@ -246,16 +265,28 @@ def bandwidth(tokens: int, rounds: int) -> dict:
         shm_rx = ReceiverProcess("shm", nb, block, shm_paths)
         shm_tx = ShmKVSender(secret=SECRET)  # maps the decode cache once, as a prefill worker does
         closers += [shm_rx, shm_tx]
-        measure({"shm": (lambda: _time(lambda: shm_dst.copy_(src)),
-                         lambda i: one_transfer(shm_tx, shm_rx, tokens, block, f"s{i}", shm_paths))})
+        measure(
+            {
+                "shm": (
+                    lambda: _time(lambda: shm_dst.copy_(src)),
+                    lambda i: one_transfer(shm_tx, shm_rx, tokens, block, f"s{i}", shm_paths),
+                )
+            }
+        )
         close_all()
         sock = RawSocket(nbytes, per_layer // 2)
-        tcp_rx, tcp_tx, exp = (ReceiverProcess("tcp", nb, block, []), TcpKVSender(secret=SECRET),
-                               PullKVExporter(secret=SECRET))
+        tcp_rx, tcp_tx, exp = (
+            ReceiverProcess("tcp", nb, block, []),
+            TcpKVSender(secret=SECRET),
+            PullKVExporter(secret=SECRET),
+        )
         closers += [sock, tcp_rx, tcp_tx, exp]
-        measure({"tcp push": (sock.once, lambda i: one_transfer(tcp_tx, tcp_rx, tokens, block, f"t{i}", [])),
-                 "tcp pull": (sock.once, lambda i: one_transfer(exp, tcp_rx, tokens, block, f"p{i}", [],
-                                                                pull=True))})
+        measure(
+            {
+                "tcp push": (sock.once, lambda i: one_transfer(tcp_tx, tcp_rx, tokens, block, f"t{i}", [])),
+                "tcp pull": (sock.once, lambda i: one_transfer(exp, tcp_rx, tokens, block, f"p{i}", [], pull=True)),
+            }
+        )
         for x in (tcp_rx, tcp_tx, exp):
             closers.remove(x)
             x.close()
@@ -282,8 +313,9 @@ def exposed(tokens: int, reps: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1)
     out = {}
     for mode in ("layerwise", "eager"):
-        p.bridge = PrefillBridge(TcpKVSender(secret=SECRET), p.model_config.num_hidden_layers,
-                                 layerwise=mode == "layerwise")
+        p.bridge = PrefillBridge(
+            TcpKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise=mode == "layerwise"
+        )
         samples = []
         for i in range(reps):
             ids = torch.randint(100, 40000, (tokens,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -330,13 +362,18 @@ def ttft(tokens: int, reps: int) -> dict:
                     return time.perf_counter() - t0
         raise RuntimeError(f"{url}: no token streamed")
 
-    with ServerProcess("--threads", "1", "--dtype", "float32") as s, \
-            Cluster(None, worker_args=["--dtype", "float32"]) as c:
+    with (
+        ServerProcess("--threads", "1", "--dtype", "float32") as s,
+        Cluster(None, worker_args=["--dtype", "float32"]) as c,
+    ):
         model = httpx.get(s.url + "/v1/models").json()["data"][0]["id"]
         pairs = [(once(s.url, model, i), once(c.url, model, i)) for i in range(reps + 1)][1:]  # 0 warms up
-    return {"collocated": statistics.median(a for a, _ in pairs),
-            "disaggregated": statistics.median(b for _, b in pairs),
-            "ratio": statistics.median(b / a for a, b in pairs), "rounds": pairs}
+    return {
+        "collocated": statistics.median(a for a, _ in pairs),
+        "disaggregated": statistics.median(b for _, b in pairs),
+        "ratio": statistics.median(b / a for a, b in pairs),
+        "rounds": pairs,
+    }
 
 
 def median_ci(xs: list[float], level: float = 0.9, resamples: int = 2000) -> tuple[float, float]:
@@ -376,34 +413,46 @@ def main() -> None:
     ap.add_argument("--skip-bandwidth", action="store_true")
     ap.add_argument("--skip-exposed", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads for the copies (1: as each worker of `pdserve serve` on 2 cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the copies (1: as each worker of `pdserve serve` on 2 cores)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res: dict = {}
-    print(f"KV of {args.tokens} tokens x {LAYERS} layers (fp32): "
-          f"{2 * LAYERS * args.tokens * HEADS * DIM * 4 / 1e6:.1f} MB")
+    print(
+        f"KV of {args.tokens} tokens x {LAYERS} layers (fp32): "
+        f"{2 * LAYERS * args.tokens * HEADS * DIM * 4 / 1e6:.1f} MB"
+    )
     if not args.skip_bandwidth:
         print(f"bandwidth: median of {args.rounds} rounds, each timing the raw limit and then the transport")
     for name, b in ({} if args.skip_bandwidth else bandwidth(args.tokens, args.rounds)).items():
         res[f"{name} GB/s"] = b
-        print(f"{name:<10} {b['transport']:6.2f} GB/s   raw limit {b['raw']:6.2f} GB/s   "
-              f"ratio {b['ratio']:5.2f}x (90% interval of the median {b['ratio_ci90'][0]:.2f}-"
-              f"{b['ratio_ci90'][1]:.2f}; rounds {min(b['ratios']):.2f}-{max(b['ratios']):.2f})  (target >= 0.8x)")
+        print(
+            f"{name:<10} {b['transport']:6.2f} GB/s   raw limit {b['raw']:6.2f} GB/s   "
+            f"ratio {b['ratio']:5.2f}x (90% interval of the median {b['ratio_ci90'][0]:.2f}-"
+            f"{b['ratio_ci90'][1]:.2f}; rounds {min(b['ratios']):.2f}-{max(b['ratios']):.2f})  (target >= 0.8x)"
+        )
     if not args.skip_exposed:
         e = exposed(args.tokens, args.reps)
         hidden = 1 - e["layerwise"] / e["eager"]
         res["exposed_s"] = {**e, "hidden": hidden}
-        print(f"exposed transfer, {args.tokens}-token prompt: layer-wise {e['layerwise'] * 1e3:.1f} ms, "
-              f"eager {e['eager'] * 1e3:.1f} ms -> layer-wise hides {hidden:.0%} (target >= 90%)")
+        print(
+            f"exposed transfer, {args.tokens}-token prompt: layer-wise {e['layerwise'] * 1e3:.1f} ms, "
+            f"eager {e['eager'] * 1e3:.1f} ms -> layer-wise hides {hidden:.0%} (target >= 90%)"
+        )
     if not args.skip_ttft:
         t = ttft(args.tokens, args.reps)
         res["ttft_s"] = t
-        print(f"TTFT, {args.tokens}-token prompt over HTTP, median of {args.reps} paired rounds: disaggregated "
-              f"{t['disaggregated'] * 1e3:.0f} ms, collocated {t['collocated'] * 1e3:.0f} ms -> "
-              f"{t['ratio']:.2f}x (rounds {min(b / a for a, b in t['rounds']):.2f}-"
-              f"{max(b / a for a, b in t['rounds']):.2f}; target <= 1.1x)")
+        print(
+            f"TTFT, {args.tokens}-token prompt over HTTP, median of {args.reps} paired rounds: disaggregated "
+            f"{t['disaggregated'] * 1e3:.0f} ms, collocated {t['collocated'] * 1e3:.0f} ms -> "
+            f"{t['ratio']:.2f}x (rounds {min(b / a for a, b in t['rounds']):.2f}-"
+            f"{max(b / a for a, b in t['rounds']):.2f}; target <= 1.1x)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

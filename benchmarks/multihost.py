@@ -21,6 +21,7 @@ one-host's, as the median of paired rounds.
 
 Needs root (namespaces) and Ray (`pip install 'pdserve[ray]'`). Results in docs/deploy.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,6 +80,7 @@ def summarize(rounds: list[dict]) -> dict:
 
 def table(summary: dict) -> str:
     """Markdown: each deployment's medians, and its ratio to one-host (median [min-max] of rounds)."""
+
     def cell(row, key, fmt):
         lo, hi = row[key + "_ratio_range"]
         return f"{row[key]:{fmt}} ({row[key + '_ratio']:.2f}x [{lo:.2f}-{hi:.2f}])"
@@ -87,11 +89,15 @@ def table(summary: dict) -> str:
     for name, row in summary.items():
         if name.startswith("network_hop"):
             continue
-        lines.append(f"| {name} | {cell(row, 'ttft_ms', '.0f')} | {cell(row, 'tpot_ms', '.1f')} | "
-                     f"{cell(row, 'output_tok_s', '.1f')} |")
+        lines.append(
+            f"| {name} | {cell(row, 'ttft_ms', '.0f')} | {cell(row, 'tpot_ms', '.1f')} | "
+            f"{cell(row, 'output_tok_s', '.1f')} |"
+        )
     hop = summary["network_hop_added_ttft_ms"]
-    lines.append(f"\nnetwork hop (three-hosts - one-host, paired): {hop['median']:+.1f} ms TTFT "
-                 f"[{hop['range'][0]:+.1f} to {hop['range'][1]:+.1f}]")
+    lines.append(
+        f"\nnetwork hop (three-hosts - one-host, paired): {hop['median']:+.1f} ms TTFT "
+        f"[{hop['range'][0]:+.1f} to {hop['range'][1]:+.1f}]"
+    )
     return "\n".join(lines)
 
 
@@ -103,11 +109,11 @@ def main() -> int:
     deployments, cluster = {}, None
     with Hosts(6) as hosts:
         try:
-            deployments["one-host"] = HostDeployment(hosts[0], [hosts[0]], [hosts[0]], model,
-                                                     worker_args=engine + TCP)
+            deployments["one-host"] = HostDeployment(hosts[0], [hosts[0]], [hosts[0]], model, worker_args=engine + TCP)
             deployments["one-host-shm"] = HostDeployment(hosts[1], [hosts[1]], [hosts[1]], model, worker_args=engine)
-            deployments["three-hosts"] = HostDeployment(hosts[2], [hosts[3]], [hosts[4]], model,
-                                                        worker_args=engine + TCP)
+            deployments["three-hosts"] = HostDeployment(
+                hosts[2], [hosts[3]], [hosts[4]], model, worker_args=engine + TCP
+            )
             if not ARGS.no_ray:
                 # its head (and router) on a host of its own; its worker nodes beside the by-hand workers
                 cluster = RayCluster([hosts[5], hosts[3], hosts[4]], cpus_per_node=2)

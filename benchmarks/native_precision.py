@@ -12,6 +12,7 @@ tokens (tok/s), batch-1 decode at 256 context (tok/s), batch-32 decode (tok/s),
 
     .venv/bin/python benchmarks/native_precision.py --threads 2 --rounds 3 --json np.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,7 @@ def main() -> None:
     eb = _engine_bench()
     torch.set_num_threads(args.threads)
     # no prefix caching: every round re-runs the same prompts, which would otherwise be cache hits
-    llms = {m: LLM(dtype=m, threads=args.threads, max_num_seqs=64, enable_prefix_caching=False)
-            for m in args.modes}
+    llms = {m: LLM(dtype=m, threads=args.threads, max_num_seqs=64, enable_prefix_caching=False) for m in args.modes}
     work = {
         "prefill_512": lambda llm: eb.ours_prefill(llm, 512),
         "prefill_2048": lambda llm: eb.ours_prefill(llm, 2048),
@@ -71,9 +71,14 @@ def main() -> None:
             a, b = list(llms)
             row[f"ratio_{b}_over_{a}"] = statistics.median(y / x for x, y in zip(runs[a], runs[b]))
         results["workloads"][name] = row
-        print(name, "  ".join(f"{m}: {row[m]['median']:.1f} [{row[m]['min']:.1f}-{row[m]['max']:.1f}]" for m in llms),
-              "  ratio", f"{row.get(f'ratio_{list(llms)[-1]}_over_{list(llms)[0]}', 0):.2f}x",
-              f"(load {os.getloadavg()[0]:.1f}, {time.strftime('%H:%M:%S')})", flush=True)
+        print(
+            name,
+            "  ".join(f"{m}: {row[m]['median']:.1f} [{row[m]['min']:.1f}-{row[m]['max']:.1f}]" for m in llms),
+            "  ratio",
+            f"{row.get(f'ratio_{list(llms)[-1]}_over_{list(llms)[0]}', 0):.2f}x",
+            f"(load {os.getloadavg()[0]:.1f}, {time.strftime('%H:%M:%S')})",
+            flush=True,
+        )
     results["load_after"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w") as f:

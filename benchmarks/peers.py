@@ -23,6 +23,7 @@ benchmarks/interference_vllm.py (vLLM), not repeated here.
 
     .venv/bin/python benchmarks/peers.py --rounds 3 --json peers.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,11 @@ def figures(name: str, result: dict) -> dict[str, float]:
         raise RuntimeError(f"{name}: {result['failed']} requests failed: {result.get('errors', [])[:3]}")
     if name.startswith("prefill_"):
         ttfts = [t for t in result["ttfts"] if t]
-        return {name: statistics.median(result["input_lens"][i] / t for i, t in enumerate(result["ttfts"]) if t)
-                if ttfts else 0.0}
+        return {
+            name: statistics.median(result["input_lens"][i] / t for i, t in enumerate(result["ttfts"]) if t)
+            if ttfts
+            else 0.0
+        }
     if name == "decode_b1":
         return {name: 1000.0 / result["mean_tpot_ms"]}
     return {name: result["output_throughput"], name + "_tpot": result["mean_tpot_ms"]}
@@ -84,19 +88,46 @@ def figures(name: str, result: dict) -> dict[str, float]:
 def vllm_server(args, out_dir: str) -> tuple[str, ServerProcess]:
     py = ensure_venv(args.venv)
     hf_dir = ensure_hf_dir(args.hf_dir, None)
-    cores = sorted(os.sched_getaffinity(0))[:args.threads]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
-               OMP_NUM_THREADS=str(args.threads))
-    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", SERVED_NAME,
-           "--host", "127.0.0.1", "--port", "{port}", "--max-model-len", "4096", "--no-enable-log-requests"]
+    cores = sorted(os.sched_getaffinity(0))[: args.threads]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="4",
+        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
+        OMP_NUM_THREADS=str(args.threads),
+    )
+    cmd = [
+        py,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        hf_dir,
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--max-model-len",
+        "4096",
+        "--no-enable-log-requests",
+    ]
     if args.vllm_dtype:
         cmd += ["--dtype", args.vllm_dtype]
     return f"vLLM-CPU {vllm_version(py)}", ServerProcess([], os.path.join(out_dir, "vllm.log"), 900, cmd=cmd, env=env)
 
 
 def pdserve_server(args, mode: str, out_dir: str) -> tuple[str, ServerProcess]:
-    flags = ["--mode", mode, "--threads", str(args.threads), "--served-model-name", SERVED_NAME,
-             "--max-model-len", "4096", *args.pdserve_flags]
+    flags = [
+        "--mode",
+        mode,
+        "--threads",
+        str(args.threads),
+        "--served-model-name",
+        SERVED_NAME,
+        "--max-model-len",
+        "4096",
+        *args.pdserve_flags,
+    ]
     return f"pdserve {mode}", ServerProcess(flags, os.path.join(out_dir, f"pdserve-{mode}.log"), 300)
 
 
@@ -164,8 +195,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pdserve-modes", nargs="+", default=["collocated"], choices=["collocated", "disaggregated"])
-    ap.add_argument("--pdserve-flags", nargs=argparse.REMAINDER, default=[],
-                    help="extra `pdserve serve` flags (last on the command line)")
+    ap.add_argument(
+        "--pdserve-flags",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `pdserve serve` flags (last on the command line)",
+    )
     ap.add_argument("--only", nargs="*", default=[], help="workload names to run (default: all)")
     ap.add_argument("--venv", default="/tmp/vllm-venv")
     ap.add_argument("--hf-dir", default="/tmp/smollm2-hf", help="written by `pdserve convert` if missing")
@@ -178,8 +213,13 @@ def main(argv=None) -> int:
     servers = [vllm_server(args, args.out_dir)] + [pdserve_server(args, m, args.out_dir) for m in args.pdserve_modes]
     base = servers[0][0]
     rows: dict[str, dict[str, list[float]]] = {label: {} for label, _ in servers}
-    meta = {"cpu": cpu_name(), "load_before": load_str(), "rounds": args.rounds, "threads": args.threads,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    meta = {
+        "cpu": cpu_name(),
+        "load_before": load_str(),
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     print(f"# {meta['cpu']}; load {meta['load_before']}", flush=True)
     try:
         for label, s in servers:  # one at a time: start-up is timed alone
@@ -192,15 +232,19 @@ def main(argv=None) -> int:
                     continue
                 for label, s in order:
                     wait_idle(servers)
-                    figs = figures(name, run_benchmark(reqs, s.url, model=SERVED_NAME, max_concurrency=conc,
-                                                       ignore_eos=True))
+                    figs = figures(
+                        name, run_benchmark(reqs, s.url, model=SERVED_NAME, max_concurrency=conc, ignore_eos=True)
+                    )
                     if rnd < 0:
                         continue
                     for fig, val in figs.items():
                         rows[label].setdefault(fig, []).append(val)
-                    print(f"   round {rnd + 1} {name:13s} {label:24s} "
-                          + " ".join(f"{k}={v:.1f}" for k, v in figs.items())
-                          + f"  (load {load_str()})", flush=True)
+                    print(
+                        f"   round {rnd + 1} {name:13s} {label:24s} "
+                        + " ".join(f"{k}={v:.1f}" for k, v in figs.items())
+                        + f"  (load {load_str()})",
+                        flush=True,
+                    )
     finally:
         for _, s in servers:
             s.stop()

@@ -9,6 +9,7 @@ causal work (4 * D * H * L^2 / 2 flops).
 
     .venv/bin/python benchmarks/prefill_attention.py --threads 2 --rounds 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def case(n: int):
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
 
     def ours():
-        kernels.prefill_attention(out, q, kc, vc, spans, tables, HEAD_DIM ** -0.5)
+        kernels.prefill_attention(out, q, kc, vc, spans, tables, HEAD_DIM**-0.5)
 
     def sdpa():
         F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
@@ -73,11 +74,15 @@ def main() -> None:
             times["torch sdpa"].append(timed(sdpa, reps))
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"L={n:5d} {name:10s} {med * 1e3:7.2f} ms ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})"
-                  f"  {flops / med / 1e9:5.0f} GFLOP/s")
+            print(
+                f"L={n:5d} {name:10s} {med * 1e3:7.2f} ms ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})"
+                f"  {flops / med / 1e9:5.0f} GFLOP/s"
+            )
         ratios = [b / a for a, b in zip(times["kernel"], times["torch sdpa"])]
-        print(f"L={n:5d} speed-up, median of paired rounds: {statistics.median(ratios):.2f}x "
-              f"({min(ratios):.2f}-{max(ratios):.2f})")
+        print(
+            f"L={n:5d} speed-up, median of paired rounds: {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ their ratio (target >= 0.9). Load and warm-up are outside the timed parts.
 
     python benchmarks/server_overhead.py --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,16 +86,28 @@ def run_offline(args, prompts, llm) -> dict:
         elapsed_s = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats()
-    return {"elapsed_s": elapsed_s, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed_s,
-            "preemptions": stats["num_preemptions"], "cpu_s": watch.own_cpu_s, "foreign_share": watch.foreign_share}
+    return {
+        "elapsed_s": elapsed_s,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / elapsed_s,
+        "preemptions": stats["num_preemptions"],
+        "cpu_s": watch.own_cpu_s,
+        "foreign_share": watch.foreign_share,
+    }
 
 
 async def _stream_one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> dict:
     """One streamed completion. The client shares the 2 cores with the server, so it
     parses as little as it can: it times network reads and decodes only the last
     event (the usage chunk), instead of one JSON document per token."""
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     stamps, tail = [], b""
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -104,8 +117,11 @@ async def _stream_one(client: httpx.AsyncClient, prompt: list[int], output_len: 
             tail = (tail + data)[-4096:]
     events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
     usage = json.loads(events[-1][6:])["usage"]
-    return {"ttft_s": stamps[0] - t0 if stamps else None, "completion_tokens": usage["completion_tokens"],
-            "read_gaps_s": [b - a for a, b in zip(stamps, stamps[1:])]}
+    return {
+        "ttft_s": stamps[0] - t0 if stamps else None,
+        "completion_tokens": usage["completion_tokens"],
+        "read_gaps_s": [b - a for a, b in zip(stamps, stamps[1:])],
+    }
 
 
 async def _drive(url: str, prompts, output_len: int, watch: CpuWatch | None = None) -> tuple[float, list[dict]]:
@@ -127,9 +143,21 @@ def run_server(args, prompts, llm=None) -> dict:
             flags.append(flag if v else flag.replace("--", "--no-", 1))
         elif v is not None:
             flags += [flag, str(v)]
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "collocated", "--port", str(port),
-           "--log-level", "warning",
-           "--max-waiting-requests", str(len(prompts) * 2), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--mode",
+        "collocated",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-waiting-requests",
+        str(len(prompts) * 2),
+        *flags,
+    ]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, cwd=REPO)
@@ -146,12 +174,17 @@ def run_server(args, prompts, llm=None) -> dict:
     tokens = sum(r["completion_tokens"] for r in results)
     itl = [x for r in results for x in r["read_gaps_s"]]
     preempt = [line for line in metrics.splitlines() if line.startswith("pdserve:num_preemptions_total")]
-    return {"elapsed_s": elapsed_s, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed_s,
-            "median_ttft_s": statistics.median(r["ttft_s"] for r in results),
-            "median_itl_s": statistics.median(itl) if itl else None,
-            "preemptions": float(preempt[0].rsplit(" ", 1)[1]) if preempt else None,
-            "idle_free_blocks": health.get("num_free_blocks"), "cpu_s": watch.own_cpu_s,
-            "foreign_share": watch.foreign_share}
+    return {
+        "elapsed_s": elapsed_s,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / elapsed_s,
+        "median_ttft_s": statistics.median(r["ttft_s"] for r in results),
+        "median_itl_s": statistics.median(itl) if itl else None,
+        "preemptions": float(preempt[0].rsplit(" ", 1)[1]) if preempt else None,
+        "idle_free_blocks": health.get("num_free_blocks"),
+        "cpu_s": watch.own_cpu_s,
+        "foreign_share": watch.foreign_share,
+    }
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -178,8 +211,11 @@ def main() -> int:
     runs = [("offline", run_offline), ("server", run_server)]
     if args.order == "server-first":
         runs.reverse()
-    result = {"workload": {"num_requests": args.num_requests, "input_len": args.input_len,
-                           "output_len": args.output_len}, "engine": engine_kwargs(args), "runs": []}
+    result = {
+        "workload": {"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len},
+        "engine": engine_kwargs(args),
+        "runs": [],
+    }
     # alternate the two sides so that load from anything else on the machine hits both alike
     for rep in range(args.repeats):
         # fresh prompts each repeat: the offline engine lives on, and its prefix cache
@@ -189,14 +225,20 @@ def main() -> int:
         for name, fn in runs:
             run[name] = fn(args, prompts, llm)
             r = run[name]
-            print(f"[{rep + 1}/{args.repeats}] {name:8s} {r['output_tok_per_s']:8.1f} output tok/s "
-                  f"({r['output_tokens']} tokens in {r['elapsed_s']:.1f}s; {r['cpu_s']:.1f} CPU-s; "
-                  f"others took {r['foreign_share']:.0%} of the machine)", flush=True)
+            print(
+                f"[{rep + 1}/{args.repeats}] {name:8s} {r['output_tok_per_s']:8.1f} output tok/s "
+                f"({r['output_tokens']} tokens in {r['elapsed_s']:.1f}s; {r['cpu_s']:.1f} CPU-s; "
+                f"others took {r['foreign_share']:.0%} of the machine)",
+                flush=True,
+            )
         run["ratio"] = run["server"]["output_tok_per_s"] / run["offline"]["output_tok_per_s"]
         run["clean"] = max(run["offline"]["foreign_share"], run["server"]["foreign_share"]) < CLEAN_FOREIGN_SHARE
         s = run["server"]
-        print(f"[{rep + 1}/{args.repeats}] ratio {run['ratio']:.3f}; server median TTFT {s['median_ttft_s']:.2f}s, "
-              f"median gap between reads {s['median_itl_s'] * 1e3:.0f} ms", flush=True)
+        print(
+            f"[{rep + 1}/{args.repeats}] ratio {run['ratio']:.3f}; server median TTFT {s['median_ttft_s']:.2f}s, "
+            f"median gap between reads {s['median_itl_s'] * 1e3:.0f} ms",
+            flush=True,
+        )
         result["runs"].append(run)
     clean = [r for r in result["runs"] if r["clean"]]
     pool = clean or result["runs"]
@@ -205,9 +247,11 @@ def main() -> int:
     result["median_ratio"] = statistics.median(r["ratio"] for r in pool)
     result["num_clean_runs"] = len(clean)
     which = f"{len(clean)} clean run(s)" if clean else "NO clean run: other processes loaded the machine"
-    print(f"offline {best['offline']:.1f} tok/s, server {best['server']:.1f} tok/s (best of {which}); "
-          f"ratio server/offline = {result['ratio_of_best']:.3f} (median {result['median_ratio']:.3f}; "
-          f"target >= 0.9)")
+    print(
+        f"offline {best['offline']:.1f} tok/s, server {best['server']:.1f} tok/s (best of {which}); "
+        f"ratio server/offline = {result['ratio_of_best']:.3f} (median {result['median_ratio']:.3f}; "
+        f"target >= 0.9)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -28,6 +28,7 @@ Without interference.py's output, `--make-results DIR` produces a small
 directory of the same format by running `pdserve serve` + `pdserve bench`
 here (collocated configs only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,30 +56,49 @@ ENGINE_MAX_NUM_SEQS = 64  # SchedulerConfig's default, what the servers ran with
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--results", required=True, nargs="+",
-                   help="interference.py --out-dir (workload.json + <config>.json); several: each compared, "
-                        "then the medians over runs and the engine's own run-to-run spread (see `across`)")
+    p.add_argument(
+        "--results",
+        required=True,
+        nargs="+",
+        help="interference.py --out-dir (workload.json + <config>.json); several: each compared, "
+        "then the medians over runs and the engine's own run-to-run spread (see `across`)",
+    )
     p.add_argument("--configs", default=None, help="comma-separated subset (default: every result present)")
     p.add_argument("--profile-dir", default=None, help="where sim-profile-threads<N>.json live (default: --results)")
     p.add_argument("--calibrate", action="store_true", help="(re)measure the profiles first, under --lock")
-    p.add_argument("--profiles", choices=["auto", "served", "engine"], default="auto",
-                   help="served: fit each config's profile(s) to the steps its own deployment ran for the "
-                        "calibration grid (interference.py --calibrate); engine: `pdserve sim --calibrate` of "
-                        "the engine alone; auto: served where the results have it")
+    p.add_argument(
+        "--profiles",
+        choices=["auto", "served", "engine"],
+        default="auto",
+        help="served: fit each config's profile(s) to the steps its own deployment ran for the "
+        "calibration grid (interference.py --calibrate); engine: `pdserve sim --calibrate` of "
+        "the engine alone; auto: served where the results have it",
+    )
     p.add_argument("--lock", default="/tmp/pdserve-measure.lock")
-    p.add_argument("--kv-bytes-per-s", type=float, default=24.5e9,
-                   help="KV link of the disaggregated config (shared memory here: ~24.5 GB/s measured for a 16 MB copy between two processes)")
+    p.add_argument(
+        "--kv-bytes-per-s",
+        type=float,
+        default=24.5e9,
+        help="KV link of the disaggregated config (shared memory here: ~24.5 GB/s measured for a 16 MB copy between two processes)",
+    )
     p.add_argument("--kv-transfer-latency-ms", type=float, default=0.0)
-    p.add_argument("--arrivals", choices=["closed-loop", "replay"], default="closed-loop",
-                   help="closed-loop: the simulated client runs the workload as the real one did (chat users "
-                        "send the next chat when the last ends, until the run's duration); replay: each request "
-                        "sent when the measured run sent it (a closed loop's send times carry the server's own "
-                        "latency, so a faster or slower simulated server meets the wrong concurrency)")
+    p.add_argument(
+        "--arrivals",
+        choices=["closed-loop", "replay"],
+        default="closed-loop",
+        help="closed-loop: the simulated client runs the workload as the real one did (chat users "
+        "send the next chat when the last ends, until the run's duration); replay: each request "
+        "sent when the measured run sent it (a closed loop's send times carry the server's own "
+        "latency, so a faster or slower simulated server meets the wrong concurrency)",
+    )
     p.add_argument("--json-out", default=None, help="also write the comparison here")
-    p.add_argument("--by-step-kind", action="store_true",
-                   help="also price each kind of step (decode batch; prompt size, beside how many decodes, "
-                        "cached context or not) in the run and in the calibration windows: where a profile "
-                        "is off, and whether the run's steps ran like the calibration's")
+    p.add_argument(
+        "--by-step-kind",
+        action="store_true",
+        help="also price each kind of step (decode batch; prompt size, beside how many decodes, "
+        "cached context or not) in the run and in the calibration windows: where a profile "
+        "is off, and whether the run's steps ran like the calibration's",
+    )
     return p.parse_args(argv)
 
 
@@ -87,8 +107,17 @@ def profile_path(args, threads: int, results_dir: str) -> str:
 
 
 def calibrate(args, threads: int, results_dir: str) -> None:
-    cmd = [sys.executable, "-m", "pdserve.cli", "sim", "--calibrate", "--threads", str(threads),
-           "--profile", profile_path(args, threads, results_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "sim",
+        "--calibrate",
+        "--threads",
+        str(threads),
+        "--profile",
+        profile_path(args, threads, results_dir),
+    ]
     if args.lock:
         cmd = ["flock", args.lock] + cmd
     print("$ " + " ".join(cmd), flush=True)
@@ -114,8 +143,9 @@ def sim_requests(doc: dict, measured: dict) -> list[SimRequest]:
     for k, (i, t) in enumerate(zip(indices, starts)):
         r = doc["requests"][i]
         n = int(r["prompt_tokens"])
-        out.append(SimRequest(k, n, int(r["output_tokens"]), float(t), r.get("kind", "default"),
-                              token_ids=[-1 - i] * n))
+        out.append(
+            SimRequest(k, n, int(r["output_tokens"]), float(t), r.get("kind", "default"), token_ids=[-1 - i] * n)
+        )
     return out
 
 
@@ -143,9 +173,10 @@ def served_profiles(measured: dict, cfg: dict) -> tuple[ProfileLatency, ProfileL
     if not windows:
         return None
     paths = st["paths"]
-    role_paths = (lambda role: [p for r, p in paths.items() if r.startswith(role)])
-    fit = (lambda role, beside=None: fit_trace(role_paths(role), windows=windows, threads=int(cfg["threads"]),
-                                               probes=probes, beside=beside, log=lambda m: None))
+    role_paths = lambda role: [p for r, p in paths.items() if r.startswith(role)]
+    fit = lambda role, beside=None: fit_trace(
+        role_paths(role), windows=windows, threads=int(cfg["threads"]), probes=probes, beside=beside, log=lambda m: None
+    )
     if cfg["mode"] == "collocated":
         return fit("both"), None
     # the prefill worker as it serves: beside a decoding pool (fit_trace's `beside`)
@@ -163,8 +194,10 @@ def priced_steps(measured: dict, profiles: dict[str, ProfileLatency], windows: l
         prof = profiles.get(role.split("-")[0])
         if prof is None or not os.path.exists(path):
             continue
-        yield role, [(shape, prof.step_s(shape), t) for w in windows
-                     for shape, t in trace_samples(read_trace(path, *w))]
+        yield (
+            role,
+            [(shape, prof.step_s(shape), t) for w in windows for shape, t in trace_samples(read_trace(path, *w))],
+        )
 
 
 def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, dict]:
@@ -180,8 +213,12 @@ def step_fit(measured: dict, profiles: dict[str, ProfileLatency]) -> dict[str, d
             continue
         pred = np.array([p for _, p, _ in steps])
         meas = np.array([t for _, _, t in steps])
-        out[role] = {"steps": len(steps), "median_abs_error": float(np.median(np.abs(pred / meas - 1))),
-                     "sum_bias": float(pred.sum() / meas.sum() - 1), "measured_s": float(meas.sum())}
+        out[role] = {
+            "steps": len(steps),
+            "median_abs_error": float(np.median(np.abs(pred / meas - 1))),
+            "sum_bias": float(pred.sum() / meas.sum() - 1),
+            "measured_s": float(meas.sum()),
+        }
     return out
 
 
@@ -190,8 +227,9 @@ def step_kind(shape) -> str:
     if not shape.prefill_tokens:
         return f"decode {shape.decode_seqs:2d}"
     size = next((b for b in (16, 64, 128, 256, 512, 1024) if shape.prefill_tokens <= b), 2048)
-    beside = "0" if not shape.decode_seqs else "1-3" if shape.decode_seqs <= 3 else "4-6" \
-        if shape.decode_seqs <= 6 else "7+"
+    beside = (
+        "0" if not shape.decode_seqs else "1-3" if shape.decode_seqs <= 3 else "4-6" if shape.decode_seqs <= 6 else "7+"
+    )
     return f"prompt <={size:4d} beside {beside:>3} decodes{', cached prefix' if shape.prefill_context else ''}"
 
 
@@ -212,28 +250,48 @@ def step_kinds(measured: dict, profiles: dict[str, ProfileLatency]) -> list[str]
             cells = []
             for label in windows:
                 pairs = np.array(table[kind].get(label, []))
-                cells.append(f"{len(pairs):5d} {1e3 * np.median(pairs[:, 1]):8.1f} "
-                             f"{pairs[:, 0].sum() / pairs[:, 1].sum() - 1:+7.1%}" if len(pairs)
-                             else f"{0:5d}" + " " * 17)
+                cells.append(
+                    f"{len(pairs):5d} {1e3 * np.median(pairs[:, 1]):8.1f} "
+                    f"{pairs[:, 0].sum() / pairs[:, 1].sum() - 1:+7.1%}"
+                    if len(pairs)
+                    else f"{0:5d}" + " " * 17
+                )
             lines.append(f"     {kind:<45} | {cells[0]} | {cells[1]}")
     return lines
 
 
-def simulate(args, cfg: dict, requests: list[SimRequest], goodput: dict,
-             profiles: tuple[ProfileLatency, ProfileLatency | None] | None = None,
-             tag_concurrency: dict[str, int] | None = None, send_until_s: float | None = None,
-             results_dir: str = "") -> dict:
+def simulate(
+    args,
+    cfg: dict,
+    requests: list[SimRequest],
+    goodput: dict,
+    profiles: tuple[ProfileLatency, ProfileLatency | None] | None = None,
+    tag_concurrency: dict[str, int] | None = None,
+    send_until_s: float | None = None,
+    results_dir: str = "",
+) -> dict:
     prof, dprof = profiles or (ProfileLatency.load(profile_path(args, int(cfg["threads"]), results_dir)), None)
-    sched = SchedulerConfig(int(cfg["max_num_batched_tokens"]), int(cfg.get("max_num_seqs", ENGINE_MAX_NUM_SEQS)),
-                            bool(cfg["enable_chunked_prefill"]), int(cfg.get("chunk_size_tokens") or 0))
+    sched = SchedulerConfig(
+        int(cfg["max_num_batched_tokens"]),
+        int(cfg.get("max_num_seqs", ENGINE_MAX_NUM_SEQS)),
+        bool(cfg["enable_chunked_prefill"]),
+        int(cfg.get("chunk_size_tokens") or 0),
+    )
     if cfg["mode"] == "collocated":
         layout = Layout("chunked" if cfg["enable_chunked_prefill"] else "collocated", instances=cfg["pools"]["both"])
     else:
         layout = Layout("disagg", prefill=cfg["pools"]["prefill"], decode=cfg["pools"]["decode"])
-    cc = build(layout, Hardware(profile=prof, num_blocks=prof.num_blocks or None, decode_profile=dprof), sched,
-               block_size=prof.block_size, kv_bytes_per_s=args.kv_bytes_per_s,
-               transfer_latency_s=args.kv_transfer_latency_ms / 1000, layerwise=True, tag_concurrency=tag_concurrency,
-               client_rtt_s=prof.request_rtt_s)
+    cc = build(
+        layout,
+        Hardware(profile=prof, num_blocks=prof.num_blocks or None, decode_profile=dprof),
+        sched,
+        block_size=prof.block_size,
+        kv_bytes_per_s=args.kv_bytes_per_s,
+        transfer_latency_s=args.kv_transfer_latency_ms / 1000,
+        layerwise=True,
+        tag_concurrency=tag_concurrency,
+        client_rtt_s=prof.request_rtt_s,
+    )
     return Cluster(cc).run(requests, goodput=goodput or None, send_until_s=send_until_s)
 
 
@@ -247,8 +305,17 @@ def compare(measured: dict, predicted: dict) -> list[dict]:
         for key, target in METRICS:
             mv, pv = m.get(key), p.get(key)
             err = None if not mv or pv is None else pv / mv - 1
-            rows.append({"scope": scope, "metric": key, "measured": mv, "predicted": pv, "error": err,
-                         "target": target, "ok": err is not None and abs(err) <= target})
+            rows.append(
+                {
+                    "scope": scope,
+                    "metric": key,
+                    "measured": mv,
+                    "predicted": pv,
+                    "error": err,
+                    "target": target,
+                    "ok": err is not None and abs(err) <= target,
+                }
+            )
     return rows
 
 
@@ -256,8 +323,10 @@ def format_rows(name: str, rows: list[dict]) -> str:
     out = []
     for r in rows:
         err = "n/a" if r["error"] is None else f"{100 * r['error']:+.1f}%"
-        out.append(f"| {name} | {r['scope']} | {r['metric']} | {r['measured']:.1f} | {r['predicted']:.1f} | {err} | "
-                   f"±{100 * r['target']:.0f}% | {'yes' if r['ok'] else 'no'} |")
+        out.append(
+            f"| {name} | {r['scope']} | {r['metric']} | {r['measured']:.1f} | {r['predicted']:.1f} | {err} | "
+            f"±{100 * r['target']:.0f}% | {'yes' if r['ok'] else 'no'} |"
+        )
     return "\n".join(out)
 
 
@@ -266,8 +335,11 @@ def compare_dir(args, results_dir: str, out=print) -> tuple[dict, dict, dict] | 
     the table goes to `out`. None when a config lacks the calibration `--profiles served` needs."""
     with open(os.path.join(results_dir, "workload.json")) as f:
         doc = json.load(f)
-    names = args.configs.split(",") if args.configs else [
-        n for n in doc["configs"] if os.path.exists(os.path.join(results_dir, f"{n}.json"))]
+    names = (
+        args.configs.split(",")
+        if args.configs
+        else [n for n in doc["configs"] if os.path.exists(os.path.join(results_dir, f"{n}.json"))]
+    )
     results = {}
     for name in names:
         with open(os.path.join(results_dir, f"{name}.json")) as f:
@@ -277,8 +349,10 @@ def compare_dir(args, results_dir: str, out=print) -> tuple[dict, dict, dict] | 
         for name in names:
             served[name] = served_profiles(results[name], doc["configs"][name])
             if served[name] is None and args.profiles == "served":
-                print(f"{name}: no calibration window in its step traces (run interference.py --calibrate)",
-                      file=sys.stderr)
+                print(
+                    f"{name}: no calibration window in its step traces (run interference.py --calibrate)",
+                    file=sys.stderr,
+                )
                 return None
     threads = sorted({int(doc["configs"][n]["threads"]) for n in names if not served.get(n)})
     for t in threads:
@@ -295,16 +369,22 @@ def compare_dir(args, results_dir: str, out=print) -> tuple[dict, dict, dict] | 
             reqs, tags, until = closed_loop_requests(results_dir)
             predicted = simulate(args, doc["configs"][name], reqs, goodput, profiles, tags, until, results_dir)
         else:
-            predicted = simulate(args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles,
-                                 results_dir=results_dir)
+            predicted = simulate(
+                args, doc["configs"][name], sim_requests(doc, measured), goodput, profiles, results_dir=results_dir
+            )
         rows = compare(measured, predicted)
         fits = step_fit(measured, by_role(profiles))
-        report[name] = {"rows": rows, "load_before": measured.get("load_before"), "cpu": measured.get("cpu"),
-                        "model": measured.get("model_id"), "requests": len(measured["start_times"]),
-                        "predicted_requests": len(predicted["start_times"]),
-                        "profiles": "served" if profiles else "engine", "step_fit": fits,
-                        "coef": {role: p.coef for role, p in zip(("prefill_or_both", "decode"), profiles or ())
-                                 if p is not None}}
+        report[name] = {
+            "rows": rows,
+            "load_before": measured.get("load_before"),
+            "cpu": measured.get("cpu"),
+            "model": measured.get("model_id"),
+            "requests": len(measured["start_times"]),
+            "predicted_requests": len(predicted["start_times"]),
+            "profiles": "served" if profiles else "engine",
+            "step_fit": fits,
+            "coef": {role: p.coef for role, p in zip(("prefill_or_both", "decode"), profiles or ()) if p is not None},
+        }
         out(format_rows(name, rows))
     return report, results, served
 
@@ -315,8 +395,7 @@ def across(reports: dict[str, dict]) -> list[str]:
     out); and
     the engine against itself: taking the median of the measured runs as the prediction, how
     many metrics of each run are within target (what run-to-run spread alone allows)."""
-    lines = ["| run | simulator within target | engine's median of runs within target of this run |",
-             "|---|---|---|"]
+    lines = ["| run | simulator within target | engine's median of runs within target of this run |", "|---|---|---|"]
     cells: dict[tuple, dict[str, dict]] = {}  # (config, scope, metric) -> run -> row
     for run, report in reports.items():
         for name, rep in report.items():
@@ -334,15 +413,21 @@ def across(reports: dict[str, dict]) -> list[str]:
             own[run][1] += 1
         # each run's error is paired (its own calibration, its own measurement): their median is the bias
         err = float(np.median([r["error"] for r in by_run.values() if r["error"] is not None]))
-        pooled.append(f"| {name} | {scope} | {metric} | {len(measured)} | {med:.1f} "
-                      f"({min(measured) / med - 1:+.0%}..{max(measured) / med - 1:+.0%}) | "
-                      f"{float(np.median(predicted)):.1f} | {100 * err:+.1f}% | ±{100 * target:.0f}% | "
-                      f"{'yes' if abs(err) <= target else 'no'} |")
+        pooled.append(
+            f"| {name} | {scope} | {metric} | {len(measured)} | {med:.1f} "
+            f"({min(measured) / med - 1:+.0%}..{max(measured) / med - 1:+.0%}) | "
+            f"{float(np.median(predicted)):.1f} | {100 * err:+.1f}% | ±{100 * target:.0f}% | "
+            f"{'yes' if abs(err) <= target else 'no'} |"
+        )
     for run, report in reports.items():
         rows = [r for rep in report.values() for r in rep["rows"]]
         lines.append(f"| {run} | {sum(r['ok'] for r in rows)} / {len(rows)} | {own[run][0]} / {own[run][1]} |")
-    lines += ["", "| config | requests | metric | runs | measured: median (range over runs) | predicted: median "
-                  "| median of the runs' errors | target | within |", "|---|---|---|---|---|---|---|---|---|"] + pooled
+    lines += [
+        "",
+        "| config | requests | metric | runs | measured: median (range over runs) | predicted: median "
+        "| median of the runs' errors | target | within |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ] + pooled
     return lines
 
 
@@ -367,15 +452,25 @@ def main(argv=None) -> int:
     for name, r in report.items():
         cpu = {k: v for k, v in (r["cpu"] or {}).items() if not isinstance(v, list)}
         share = cpu.get("others_share_of_machine")
-        flag = (f"  <- CONTENDED: other processes took {100 * share:.0f}% of the machine; contention that "
-                f"changes during a run (or between the profile and the run) is not in the profile"
-                if share is not None and share > CONTENDED_SHARE else "")
-        print(f"{name}: {r['requests']} requests of {r['model']} ({r['predicted_requests']} simulated); "
-              f"measured under load {r['load_before']}, "
-              f"cpu {json.dumps(cpu)}{flag}")
-        print(f"   profiles: {r['profiles']}" + "".join(
-            f"; {role}: {f['steps']} steps of the run priced with median |error| {100 * f['median_abs_error']:.1f}%"
-            f", total {100 * f['sum_bias']:+.1f}%" for role, f in r["step_fit"].items()))
+        flag = (
+            f"  <- CONTENDED: other processes took {100 * share:.0f}% of the machine; contention that "
+            f"changes during a run (or between the profile and the run) is not in the profile"
+            if share is not None and share > CONTENDED_SHARE
+            else ""
+        )
+        print(
+            f"{name}: {r['requests']} requests of {r['model']} ({r['predicted_requests']} simulated); "
+            f"measured under load {r['load_before']}, "
+            f"cpu {json.dumps(cpu)}{flag}"
+        )
+        print(
+            f"   profiles: {r['profiles']}"
+            + "".join(
+                f"; {role}: {f['steps']} steps of the run priced with median |error| {100 * f['median_abs_error']:.1f}%"
+                f", total {100 * f['sum_bias']:+.1f}%"
+                for role, f in r["step_fit"].items()
+            )
+        )
         if args.by_step_kind and served.get(name):
             print("\n".join(step_kinds(results[name], by_role(served[name]))))
     if args.json_out:

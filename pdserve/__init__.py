@@ -3,6 +3,7 @@
 `from pdserve import LLM, SamplingParams` loads lazily, so that the planner and
 the simulator import without torch.
 """
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

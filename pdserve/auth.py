@@ -17,6 +17,7 @@ environment variable `PDSERVE_CLUSTER_TOKEN`, or the per-user file
 it), so a router and workers started by hand on one host agree without setup,
 and another host joins only when given a copy of the file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,6 +45,7 @@ class AuthError(ConnectionError):
 
 
 # ---------------------------------------------------------------- the secret
+
 
 def new_token() -> str:
     """A fresh cluster token: 32 random bytes as hex."""
@@ -73,8 +75,9 @@ def load_cluster_secret(token_file: str | None = None, create_default: bool = Tr
     try:
         return parse_token(path.read_text())
     except OSError as e:
-        raise ValueError(f"no cluster token: pass --cluster-token-file, set {TOKEN_ENV}, "
-                         f"or create {path} ({e.strerror})") from None
+        raise ValueError(
+            f"no cluster token: pass --cluster-token-file, set {TOKEN_ENV}, or create {path} ({e.strerror})"
+        ) from None
 
 
 def _create_token_file(path: Path) -> None:
@@ -127,7 +130,7 @@ def kv_accept(sock: socket.socket, secret: bytes, timeout_s: float = HANDSHAKE_T
         challenge = secrets.token_bytes(_NONCE)
         sock.sendall(_MAGIC + challenge)
         reply = _recv(sock, len(_MAGIC) + _NONCE + _MAC)
-        magic, their_nonce, mac = reply[:len(_MAGIC)], reply[len(_MAGIC):-_MAC], reply[-_MAC:]
+        magic, their_nonce, mac = reply[: len(_MAGIC)], reply[len(_MAGIC) : -_MAC], reply[-_MAC:]
         if magic != _MAGIC or not hmac.compare_digest(mac, _mac(secret, b"client", challenge, their_nonce)):
             raise AuthError("KV peer failed authentication (wrong or missing cluster token)")
         sock.sendall(_mac(secret, b"server", their_nonce, challenge))
@@ -143,9 +146,9 @@ def kv_connect(sock: socket.socket, secret: bytes, timeout_s: float = HANDSHAKE_
     sock.settimeout(timeout_s)
     try:
         hello = _recv(sock, len(_MAGIC) + _NONCE)
-        if hello[:len(_MAGIC)] != _MAGIC:
+        if hello[: len(_MAGIC)] != _MAGIC:
             raise AuthError("the KV endpoint did not start a pdserve handshake")
-        challenge = hello[len(_MAGIC):]
+        challenge = hello[len(_MAGIC) :]
         nonce = secrets.token_bytes(_NONCE)
         sock.sendall(_MAGIC + nonce + _mac(secret, b"client", challenge, nonce))
         proof = _recv(sock, _MAC)
@@ -183,8 +186,9 @@ class _Nonces:
 
     def fresh(self, nonce: str, ts: float, now: float) -> bool:
         with self._lock:
-            while self._seen and (next(iter(self._seen.values())) < now - 2 * self.window_s
-                                  or len(self._seen) >= self.max_entries):
+            while self._seen and (
+                next(iter(self._seen.values())) < now - 2 * self.window_s or len(self._seen) >= self.max_entries
+            ):
                 self._seen.popitem(last=False)
             if nonce in self._seen:
                 return False
@@ -212,8 +216,7 @@ class Verifier:
             return f"malformed {AUTH_HEADER} header"
         now = time.time() if now is None else now
         digest = hashlib.sha256(body).hexdigest()
-        want = _mac(self.secret, method.upper().encode(), path.encode(), ts_s.encode(), nonce.encode(),
-                    digest.encode())
+        want = _mac(self.secret, method.upper().encode(), path.encode(), ts_s.encode(), nonce.encode(), digest.encode())
         if not hmac.compare_digest(mac, want):
             return "bad signature (wrong cluster token?)"
         if abs(now - ts) > self.max_skew_s:
@@ -231,8 +234,9 @@ def http_auth(secret: bytes):
         requires_request_body = True
 
         def auth_flow(self, request):
-            request.headers[AUTH_HEADER] = sign_request(secret, request.method, request.url.raw_path.decode(),
-                                                        request.content)
+            request.headers[AUTH_HEADER] = sign_request(
+                secret, request.method, request.url.raw_path.decode(), request.content
+            )
             yield request
 
     return _Signer()
@@ -245,8 +249,13 @@ class InternalAuth:
     Refusals are 401 in OpenAI's error shape, logged with the peer's address, and
     reach no handler."""
 
-    def __init__(self, app, verifier: Verifier, prefixes: tuple[str, ...] = ("/internal/",),
-                 max_body_bytes: int = MAX_SIGNED_BODY_BYTES):
+    def __init__(
+        self,
+        app,
+        verifier: Verifier,
+        prefixes: tuple[str, ...] = ("/internal/",),
+        max_body_bytes: int = MAX_SIGNED_BODY_BYTES,
+    ):
         self.app = app
         self.verifier = verifier
         self.prefixes = prefixes
@@ -275,8 +284,9 @@ class InternalAuth:
         if why is not None:
             self.verifier.refused += 1
             peer = scope.get("client") or ("?", 0)
-            log.warning("refused unauthenticated %s %s from %s:%s: %s", scope["method"], scope["path"],
-                        peer[0], peer[1], why)
+            log.warning(
+                "refused unauthenticated %s %s from %s:%s: %s", scope["method"], scope["path"], peer[0], peer[1], why
+            )
             return await self._refuse(scope, send, 401, why)
         sent = False
 
@@ -291,9 +301,21 @@ class InternalAuth:
 
     @staticmethod
     async def _refuse(scope, send, status: int, message: str) -> None:
-        body = json.dumps({"error": {"message": message, "type": "authentication_error" if status == 401
-                                     else "invalid_request_error", "param": None,
-                                     "code": "cluster_auth" if status == 401 else None}}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "authentication_error" if status == 401 else "invalid_request_error",
+                    "param": None,
+                    "code": "cluster_auth" if status == 401 else None,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -4,6 +4,7 @@ Each subcommand lives beside the code it drives and exposes two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``; this file only wires them,
 importing each lazily so that `pdserve plan` starts without torch.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ Field names follow vLLM's engine arguments where one exists, so that
 `--max-num-batched-tokens`, `--block-size`, `--enable-chunked-prefill` mean
 what an operator of vLLM expects.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -217,8 +218,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Accept flat vLLM-style keyword arguments and route each to its part."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig,
-                 "tiers": KVTierConfig}
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig, "tiers": KVTierConfig}
         split: dict[str, dict] = {name: {} for name in parts}
         top: dict[str, Any] = {}
         top_names = {f.name for f in dataclasses.fields(cls)} - set(parts)

@@ -32,6 +32,7 @@ unknown fields are ignored. Callers send only the fields they set
 This module imports nothing of pdserve but the engine's SamplingParams, so that the
 router, the workers and their supervisors import it without an import cycle.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,6 +85,7 @@ def params_from_json(d: dict) -> SamplingParams:
 
 
 # ---- worker routes: requests
+
 
 class KVDestinationBody(_Message):
     """pdserve.transfer.connector.KVDestination on the wire (the same fields; a test keeps
@@ -152,6 +154,7 @@ class FaultRequest(_Message):
 
 # ---- worker routes: answers
 
+
 class ReserveResponse(_Message):
     kv_destination: KVDestinationBody
 
@@ -185,6 +188,7 @@ class StateResponse(_Message):
 
 
 # ---- worker streams: one JSON object per line
+
 
 class _Event(_Message):
     event: str
@@ -241,8 +245,10 @@ class ErrorEvent(_Event):
 
 
 WorkerEvent = FirstTokenEvent | OutputEvent | SavedEvent | KVReadyEvent | ErrorEvent
-_EVENTS: dict[str, type[_Event]] = {cls.model_fields["event"].default: cls
-                                    for cls in (FirstTokenEvent, OutputEvent, SavedEvent, KVReadyEvent, ErrorEvent)}
+_EVENTS: dict[str, type[_Event]] = {
+    cls.model_fields["event"].default: cls
+    for cls in (FirstTokenEvent, OutputEvent, SavedEvent, KVReadyEvent, ErrorEvent)
+}
 
 
 def event_line(ev: _Event) -> bytes:
@@ -261,6 +267,7 @@ def parse_event(line: str | bytes) -> WorkerEvent | None:
 
 
 # ---- router routes (workers and supervisors call them)
+
 
 class RegisterRequest(_Message):
     worker_id: RegisteredText
@@ -358,7 +365,7 @@ def tokens_comment(index: int, token_ids, finished: bool) -> str:
 
 def parse_tokens_comment(line: str) -> tuple[int, list[int], bool]:
     """(choice index, token ids, finished) of a `: pd-t` line; ValueError if it is not one."""
-    index, ids, finished = line[len(TOKENS_COMMENT):].split(" ")
+    index, ids, finished = line[len(TOKENS_COMMENT) :].split(" ")
     return int(index), [int(t) for t in ids.split(",")] if ids else [], finished == "1"
 
 

@@ -18,6 +18,7 @@ A spec is a comma-separated list of `name=LAYER[:ARG]`; each fault fires once:
     exit_at_layer=K       ... the process dies there (exit code 17)
     delay_prefill=0:S     the worker's next prefill starts S seconds late
 """
+
 from __future__ import annotations
 
 import asyncio

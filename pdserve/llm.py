@@ -1,4 +1,5 @@
 """Offline API in the shape of vLLM's: `LLM(model).generate(prompts, params)`."""
+
 from __future__ import annotations
 
 import itertools
@@ -34,8 +35,13 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string or a list of token ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -88,8 +94,9 @@ class LLM:
             bar.close()
         return finals
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, **kw) -> list[RequestOutput]:
+    def chat(
+        self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True, **kw
+    ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]

@@ -1,6 +1,7 @@
 """Processes and ports: a free TCP port for the servers that pick their own (tests,
 benchmarks, a worker's KV listener, a Mooncake master); children tied to their parent's
 life; and the wait until a started server answers."""
+
 from __future__ import annotations
 
 import ctypes
@@ -35,10 +36,15 @@ def _die_with_parent_fn() -> Callable[[], None] | None:
 die_with_parent = _die_with_parent_fn()
 
 
-def wait_until(ready: Callable[[], bool], procs: Sequence[subprocess.Popen] = (), timeout_s: float = 300.0,
-               what: str = "the server", log: Callable[[], str] = lambda: "", interval_s: float = 0.2,
-               errors: tuple[type[BaseException], ...] = (httpx.HTTPError, OSError, ValueError, KeyError)
-               ) -> float:
+def wait_until(
+    ready: Callable[[], bool],
+    procs: Sequence[subprocess.Popen] = (),
+    timeout_s: float = 300.0,
+    what: str = "the server",
+    log: Callable[[], str] = lambda: "",
+    interval_s: float = 0.2,
+    errors: tuple[type[BaseException], ...] = (httpx.HTTPError, OSError, ValueError, KeyError),
+) -> float:
     """Poll `ready()` until it is true; seconds waited. RuntimeError as soon as one of `procs`
     exits, TimeoutError after `timeout_s`, each with `log()` (the process's output) appended.
     `errors` raised by `ready()` mean "not yet"."""

@@ -25,5 +25,6 @@ def tiny_llm(tiny_model_dir):
     """A fresh tiny engine per test: 64 blocks of 4 tokens."""
     from pdserve import LLM
 
-    return LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64,
-               max_num_batched_tokens=64, max_num_seqs=8)
+    return LLM(
+        tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=8
+    )

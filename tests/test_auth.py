@@ -1,4 +1,5 @@
 """The cluster secret: KV handshakes, signed internal requests, where the token comes from."""
+
 import os
 import socket
 import stat
@@ -91,10 +92,13 @@ def test_middleware_guards_internal_routes_and_hands_the_body_on():
     transport = httpx.ASGITransport(app=app)
 
     async def run():
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as anon, \
-                httpx.AsyncClient(transport=transport, base_url="http://t", auth=auth.http_auth(SECRET)) as ok, \
-                httpx.AsyncClient(transport=transport, base_url="http://t",
-                                  auth=auth.http_auth(b"wrong-secret-wrong-secret")) as wrong:
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://t") as anon,
+            httpx.AsyncClient(transport=transport, base_url="http://t", auth=auth.http_auth(SECRET)) as ok,
+            httpx.AsyncClient(
+                transport=transport, base_url="http://t", auth=auth.http_auth(b"wrong-secret-wrong-secret")
+            ) as wrong,
+        ):
             r = await anon.post("/internal/echo", json={"x": 1})
             assert r.status_code == 401 and r.json()["error"]["code"] == "cluster_auth"
             assert (await wrong.post("/internal/echo", json={"x": 2})).status_code == 401

@@ -1,5 +1,6 @@
 """The internal control API's messages (pdserve/control_api.py): what they accept, what travels,
 and how a worker answers a body that is not one of them."""
+
 import asyncio
 import dataclasses
 import json
@@ -30,14 +31,17 @@ SECRET = b"0123456789abcdef-test-secret"
 
 def test_mirrored_types_match_their_originals():
     """KVDestinationBody and Role copy a dataclass and a tuple that control_api must not import."""
+
     def default(f):  # None: required
         if f.default is not dataclasses.MISSING:
             return f.default
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
     want = {f.name: default(f) for f in dataclasses.fields(KVDestination)}
-    got = {name: None if f.is_required() else f.get_default(call_default_factory=True)
-           for name, f in KVDestinationBody.model_fields.items()}
+    got = {
+        name: None if f.is_required() else f.get_default(call_default_factory=True)
+        for name, f in KVDestinationBody.model_fields.items()
+    }
     assert got == want
     assert typing.get_args(control_api.Role) == ROLES
 
@@ -49,8 +53,15 @@ def test_callers_send_only_what_they_set():
 
 
 def test_stream_events_round_trip_and_unknown_ones_are_skipped():
-    ev = OutputEvent(token_ids=[5], text="a", finished=True, finish_reason="length", stop_reason=None,
-                     logprobs=[{"5": -0.5, "7": -math.inf}], num_prompt_tokens=3)
+    ev = OutputEvent(
+        token_ids=[5],
+        text="a",
+        finished=True,
+        finish_reason="length",
+        stop_reason=None,
+        logprobs=[{"5": -0.5, "7": -math.inf}],
+        num_prompt_tokens=3,
+    )
     line = event_line(ev)
     assert line.endswith(b"\n") and json.loads(line)["event"] == "output"
     assert parse_event(line) == ev
@@ -64,8 +75,15 @@ def test_stream_events_round_trip_and_unknown_ones_are_skipped():
 def test_router_side_bounds_on_registrations_and_pool_polls():
     ok = {"worker_id": "d0", "url": "http://127.0.0.1:8101", "role": "decode"}
     assert RegisterRequest.model_validate(ok).restarts == 0
-    for bad in ({"url": "tcp://127.0.0.1:1"}, {"url": "http://"}, {"role": "judge"}, {"restarts": -1},
-                {"restarts": 1 << 31}, {"worker_id": "x" * 513}, {"host": 5}):
+    for bad in (
+        {"url": "tcp://127.0.0.1:1"},
+        {"url": "http://"},
+        {"role": "judge"},
+        {"restarts": -1},
+        {"restarts": 1 << 31},
+        {"worker_id": "x" * 513},
+        {"host": 5},
+    ):
         with pytest.raises(ValidationError):
             RegisterRequest.model_validate({**ok, **bad})
     assert PoolPollRequest.model_validate({"running": {"decode": 1024}}).running == {"decode": 1024}
@@ -81,10 +99,12 @@ def _worker_answers(posts: list[tuple[str, bytes]]) -> list[httpx.Response]:
     app = build_worker_app(WorkerApi(types.SimpleNamespace(), "decode"), SECRET)
 
     async def run():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w",
-                                     auth=auth.http_auth(SECRET)) as c:
-            return [await c.post(path, content=body, headers={"content-type": "application/json"})
-                    for path, body in posts]
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://w", auth=auth.http_auth(SECRET)
+        ) as c:
+            return [
+                await c.post(path, content=body, headers={"content-type": "application/json"}) for path, body in posts
+            ]
 
     return asyncio.run(run())
 

@@ -1,6 +1,7 @@
 """The package's import graph: the engine and the KV code stand alone, nothing imports the
 worker process, and no new import cycle appears (the ones listed below are known and being
 taken apart)."""
+
 from __future__ import annotations
 
 import ast
@@ -11,8 +12,15 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # engine/, kv/ and kvstore/ run inside a worker and under the offline API: they must not
 # reach up into the server, the router, the simulator, the benchmark client or the planner
 LOWER = ("pdserve.engine", "pdserve.kv", "pdserve.kvstore")
-UPPER = ("pdserve.server", "pdserve.worker", "pdserve.router", "pdserve.sim", "pdserve.bench", "pdserve.planner",
-         "pdserve.testing")
+UPPER = (
+    "pdserve.server",
+    "pdserve.worker",
+    "pdserve.router",
+    "pdserve.sim",
+    "pdserve.bench",
+    "pdserve.planner",
+    "pdserve.testing",
+)
 
 # the worker process is started (`pdserve worker`), never imported: the router reaches it over
 # HTTP and the KV bridge, the launchers by its command line
@@ -22,8 +30,13 @@ WORKER = "pdserve.worker"
 # list; never grow it.
 KNOWN_CYCLES = [
     {"pdserve.transfer.nixl", "pdserve.transfer.sender"},
-    {"pdserve.planner", "pdserve.planner.perf", "pdserve.planner.plan", "pdserve.planner.steps",
-     "pdserve.planner.steps_speed"},
+    {
+        "pdserve.planner",
+        "pdserve.planner.perf",
+        "pdserve.planner.plan",
+        "pdserve.planner.steps",
+        "pdserve.planner.steps_speed",
+    },
     {"pdserve.bench", "pdserve.bench.runner"},
     {"pdserve.sim.cli", "pdserve.sim.search"},
 ]
@@ -89,8 +102,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_engine_and_kv_import_nothing_above_them():
-    bad = {m: sorted(d for d in deps if d.startswith(UPPER))
-           for m, deps in _graph().items() if m.startswith(LOWER)}
+    bad = {m: sorted(d for d in deps if d.startswith(UPPER)) for m, deps in _graph().items() if m.startswith(LOWER)}
     assert not {m: d for m, d in bad.items() if d}
 
 

@@ -1,4 +1,5 @@
 """The process helpers every test, benchmark and launcher share (pdserve/ports.py)."""
+
 import subprocess
 import sys
 import time
@@ -29,9 +30,11 @@ def test_wait_until_treats_connection_errors_as_not_yet_and_times_out():
 
 def test_a_child_started_with_die_with_parent_gets_sigterm_when_its_parent_dies():
     # the parent starts a sleeping grandchild and exits at once; the grandchild must not outlive it
-    code = ("import subprocess, sys; from pdserve.ports import die_with_parent; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent); "
-            "print(p.pid, flush=True)")
+    code = (
+        "import subprocess, sys; from pdserve.ports import die_with_parent; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], preexec_fn=die_with_parent); "
+        "print(p.pid, flush=True)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 10

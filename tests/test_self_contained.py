@@ -5,6 +5,7 @@ they were written on, a sibling checkout of notes, or documents the repository
 does not hold (the notes' findings and spec files, numbered sections of the
 design documents). Data the tests need lives in tests/data with its source noted.
 """
+
 import re
 import subprocess
 from pathlib import Path
@@ -13,12 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCOPE = ("pdserve/", "tests/", "benchmarks/", "docs/", "README.md", "Makefile")
 # Spelled in pieces, so that this file does not name what it forbids.
 _NOTES = "sha" + "red"
-FORBIDDEN = re.compile("|".join([
-    "/" + "wo" + "rk/",  # the development machine's checkout root
-    r"\.\./" + _NOTES,  # the sibling notes checkout
-    _NOTES + "/FIND" + "INGS", _NOTES + "/SP" + "EC",  # documents kept there
-    "se" + "ed 00[03] \u00a7",  # numbered sections of the design documents
-]))
+FORBIDDEN = re.compile(
+    "|".join(
+        [
+            "/" + "wo" + "rk/",  # the development machine's checkout root
+            r"\.\./" + _NOTES,  # the sibling notes checkout
+            _NOTES + "/FIND" + "INGS",
+            _NOTES + "/SP" + "EC",  # documents kept there
+            "se" + "ed 00[03] \u00a7",  # numbered sections of the design documents
+        ]
+    )
+)
 
 
 def _repo_files() -> list[Path]:

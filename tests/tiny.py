@@ -1,4 +1,5 @@
 """A tiny random-weight Llama written as a Hugging Face directory, for fast unit tests."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,25 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<unk>"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
-def write_tiny_model(path: str, *, layers=2, hidden=64, heads=4, kv_heads=2, inter=128,
-                     max_pos=512, qkv_bias=False, seed=0, logit_scale=1.0) -> str:
+def write_tiny_model(
+    path: str,
+    *,
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    inter=128,
+    max_pos=512,
+    qkv_bias=False,
+    seed=0,
+    logit_scale=1.0,
+) -> str:
     """`logit_scale` > 1 sharpens the output distribution: fewer near-ties, so greedy
     choices survive the tiny numeric differences between a decode and a recompute."""
     os.makedirs(path, exist_ok=True)
@@ -35,11 +49,20 @@ def write_tiny_model(path: str, *, layers=2, hidden=64, heads=4, kv_heads=2, int
     cfg = {
         "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
         "model_type": "qwen2" if qkv_bias else "llama",
-        "vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": inter,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "eos_token_id": eos, "bos_token_id": vocab["<|im_start|>"],
-        "hidden_act": "silu", "torch_dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_pos,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos,
+        "bos_token_id": vocab["<|im_start|>"],
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -49,17 +72,26 @@ def write_tiny_model(path: str, *, layers=2, hidden=64, heads=4, kv_heads=2, int
         return (torch.randn(*shape, generator=g) * scale).contiguous()
 
     hd = hidden // heads
-    state = {"model.embed_tokens.weight": rnd(vocab_size, hidden, scale=0.5),
-             "model.norm.weight": 1 + rnd(hidden), "lm_head.weight": rnd(vocab_size, hidden, scale=0.5 * logit_scale)}
+    state = {
+        "model.embed_tokens.weight": rnd(vocab_size, hidden, scale=0.5),
+        "model.norm.weight": 1 + rnd(hidden),
+        "lm_head.weight": rnd(vocab_size, hidden, scale=0.5 * logit_scale),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
-        state.update({
-            p + "input_layernorm.weight": 1 + rnd(hidden), p + "post_attention_layernorm.weight": 1 + rnd(hidden),
-            p + "self_attn.q_proj.weight": rnd(heads * hd, hidden), p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
-            p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden), p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
-            p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
-            p + "mlp.down_proj.weight": rnd(hidden, inter),
-        })
+        state.update(
+            {
+                p + "input_layernorm.weight": 1 + rnd(hidden),
+                p + "post_attention_layernorm.weight": 1 + rnd(hidden),
+                p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
+                p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
+                p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden),
+                p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+                p + "mlp.gate_proj.weight": rnd(inter, hidden),
+                p + "mlp.up_proj.weight": rnd(inter, hidden),
+                p + "mlp.down_proj.weight": rnd(hidden, inter),
+            }
+        )
         if qkv_bias:
             for n, size in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd)):
                 state[p + f"self_attn.{n}_proj.bias"] = rnd(size)

@@ -16,6 +16,7 @@ Modules: `datasets` (workloads), `arrivals` (send times), `client` (streaming
 and timing), `metrics` (the arithmetic), `runner` (`run_benchmark`),
 `report` (table and JSON), `plots` (PNGs; needs matplotlib), `cli`.
 """
+
 from pdserve.bench import datasets
 from pdserve.bench.client import BenchError, RequestOutput
 from pdserve.bench.runner import RunState, run_benchmark

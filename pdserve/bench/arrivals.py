@@ -5,6 +5,7 @@ it starts and is the same for every server it is pointed at. The first
 request goes at 0 and request i after i inter-arrival gaps, as in
 `vllm bench serve`.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,14 @@ def offsets_s(n: int, request_rate: float, burstiness: float = 1.0, *, seed: int
     return np.concatenate(([0.0], np.cumsum(g[:-1]))) if n else np.zeros(0)
 
 
-def schedule(requests: list[Request], request_rate: float = math.inf, burstiness: float = 1.0, *,
-             seed: int = 0, use_trace_times: bool = True) -> list[float]:
+def schedule(
+    requests: list[Request],
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    *,
+    seed: int = 0,
+    use_trace_times: bool = True,
+) -> list[float]:
     """Send time of each request: its own `arrival_s` where it has one (a trace, a burst)
     and `use_trace_times` holds, else the next offset of the arrival process."""
     free = [i for i, r in enumerate(requests) if r.arrival_s is None or not use_trace_times]

@@ -4,6 +4,7 @@ Exit status: 0 when at least one request completed, 1 when none did or the
 endpoint cannot be used, 2 for bad flags or a bad dataset, 130 when
 interrupted (the partial result is still printed and saved).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,13 +24,23 @@ def add_arguments(p) -> None:
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     g.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     g.add_argument("--model", default=None, help="model id to request (default: the first one /v1/models lists)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("PDSERVE_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' (env OPENAI_API_KEY or PDSERVE_API_KEY)")
-    g.add_argument("--tokenizer", default=None,
-                   help="HF directory, tokenizer.json or GGUF of the served model: exact text lengths and the "
-                        "right token-id range (default: --model when it is a local path)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="draw random prompt token ids below this (default: the tokenizer's, else 32000)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY") or os.environ.get("PDSERVE_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (env OPENAI_API_KEY or PDSERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF directory, tokenizer.json or GGUF of the served model: exact text lengths and the "
+        "right token-id range (default: --model when it is a local path)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="draw random prompt token ids below this (default: the tokenizer's, else 32000)",
+    )
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
 
     g = p.add_argument_group("workload")
@@ -40,31 +51,53 @@ def add_arguments(p) -> None:
     g.add_argument("--skip-bad-lines", action="store_true", help="skip malformed dataset entries instead of stopping")
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)] (random and mixed)")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)] (random and mixed)",
+    )
     g.add_argument("--random-prefix-len", type=int, default=0, help="tokens every random prompt starts with")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="fixed output length for every ShareGPT prompt")
-    g.add_argument("--mooncake-block-tokens", type=int, default=datasets.MOONCAKE_BLOCK_TOKENS,
-                   help="tokens per trace hash id; input lengths scale by this / 512 (prefix sharing is kept)")
+    g.add_argument(
+        "--sharegpt-output-len", type=int, default=None, help="fixed output length for every ShareGPT prompt"
+    )
+    g.add_argument(
+        "--mooncake-block-tokens",
+        type=int,
+        default=datasets.MOONCAKE_BLOCK_TOKENS,
+        help="tokens per trace hash id; input lengths scale by this / 512 (prefix sharing is kept)",
+    )
     g.add_argument("--mooncake-output-scale", type=float, default=1.0, help="multiply trace output lengths")
-    g.add_argument("--mooncake-time-scale", type=float, default=1.0,
-                   help="multiply trace timestamps (0.1 replays ten times faster)")
+    g.add_argument(
+        "--mooncake-time-scale",
+        type=float,
+        default=1.0,
+        help="multiply trace timestamps (0.1 replays ten times faster)",
+    )
     m = datasets.MixedConfig()
     for name, help_text in [
-            ("chat-input-len", "chat prompt tokens"), ("chat-output-len", "chat output tokens"),
-            ("chat-streams", "chats in flight at most, 0 for no limit (a closed loop at an infinite rate)"),
-            ("long-input-len", "long prompt tokens"), ("long-output-len", "long prompt output tokens"),
-            ("burst-size", "long prompts per burst"), ("num-bursts", "bursts in the run"),
-            ("burst-interval", "seconds between bursts"), ("first-burst", "seconds to the first burst")]:
+        ("chat-input-len", "chat prompt tokens"),
+        ("chat-output-len", "chat output tokens"),
+        ("chat-streams", "chats in flight at most, 0 for no limit (a closed loop at an infinite rate)"),
+        ("long-input-len", "long prompt tokens"),
+        ("long-output-len", "long prompt output tokens"),
+        ("burst-size", "long prompts per burst"),
+        ("num-bursts", "bursts in the run"),
+        ("burst-interval", "seconds between bursts"),
+        ("first-burst", "seconds to the first burst"),
+    ]:
         field = name.replace("-", "_") + ("_s" if name in ("burst-interval", "first-burst") else "")
         default = getattr(m, field)
         g.add_argument(f"--mixed-{name}", type=type(default), default=default, help=f"mixed: {help_text}")
 
     g = p.add_argument_group("arrivals")
-    g.add_argument("--request-rate", type=float, default=None,
-                   help="requests/s, Poisson (or gamma with --burstiness); default inf: all at once, "
-                        "except mooncake, which follows the trace's timestamps unless this is given")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests/s, Poisson (or gamma with --burstiness); default inf: all at once, "
+        "except mooncake, which follows the trace's timestamps unless this is given",
+    )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier, >1 steadier")
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
 
@@ -73,11 +106,17 @@ def add_arguments(p) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
 
     g = p.add_argument_group("results")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs of a good request, e.g. ttft:500 tpot:50 e2el:10000")
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="SLOs of a good request, e.g. ttft:500 tpot:50 e2el:10000",
+    )
     g.add_argument("--percentile-metrics", default=",".join(metrics.METRICS), help="of ttft,tpot,itl,e2el")
-    g.add_argument("--metric-percentiles", default=",".join(map(str, metrics.DEFAULT_PERCENTILES)),
-                   help="e.g. 50,90,99,99.9")
+    g.add_argument(
+        "--metric-percentiles", default=",".join(map(str, metrics.DEFAULT_PERCENTILES)), help="e.g. 50,90,99,99.9"
+    )
     g.add_argument("--save-result", action="store_true", help="write the JSON result (implied by --result-*)")
     g.add_argument("--result-dir", default=None)
     g.add_argument("--result-filename", default=None)
@@ -94,30 +133,64 @@ def build_requests(args, tokens) -> tuple[list[datasets.Request], dict, dict]:
         raise ValueError(f"--dataset-name {name} needs --dataset-path")
     settings: dict = {"dataset_name": name, "num_prompts": args.num_prompts, "seed": args.seed}
     if name == "random":
-        settings.update(random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-                        random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len)
-        reqs = datasets.random(args.num_prompts, args.random_input_len, args.random_output_len, tokens,
-                               seed=args.seed, range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
-                               as_text=as_text)
+        settings.update(
+            random_input_len=args.random_input_len,
+            random_output_len=args.random_output_len,
+            random_range_ratio=args.random_range_ratio,
+            random_prefix_len=args.random_prefix_len,
+        )
+        reqs = datasets.random(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            tokens,
+            seed=args.seed,
+            range_ratio=args.random_range_ratio,
+            prefix_len=args.random_prefix_len,
+            as_text=as_text,
+        )
         return reqs, settings, {}
     if name == "sharegpt":
         settings.update(dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len)
-        reqs = datasets.sharegpt(args.dataset_path, args.num_prompts, tokens, seed=args.seed,
-                                 output_len=args.sharegpt_output_len, skip_bad=args.skip_bad_lines)
+        reqs = datasets.sharegpt(
+            args.dataset_path,
+            args.num_prompts,
+            tokens,
+            seed=args.seed,
+            output_len=args.sharegpt_output_len,
+            skip_bad=args.skip_bad_lines,
+        )
         return reqs, settings, {}
     if name == "mooncake":
         sc = datasets.MooncakeScaling(args.mooncake_block_tokens, args.mooncake_output_scale, args.mooncake_time_scale)
-        settings.update(dataset_path=args.dataset_path, mooncake_block_tokens=sc.block_tokens,
-                        mooncake_output_scale=sc.output_scale, mooncake_time_scale=sc.time_scale)
-        reqs = datasets.mooncake(args.dataset_path, args.num_prompts, tokens, seed=args.seed, scaling=sc,
-                                 as_text=as_text, skip_bad=args.skip_bad_lines)
+        settings.update(
+            dataset_path=args.dataset_path,
+            mooncake_block_tokens=sc.block_tokens,
+            mooncake_output_scale=sc.output_scale,
+            mooncake_time_scale=sc.time_scale,
+        )
+        reqs = datasets.mooncake(
+            args.dataset_path,
+            args.num_prompts,
+            tokens,
+            seed=args.seed,
+            scaling=sc,
+            as_text=as_text,
+            skip_bad=args.skip_bad_lines,
+        )
         return reqs, settings, {}
     cfg = datasets.MixedConfig(
-        num_chats=args.num_prompts, chat_input_len=args.mixed_chat_input_len,
-        chat_output_len=args.mixed_chat_output_len, chat_streams=args.mixed_chat_streams or None,
-        long_input_len=args.mixed_long_input_len, long_output_len=args.mixed_long_output_len,
-        burst_size=args.mixed_burst_size, num_bursts=args.mixed_num_bursts,
-        burst_interval_s=args.mixed_burst_interval, first_burst_s=args.mixed_first_burst)
+        num_chats=args.num_prompts,
+        chat_input_len=args.mixed_chat_input_len,
+        chat_output_len=args.mixed_chat_output_len,
+        chat_streams=args.mixed_chat_streams or None,
+        long_input_len=args.mixed_long_input_len,
+        long_output_len=args.mixed_long_output_len,
+        burst_size=args.mixed_burst_size,
+        num_bursts=args.mixed_num_bursts,
+        burst_interval_s=args.mixed_burst_interval,
+        first_burst_s=args.mixed_first_burst,
+    )
     settings.update({f"mixed_{k}": v for k, v in vars(cfg).items()}, random_range_ratio=args.random_range_ratio)
     reqs = datasets.mixed(cfg, tokens, seed=args.seed, range_ratio=args.random_range_ratio, as_text=as_text)
     return reqs, settings, cfg.tag_concurrency()
@@ -161,24 +234,49 @@ def run(args) -> int:
         print(f"pdserve bench: the {args.dataset_name} dataset gave no usable requests", file=sys.stderr)
         return 2
     rate = math.inf if args.request_rate is None else args.request_rate
-    log.info("%d requests (%s), rate %s/s, burstiness %s, max concurrency %s", len(requests), args.dataset_name,
-             "trace" if args.request_rate is None and args.dataset_name == "mooncake" else rate, args.burstiness,
-             args.max_concurrency or "unlimited")
+    log.info(
+        "%d requests (%s), rate %s/s, burstiness %s, max concurrency %s",
+        len(requests),
+        args.dataset_name,
+        "trace" if args.request_rate is None and args.dataset_name == "mooncake" else rate,
+        args.burstiness,
+        args.max_concurrency or "unlimited",
+    )
     state = RunState([])
     try:
         result = run_benchmark(
-            requests, args.base_url, model=args.model, endpoint=args.endpoint, request_rate=rate,
-            burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+            requests,
+            args.base_url,
+            model=args.model,
+            endpoint=args.endpoint,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
             # --request-rate replaces a trace's clock; the bursts of `mixed` always keep theirs
             use_trace_times=args.request_rate is None or args.dataset_name != "mooncake",
-            tag_concurrency=tag_limits, goodput=goodput, percentiles=percentiles, percentile_metrics=names,
-            ignore_eos=args.ignore_eos, temperature=args.temperature, api_key=args.api_key,
-            timeout_s=args.request_timeout, seed=args.seed, progress=not args.disable_tqdm, state=state)
+            tag_concurrency=tag_limits,
+            goodput=goodput,
+            percentiles=percentiles,
+            percentile_metrics=names,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            api_key=args.api_key,
+            timeout_s=args.request_timeout,
+            seed=args.seed,
+            progress=not args.disable_tqdm,
+            state=state,
+        )
     except (BenchError, ValueError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 1
-    result = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "openai", **settings,
-              "tokenizer_id": _tokenizer_path(args), "token_counts_exact": tokens.exact, **result}
+    result = {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        **settings,
+        "tokenizer_id": _tokenizer_path(args),
+        "token_counts_exact": tokens.exact,
+        **result,
+    }
     print(report.format_summary(result, names))
     _save(args, result)
     if state.interrupted:

@@ -8,6 +8,7 @@ no output (a chat stream's opening role chunk, the closing usage chunk) are
 not tokens and are not timed. The per-chunk work is one JSON parse and one
 clock read.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,10 +101,16 @@ class _StreamError(Exception):
     pass
 
 
-def request_body(req: Request, model: str, endpoint: str, *, ignore_eos: bool, temperature: float,
-                 extra: dict | None = None) -> bytes:
-    body = {"model": model, "max_tokens": req.output_len, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+def request_body(
+    req: Request, model: str, endpoint: str, *, ignore_eos: bool, temperature: float, extra: dict | None = None
+) -> bytes:
+    body = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint == CHAT:
         prompt = req.prompt if isinstance(req.prompt, str) else None
         if prompt is None:
@@ -173,9 +180,12 @@ def make_client(api_key: str | None, timeout_s: float) -> httpx.AsyncClient:
         headers["Authorization"] = f"Bearer {api_key}"
     # no connection cap: a queue for a connection would be counted as server latency;
     # trust_env off: a proxy from the environment must not sit between client and server
-    return httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             trust_env=False)
+    return httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        trust_env=False,
+    )
 
 
 def served_models(base_url: str, api_key: str | None) -> list[str]:

@@ -5,6 +5,7 @@ see exactly the same prompts. Prompts are token ids where the endpoint takes
 them (`/v1/completions`): the length sent is then the length the server
 prefills, with no tokenizer round trip; `as_text=True` gives text for chat.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,18 @@ def _prompt(ids: list[int], tokens: TokenSource, as_text: bool) -> str | list[in
     return tokens.text(ids) if as_text else ids
 
 
-def random(num_prompts: int, input_len: int, output_len: int, tokens: TokenSource, *, seed: int = 0,
-           range_ratio: float = 0.0, prefix_len: int = 0, as_text: bool = False, tag: str = "default") -> list[Request]:
+def random(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    tokens: TokenSource,
+    *,
+    seed: int = 0,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    as_text: bool = False,
+    tag: str = "default",
+) -> list[Request]:
     """Random token prompts; `prefix_len` tokens shared by all of them (a prefix-cache hit)."""
     rng = np.random.default_rng([seed, 1])
     in_lens = _lengths(rng, num_prompts, input_len, range_ratio)
@@ -84,8 +95,18 @@ class MixedConfig:
     first_burst_s: float = 2.0
 
     def __post_init__(self):
-        if min(self.num_chats, self.burst_size, self.chat_input_len, self.long_input_len,
-               self.chat_output_len, self.long_output_len) < 1 or self.num_bursts < 0:
+        if (
+            min(
+                self.num_chats,
+                self.burst_size,
+                self.chat_input_len,
+                self.long_input_len,
+                self.chat_output_len,
+                self.long_output_len,
+            )
+            < 1
+            or self.num_bursts < 0
+        ):
             raise ValueError("mixed workload: counts and lengths must be >= 1 (num_bursts >= 0)")
         if self.burst_interval_s <= 0 or self.first_burst_s < 0:
             raise ValueError("mixed workload: burst_interval_s must be > 0 and first_burst_s >= 0")
@@ -96,11 +117,20 @@ class MixedConfig:
         return {} if self.chat_streams is None else {"chat": self.chat_streams}
 
 
-def mixed(cfg: MixedConfig, tokens: TokenSource, *, seed: int = 0, range_ratio: float = 0.0,
-          as_text: bool = False) -> list[Request]:
+def mixed(
+    cfg: MixedConfig, tokens: TokenSource, *, seed: int = 0, range_ratio: float = 0.0, as_text: bool = False
+) -> list[Request]:
     """Chats tagged "chat", long prompts tagged "long" (each unique, so each one is a full prefill)."""
-    chats = random(cfg.num_chats, cfg.chat_input_len, cfg.chat_output_len, tokens, seed=seed,
-                   range_ratio=range_ratio, as_text=as_text, tag="chat")
+    chats = random(
+        cfg.num_chats,
+        cfg.chat_input_len,
+        cfg.chat_output_len,
+        tokens,
+        seed=seed,
+        range_ratio=range_ratio,
+        as_text=as_text,
+        tag="chat",
+    )
     rng = np.random.default_rng([seed, 2])
     longs = []
     for k in range(cfg.num_bursts):
@@ -111,8 +141,15 @@ def mixed(cfg: MixedConfig, tokens: TokenSource, *, seed: int = 0, range_ratio: 
     return chats + longs
 
 
-def sharegpt(path: str, num_prompts: int, tokens: TokenSource, *, seed: int = 0, output_len: int | None = None,
-             skip_bad: bool = False) -> list[Request]:
+def sharegpt(
+    path: str,
+    num_prompts: int,
+    tokens: TokenSource,
+    *,
+    seed: int = 0,
+    output_len: int | None = None,
+    skip_bad: bool = False,
+) -> list[Request]:
     """First human turn as the prompt, the answer's length as the output length (vLLM's filter rules)."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -174,8 +211,16 @@ class MooncakeScaling:
             raise ValueError("mooncake scaling: block_tokens >= 1, output_scale > 0 and time_scale >= 0")
 
 
-def mooncake(path: str, num_prompts: int, tokens: TokenSource, *, seed: int = 0,
-             scaling: MooncakeScaling | None = None, as_text: bool = False, skip_bad: bool = False) -> list[Request]:
+def mooncake(
+    path: str,
+    num_prompts: int,
+    tokens: TokenSource,
+    *,
+    seed: int = 0,
+    scaling: MooncakeScaling | None = None,
+    as_text: bool = False,
+    skip_bad: bool = False,
+) -> list[Request]:
     """Replay a Mooncake trace: the same hash id is the same block of tokens in every request,
     so requests share exactly the prefixes the trace says they share."""
     sc = scaling or MooncakeScaling()

@@ -10,6 +10,7 @@ it meets every SLO given to `--goodput`; for that test a one-token request's
 TPOT counts as 0. Percentiles interpolate linearly (numpy's default, as vLLM).
 Statistics of an empty sample are None, not 0: no data is not a fast server.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -65,21 +66,39 @@ def tpot_s(out) -> float | None:
     return (out.latency_s - out.ttft_s) / (out.output_tokens - 1) if out.output_tokens > 1 else None
 
 
-def summary(outputs: list, duration_s: float, *, percentiles=DEFAULT_PERCENTILES, percentile_metrics=METRICS,
-            goodput: dict[str, float] | None = None) -> dict:
+def summary(
+    outputs: list,
+    duration_s: float,
+    *,
+    percentiles=DEFAULT_PERCENTILES,
+    percentile_metrics=METRICS,
+    goodput: dict[str, float] | None = None,
+) -> dict:
     """Aggregate metrics with vLLM's field names (times in ms, throughputs per second)."""
     done = [o for o in outputs if o.success]
-    samples = {"ttft": [o.ttft_s for o in done], "tpot": [t for o in done if (t := tpot_s(o)) is not None],
-               "itl": [x for o in done for x in o.itl_s], "e2el": [o.latency_s for o in done]}
+    samples = {
+        "ttft": [o.ttft_s for o in done],
+        "tpot": [t for o in done if (t := tpot_s(o)) is not None],
+        "itl": [x for o in done for x in o.itl_s],
+        "e2el": [o.latency_s for o in done],
+    }
     total_in = sum(o.prompt_len for o in done)
     total_out = sum(o.output_tokens for o in done)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
-    res = {"duration": duration_s, "completed": len(done), "failed": len(outputs) - len(done),
-           "total_input_tokens": total_in, "total_output_tokens": total_out,
-           "request_throughput": per_s(len(done)), "request_goodput": None,
-           "output_throughput": per_s(total_out), "total_token_throughput": per_s(total_in + total_out),
-           "goodput_slos_ms": dict(goodput) if goodput else None, "slo_attainment_pct": None,
-           "max_concurrent_requests": _max_concurrent(done)}
+    res = {
+        "duration": duration_s,
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": per_s(len(done)),
+        "request_goodput": None,
+        "output_throughput": per_s(total_out),
+        "total_token_throughput": per_s(total_in + total_out),
+        "goodput_slos_ms": dict(goodput) if goodput else None,
+        "slo_attainment_pct": None,
+        "max_concurrent_requests": _max_concurrent(done),
+    }
     if goodput:
         good = sum(_meets(o, goodput) for o in done)
         res["request_goodput"] = per_s(good)
@@ -102,8 +121,9 @@ def _meets(out, slos_ms: dict[str, float]) -> bool:
 
 def _max_concurrent(done: list) -> int:
     """Most requests in flight at once (send to last output), a check on the arrival settings."""
-    events = sorted([(o.start_s, 1) for o in done] + [(o.start_s + o.latency_s, -1) for o in done],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted(
+        [(o.start_s, 1) for o in done] + [(o.start_s + o.latency_s, -1) for o in done], key=lambda e: (e[0], e[1])
+    )
     best = cur = 0
     for _, step in events:
         cur += step
@@ -111,8 +131,14 @@ def _max_concurrent(done: list) -> int:
     return best
 
 
-def result(outputs: list, duration_s: float, *, percentiles=DEFAULT_PERCENTILES, percentile_metrics=METRICS,
-           goodput: dict[str, float] | None = None) -> dict:
+def result(
+    outputs: list,
+    duration_s: float,
+    *,
+    percentiles=DEFAULT_PERCENTILES,
+    percentile_metrics=METRICS,
+    goodput: dict[str, float] | None = None,
+) -> dict:
     """`summary` plus vLLM's per-request arrays, ours (start times, tags), an error
     count by message, and a summary per tag when the workload has several."""
     kw = dict(percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput)

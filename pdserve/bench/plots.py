@@ -4,6 +4,7 @@ They read only the result dict (also as loaded back from its JSON file), so a
 run can be plotted again later. matplotlib is imported here and nowhere else:
 the rest of pdserve installs and runs without it.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,11 @@ def plot_cdfs(result: dict, path: str, title: str = "") -> str:
     for tag, idx in _by_tag(result).items():
         ok = [i for i in idx if not result["errors"][i]]
         ttft = [result["ttfts"][i] * 1e3 for i in ok]
-        tpot = [(result["e2els"][i] - result["ttfts"][i]) / (result["output_lens"][i] - 1) * 1e3
-                for i in ok if result["output_lens"][i] > 1]
+        tpot = [
+            (result["e2els"][i] - result["ttfts"][i]) / (result["output_lens"][i] - 1) * 1e3
+            for i in ok
+            if result["output_lens"][i] > 1
+        ]
         itl = [x * 1e3 for i in ok for x in result["itls"][i]]
         for ax, values in zip(axes, (ttft, tpot, itl)):
             _cdf(ax, values, tag)
@@ -89,17 +93,25 @@ def plot_timeline(result: dict, path: str, title: str = "", mark_tag: str = "lon
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, (tag, idx) in enumerate(_by_tag(result).items()):
         c = colors[k % len(colors)]
-        segments = [[(result["start_times"][i], row[i]),
-                     (times[i][-1] if times[i].size else result["start_times"][i], row[i])] for i in idx]
+        segments = [
+            [(result["start_times"][i], row[i]), (times[i][-1] if times[i].size else result["start_times"][i], row[i])]
+            for i in idx
+        ]
         # one collection, not one line object per request: thousands of requests stay fast
-        top.add_collection(LineCollection(segments, colors=c, linewidths=0.6, alpha=0.4,
-                                          linestyles=["-" if not result["errors"][i] else ":" for i in idx]))
+        top.add_collection(
+            LineCollection(
+                segments,
+                colors=c,
+                linewidths=0.6,
+                alpha=0.4,
+                linestyles=["-" if not result["errors"][i] else ":" for i in idx],
+            )
+        )
         xs = np.concatenate([times[i] for i in idx]) if idx else np.zeros(0)
         ys = np.concatenate([np.full(times[i].size, row[i]) for i in idx]) if idx else np.zeros(0)
         top.scatter(xs, ys, s=2, color=c, label=tag, linewidths=0)
         itl_t = np.concatenate([times[i][1:] for i in idx if times[i].size > 1] or [np.zeros(0)])
-        itl_v = np.concatenate([np.asarray(result["itls"][i]) * 1e3 for i in idx if times[i].size > 1]
-                               or [np.zeros(0)])
+        itl_v = np.concatenate([np.asarray(result["itls"][i]) * 1e3 for i in idx if times[i].size > 1] or [np.zeros(0)])
         bottom.scatter(itl_t, itl_v, s=3, color=c, label=tag, linewidths=0)
     for i, tag in enumerate(result.get("tags") or []):
         if tag == mark_tag:
@@ -138,5 +150,7 @@ def _others_cpu(ax, result: dict) -> None:
 def save_plots(result: dict, out_dir: str, prefix: str = "bench", title: str = "") -> list[str]:
     """Write `<prefix>_cdf.png` and `<prefix>_timeline.png` into out_dir; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
-    return [plot_cdfs(result, os.path.join(out_dir, f"{prefix}_cdf.png"), title),
-            plot_timeline(result, os.path.join(out_dir, f"{prefix}_timeline.png"), title)]
+    return [
+        plot_cdfs(result, os.path.join(out_dir, f"{prefix}_cdf.png"), title),
+        plot_timeline(result, os.path.join(out_dir, f"{prefix}_timeline.png"), title),
+    ]

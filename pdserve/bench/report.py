@@ -1,12 +1,17 @@
 """The result as a terminal table (the layout of `vllm bench serve`) and as a JSON file."""
+
 from __future__ import annotations
 
 import json
 import math
 import os
 
-_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-           "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+_TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 _W = 50
 
 
@@ -26,26 +31,34 @@ def format_summary(result: dict, percentile_metrics=("ttft", "tpot", "itl", "e2e
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="=")]
     if result.get("interrupted"):
         lines.append("INTERRUPTED: partial results, unfinished requests count as failed")
-    lines += [_line("Successful requests:", result["completed"]),
-              _line("Failed requests:", result["failed"]),
-              _line("Benchmark duration (s):", result["duration"]),
-              _line("Total input tokens:", result["total_input_tokens"]),
-              _line("Total generated tokens:", result["total_output_tokens"]),
-              _line("Request throughput (req/s):", result["request_throughput"])]
+    lines += [
+        _line("Successful requests:", result["completed"]),
+        _line("Failed requests:", result["failed"]),
+        _line("Benchmark duration (s):", result["duration"]),
+        _line("Total input tokens:", result["total_input_tokens"]),
+        _line("Total generated tokens:", result["total_output_tokens"]),
+        _line("Request throughput (req/s):", result["request_throughput"]),
+    ]
     if result.get("goodput_slos_ms"):
         slos = " ".join(f"{k}:{v:g}" for k, v in result["goodput_slos_ms"].items())
-        lines += [_line(f"Request goodput (req/s) [{slos}]:", result["request_goodput"]),
-                  _line("SLO attainment (%):", result["slo_attainment_pct"])]
-    lines += [_line("Output token throughput (tok/s):", result["output_throughput"]),
-              _line("Total token throughput (tok/s):", result["total_token_throughput"]),
-              _line("Max concurrent requests:", result["max_concurrent_requests"])]
+        lines += [
+            _line(f"Request goodput (req/s) [{slos}]:", result["request_goodput"]),
+            _line("SLO attainment (%):", result["slo_attainment_pct"]),
+        ]
+    lines += [
+        _line("Output token throughput (tok/s):", result["output_throughput"]),
+        _line("Total token throughput (tok/s):", result["total_token_throughput"]),
+        _line("Max concurrent requests:", result["max_concurrent_requests"]),
+    ]
     for name in percentile_metrics:
         if f"mean_{name}_ms" not in result:
             continue
         lines.append("{s:{c}^{n}}".format(s=_TITLES[name], n=_W, c="-"))
         up = name.upper()
-        lines += [_line(f"Mean {up} (ms):", result[f"mean_{name}_ms"]),
-                  _line(f"Median {up} (ms):", result[f"median_{name}_ms"])]
+        lines += [
+            _line(f"Mean {up} (ms):", result[f"mean_{name}_ms"]),
+            _line(f"Median {up} (ms):", result[f"median_{name}_ms"]),
+        ]
         for p in result.get("percentiles", []):
             k = percentile_key(p)
             lines.append(_line(f"P{k} {up} (ms):", result[f"p{k}_{name}_ms"]))
@@ -62,10 +75,16 @@ def format_summary(result: dict, percentile_metrics=("ttft", "tpot", "itl", "e2e
 
 
 def _tag_table(result: dict) -> list[str]:
-    cols = [("done", "completed", "d"), ("failed", "failed", "d"), ("TTFT mean", "mean_ttft_ms", ".1f"),
-            ("TTFT P99", "p99_ttft_ms", ".1f"), ("TPOT P50", "median_tpot_ms", ".1f"),
-            ("TPOT P99", "p99_tpot_ms", ".1f"), ("ITL P50", "median_itl_ms", ".1f"),
-            ("ITL P99", "p99_itl_ms", ".1f")]
+    cols = [
+        ("done", "completed", "d"),
+        ("failed", "failed", "d"),
+        ("TTFT mean", "mean_ttft_ms", ".1f"),
+        ("TTFT P99", "p99_ttft_ms", ".1f"),
+        ("TPOT P50", "median_tpot_ms", ".1f"),
+        ("TPOT P99", "p99_tpot_ms", ".1f"),
+        ("ITL P50", "median_itl_ms", ".1f"),
+        ("ITL P99", "p99_itl_ms", ".1f"),
+    ]
     if result.get("goodput_slos_ms"):
         cols.append(("SLO %", "slo_attainment_pct", ".1f"))
     head = f"{'per tag (ms)':<12}" + "".join(f"{c[0]:>11}" for c in cols)

@@ -6,6 +6,7 @@ tag). Outputs are written into a list made before the first request, so an
 interrupted run (Ctrl-C) still has every result it measured; requests that
 never finished say so in their error.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,9 +45,21 @@ class RunState:
         return (self.end if self.end is not None else time.perf_counter()) - self.start
 
 
-async def _run(state: RunState, requests: list[Request], times: list[float], bodies: list[bytes], url: str, *,
-               chat: bool, api_key: str | None, timeout_s: float, max_concurrency: int | None,
-               tag_concurrency: dict[str, int], progress, send_until_s: float | None = None) -> None:
+async def _run(
+    state: RunState,
+    requests: list[Request],
+    times: list[float],
+    bodies: list[bytes],
+    url: str,
+    *,
+    chat: bool,
+    api_key: str | None,
+    timeout_s: float,
+    max_concurrency: int | None,
+    tag_concurrency: dict[str, int],
+    progress,
+    send_until_s: float | None = None,
+) -> None:
     limits = {tag: asyncio.Semaphore(n) for tag, n in tag_concurrency.items()}
     overall = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
@@ -57,8 +70,11 @@ async def _run(state: RunState, requests: list[Request], times: list[float], bod
             for sem in (limits.get(out.tag), overall):
                 if sem is not None:
                     await stack.enter_async_context(sem)
-            if (send_until_s is not None and requests[i].arrival_s is None
-                    and time.perf_counter() - state.start > send_until_s):
+            if (
+                send_until_s is not None
+                and requests[i].arrival_s is None
+                and time.perf_counter() - state.start > send_until_s
+            ):
                 out.sent = False  # a closed loop past its duration: this user stops
                 return
             await send(client, url, bodies[i], out, state.start, chat)
@@ -85,14 +101,30 @@ async def _run(state: RunState, requests: list[Request], times: list[float], bod
                 t.cancel()
 
 
-def run_benchmark(requests: list[Request], base_url: str, *, model: str | None = None, endpoint: str = COMPLETIONS,
-                  request_rate: float = math.inf, burstiness: float = 1.0, use_trace_times: bool = True,
-                  max_concurrency: int | None = None, tag_concurrency: dict[str, int] | None = None,
-                  goodput: dict[str, float] | None = None, percentiles=metrics.DEFAULT_PERCENTILES,
-                  percentile_metrics=metrics.METRICS, ignore_eos: bool = False, temperature: float = 0.0,
-                  extra_body: dict | None = None, api_key: str | None = None, timeout_s: float = 3600.0,
-                  seed: int = 0, progress: bool = False, state: RunState | None = None,
-                  send_until_s: float | None = None) -> dict:
+def run_benchmark(
+    requests: list[Request],
+    base_url: str,
+    *,
+    model: str | None = None,
+    endpoint: str = COMPLETIONS,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    use_trace_times: bool = True,
+    max_concurrency: int | None = None,
+    tag_concurrency: dict[str, int] | None = None,
+    goodput: dict[str, float] | None = None,
+    percentiles=metrics.DEFAULT_PERCENTILES,
+    percentile_metrics=metrics.METRICS,
+    ignore_eos: bool = False,
+    temperature: float = 0.0,
+    extra_body: dict | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 3600.0,
+    seed: int = 0,
+    progress: bool = False,
+    state: RunState | None = None,
+    send_until_s: float | None = None,
+) -> dict:
     """Send `requests` to `base_url` and return the result dict (vLLM's field names, see `metrics.result`).
 
     `model` defaults to the first id `GET /v1/models` lists; a `BenchError`
@@ -121,21 +153,43 @@ def run_benchmark(requests: list[Request], base_url: str, *, model: str | None =
         raise BenchError(f"{base_url} does not serve {model!r}; it serves {served}")
     times = arrivals.schedule(requests, request_rate, burstiness, seed=seed, use_trace_times=use_trace_times)
     # bodies are built before the clock starts: a 10K-token prompt takes a while to serialize
-    bodies = [request_body(r, model, endpoint, ignore_eos=ignore_eos, temperature=temperature, extra=extra_body)
-              for r in requests]
+    bodies = [
+        request_body(r, model, endpoint, ignore_eos=ignore_eos, temperature=temperature, extra=extra_body)
+        for r in requests
+    ]
     state = state or RunState([])
     state.outputs[:] = [RequestOutput(prompt_len=r.prompt_len, tag=r.tag) for r in requests]
-    state.config = dict(base_url=base_url, endpoint=endpoint, model_id=model,
-                        request_rate="inf" if math.isinf(request_rate) else request_rate,  # JSON has no inf
-                        burstiness=burstiness, arrivals=_arrivals_name(request_rate, burstiness),
-                        num_fixed_arrivals=sum(r.arrival_s is not None for r in requests) if use_trace_times else 0,
-                        max_concurrency=max_concurrency,
-                        tag_concurrency=dict(tag_concurrency or {}), ignore_eos=ignore_eos, temperature=temperature)
+    state.config = dict(
+        base_url=base_url,
+        endpoint=endpoint,
+        model_id=model,
+        request_rate="inf" if math.isinf(request_rate) else request_rate,  # JSON has no inf
+        burstiness=burstiness,
+        arrivals=_arrivals_name(request_rate, burstiness),
+        num_fixed_arrivals=sum(r.arrival_s is not None for r in requests) if use_trace_times else 0,
+        max_concurrency=max_concurrency,
+        tag_concurrency=dict(tag_concurrency or {}),
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+    )
     bar = Progress(len(requests), enabled=progress)
     try:
-        asyncio.run(_run(state, requests, times, bodies, base_url.rstrip("/") + endpoint, chat=endpoint == CHAT,
-                         api_key=api_key, timeout_s=timeout_s, max_concurrency=max_concurrency,
-                         tag_concurrency=tag_concurrency or {}, progress=bar, send_until_s=send_until_s))
+        asyncio.run(
+            _run(
+                state,
+                requests,
+                times,
+                bodies,
+                base_url.rstrip("/") + endpoint,
+                chat=endpoint == CHAT,
+                api_key=api_key,
+                timeout_s=timeout_s,
+                max_concurrency=max_concurrency,
+                tag_concurrency=tag_concurrency or {},
+                progress=bar,
+                send_until_s=send_until_s,
+            )
+        )
     except KeyboardInterrupt:
         state.interrupted = True
     finally:
@@ -150,17 +204,26 @@ def _arrivals_name(request_rate: float, burstiness: float) -> str:
     return "poisson" if burstiness == 1 else f"gamma (burstiness {burstiness:g})"
 
 
-def finish(state: RunState, *, goodput=None, percentiles=metrics.DEFAULT_PERCENTILES,
-           percentile_metrics=metrics.METRICS) -> dict:
+def finish(
+    state: RunState, *, goodput=None, percentiles=metrics.DEFAULT_PERCENTILES, percentile_metrics=metrics.METRICS
+) -> dict:
     """The result dict of a run, complete or interrupted."""
     for out in state.outputs:
         if out.sent and not out.success and not out.error:
             out.error = "interrupted before it finished" if state.interrupted else "not finished"
     sent = [i for i, out in enumerate(state.outputs) if out.sent]
-    res = metrics.result([state.outputs[i] for i in sent], state.duration_s, percentiles=percentiles,
-                         percentile_metrics=percentile_metrics, goodput=goodput)
-    extra = {} if len(sent) == len(state.outputs) else {"request_indices": sent,
-                                                        "num_unsent": len(state.outputs) - len(sent)}
+    res = metrics.result(
+        [state.outputs[i] for i in sent],
+        state.duration_s,
+        percentiles=percentiles,
+        percentile_metrics=percentile_metrics,
+        goodput=goodput,
+    )
+    extra = (
+        {}
+        if len(sent) == len(state.outputs)
+        else {"request_indices": sent, "num_unsent": len(state.outputs) - len(sent)}
+    )
     return {**state.config, "interrupted": state.interrupted, **res, **extra}
 
 

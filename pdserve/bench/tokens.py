@@ -5,6 +5,7 @@ a range of ids the model accepts; it needs one to count the tokens of a text
 prompt (ShareGPT) exactly. Without one, text lengths are estimated and the
 server's reported usage is what the metrics use.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,11 +18,13 @@ _LOW_ID = 100
 DEFAULT_VOCAB_SIZE = 32_000
 # Words that are one token each in common BPE vocabularies, so that text made
 # from n of them is roughly n tokens long.
-_WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had "
-          "by word but not what all were we when your can said there use an each which she do how their if will "
-          "up other about out many then them these so some her would make like him into time has look two more "
-          "write go see number no way could people my than first water been call who oil its now find long down "
-          "day did get come made may part").split()
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had "
+    "by word but not what all were we when your can said there use an each which she do how their if will "
+    "up other about out many then them these so some her would make like him into time has look two more "
+    "write go see number no way could people my than first water been call who oil its now find long down "
+    "day did get come made may part"
+).split()
 _CHARS_PER_TOKEN = 4  # the usual English estimate, used only without a tokenizer
 
 

@@ -12,6 +12,7 @@ prefill kernel, which reads every span's context through its block table;
 otherwise each span runs through torch's SDPA on its own (its length differs
 from every other).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -73,8 +74,9 @@ def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int)
     nd = meta.num_decodes
     if nd and meta.decode_kernel is not None:
         od = torch.empty((nd, n_heads, d), dtype=q.dtype, device=q.device)
-        meta.decode_kernel.paged_decode_attention(od, q[:nd].contiguous(), k_cache, v_cache,
-                                                  meta.decode_block_tables, meta.decode_seq_lens, d ** -0.5)
+        meta.decode_kernel.paged_decode_attention(
+            od, q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, d**-0.5
+        )
         out[:nd] = od
     elif nd:
         # One query token per sequence: present the `group` query heads that share
@@ -85,19 +87,20 @@ def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
         out[:nd] = od.reshape(nd, n_heads, d)
     if meta.prefill_kernel is not None and meta.prefills:
-        meta.prefill_kernel.prefill_attention(out, q.contiguous(), k_cache, v_cache, meta.prefill_spans,
-                                              meta.prefill_block_tables, d ** -0.5)
+        meta.prefill_kernel.prefill_attention(
+            out, q.contiguous(), k_cache, v_cache, meta.prefill_spans, meta.prefill_block_tables, d**-0.5
+        )
         return out
     for span in meta.prefills:
-        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         if span.block_table is None:
-            ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
-            vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
             bt = span.block_table.unsqueeze(0)
-            ks = gather_kv(k_cache, bt)[:, :, :span.context_len]
-            vs = gather_kv(v_cache, bt)[:, :, :span.context_len]
+            ks = gather_kv(k_cache, bt)[:, :, : span.context_len]
+            vs = gather_kv(v_cache, bt)[:, :, : span.context_len]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
-        out[span.start:span.end] = o[0].transpose(0, 1)
+        out[span.start : span.end] = o[0].transpose(0, 1)
     return out

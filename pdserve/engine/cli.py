@@ -1,4 +1,5 @@
 """`pdserve generate`: offline generation from the command line."""
+
 from __future__ import annotations
 
 import json
@@ -19,39 +20,83 @@ def add_engine_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-chunked-prefill", action=_BoolAction, default=True)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="largest prompt chunk per step with chunked prefill (0: the whole budget)")
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="largest prompt chunk per step with chunked prefill (0: the whole budget)",
+    )
     p.add_argument("--enable-prefix-caching", action=_BoolAction, default=True)
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--kv-transfer-headroom", type=float, default=0.05,
-                   help="share of the KV pool that admitting P->D transfers leaves to the running sequences")
+    p.add_argument(
+        "--kv-transfer-headroom",
+        type=float,
+        default=0.05,
+        help="share of the KV pool that admitting P->D transfers leaves to the running sequences",
+    )
     g = p.add_argument_group("KV tiers below the pool (pdserve/kvstore)")
-    g.add_argument("--kv-offload-bytes", type=int, default=0,
-                   help="host memory for blocks evicted from the pool (L2; 0: none)")
-    g.add_argument("--kv-disk-dir", default="", help="directory for blocks the host tier drops (L3; kept across restarts)")
+    g.add_argument(
+        "--kv-offload-bytes", type=int, default=0, help="host memory for blocks evicted from the pool (L2; 0: none)"
+    )
+    g.add_argument(
+        "--kv-disk-dir", default="", help="directory for blocks the host tier drops (L3; kept across restarts)"
+    )
     g.add_argument("--kv-disk-bytes", type=int, default=4 << 30, help="bound on --kv-disk-dir")
-    g.add_argument("--kv-store", default="", choices=["", "mooncake"],
-                   help="shared tier every worker can load from: Mooncake Store")
-    g.add_argument("--kv-store-master", default="", metavar="HOST:PORT",
-                   help="the Mooncake master to join (serve starts one on loopback when not given)")
-    g.add_argument("--kv-store-metadata-url", default="",
-                   help="its metadata server (default http://<master host>:8080/metadata)")
-    g.add_argument("--kv-store-segment-bytes", type=int, default=256 << 20,
-                   help="memory this worker lends to the shared store")
-    p.add_argument("--int8-activations", action="store_true",
-                   help="GGUF kernels round activations to int8 (faster small-batch decode on CPU; "
-                        "not token-identical to the fp32 default)")
+    g.add_argument(
+        "--kv-store",
+        default="",
+        choices=["", "mooncake"],
+        help="shared tier every worker can load from: Mooncake Store",
+    )
+    g.add_argument(
+        "--kv-store-master",
+        default="",
+        metavar="HOST:PORT",
+        help="the Mooncake master to join (serve starts one on loopback when not given)",
+    )
+    g.add_argument(
+        "--kv-store-metadata-url", default="", help="its metadata server (default http://<master host>:8080/metadata)"
+    )
+    g.add_argument(
+        "--kv-store-segment-bytes", type=int, default=256 << 20, help="memory this worker lends to the shared store"
+    )
+    p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="GGUF kernels round activations to int8 (faster small-batch decode on CPU; "
+        "not token-identical to the fp32 default)",
+    )
 
 
-TIER_FLAGS = ("kv_offload_bytes", "kv_disk_dir", "kv_disk_bytes", "kv_store", "kv_store_master",
-              "kv_store_metadata_url", "kv_store_segment_bytes")
+TIER_FLAGS = (
+    "kv_offload_bytes",
+    "kv_disk_dir",
+    "kv_disk_bytes",
+    "kv_store",
+    "kv_store_master",
+    "kv_store_metadata_url",
+    "kv_store_segment_bytes",
+)
 
 
 def engine_kwargs(args) -> dict:
-    names = ("dtype", "device", "threads", "block_size", "num_gpu_blocks", "kv_cache_memory_bytes",
-             "max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill",
-             "long_prefill_token_threshold", "enable_prefix_caching", "policy", "int8_activations",
-             "kv_transfer_headroom") + TIER_FLAGS
+    names = (
+        "dtype",
+        "device",
+        "threads",
+        "block_size",
+        "num_gpu_blocks",
+        "kv_cache_memory_bytes",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "enable_chunked_prefill",
+        "long_prefill_token_threshold",
+        "enable_prefix_caching",
+        "policy",
+        "int8_activations",
+        "kv_transfer_headroom",
+    ) + TIER_FLAGS
     return {n: getattr(args, n) for n in names}
 
 
@@ -82,8 +127,9 @@ def run(args) -> int:
     from pdserve.engine.sampling_params import InvalidRequest
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        )
         llm = LLM(args.model, **engine_kwargs(args))
         t0 = time.monotonic()
         if args.chat:
@@ -97,8 +143,11 @@ def run(args) -> int:
     for out in outs:
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))
+            print(
+                json.dumps(
+                    {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                )
+            )
         else:
             print(c.text)
     n = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -4,6 +4,7 @@ The output holds config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json (with the chat template), so transformers, vLLM or any
 other engine can be benchmarked on the very same weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,11 @@ def convert(model: str | None, out_dir: str, dtype: str = "float32") -> str:
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     target = getattr(torch, dtype)
-    state = {k: v.to(target).contiguous() for k, v in loaded.state_dict.items()
-             if not (k == "lm_head.weight" and loaded.config.tie_word_embeddings)}
+    state = {
+        k: v.to(target).contiguous()
+        for k, v in loaded.state_dict.items()
+        if not (k == "lm_head.weight" and loaded.config.tie_word_embeddings)
+    }
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tok.save(out_dir)
     return out_dir
@@ -40,8 +44,12 @@ def convert(model: str | None, out_dir: str, dtype: str = "float32") -> str:
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weight dtype on disk; float32 keeps the dequantized GGUF values exactly")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="weight dtype on disk; float32 keeps the dequantized GGUF values exactly",
+    )
 
 
 def run(args) -> int:

@@ -5,6 +5,7 @@ $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels). If compiling is not
 possible the engine falls back to pure PyTorch, slower but identical in
 meaning; `PDSERVE_NO_KERNELS=1` forces that fallback.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,14 @@ _module = None
 _failed = False
 
 
-_SOURCES = ("paged_attention.cpp", "gguf_matmul.cpp", "decode_layer.cpp", "pool_check.cpp",
-            "prefill_attention.cpp", "elementwise.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "gguf_matmul.cpp",
+    "decode_layer.cpp",
+    "pool_check.cpp",
+    "prefill_attention.cpp",
+    "elementwise.cpp",
+)
 _HEADERS = ("pool.h", "simd_exp.h")  # part of the cache key, not compiled on their own
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
@@ -61,13 +68,21 @@ def load():
                 os.makedirs(cache, exist_ok=True)
                 fresh = not any(f.endswith(".so") for f in os.listdir(cache))
                 if fresh:  # say why the first start is silent for a minute or two
-                    log.info("building the C++ CPU kernels into %s (once per checkout and torch version; "
-                             "1-2 minutes on 2 cores; `make setup` does it ahead)", cache)
+                    log.info(
+                        "building the C++ CPU kernels into %s (once per checkout and torch version; "
+                        "1-2 minutes on 2 cores; `make setup` does it ahead)",
+                        cache,
+                    )
                 t0 = time.monotonic()
                 with _build_lock(cache):
-                    _module = build("pdserve_cpu_kernels", srcs, build_directory=cache,
-                                    extra_cflags=_CFLAGS,
-                                    extra_ldflags=["-fopenmp"], verbose=False)
+                    _module = build(
+                        "pdserve_cpu_kernels",
+                        srcs,
+                        build_directory=cache,
+                        extra_cflags=_CFLAGS,
+                        extra_ldflags=["-fopenmp"],
+                        verbose=False,
+                    )
                 if fresh:
                     log.info("CPU kernels built in %.0f s", time.monotonic() - t0)
             except Exception as e:  # no compiler, no headers, no ninja: run without

@@ -4,6 +4,7 @@
 these few formats cover the embedded model and most community GGUFs, and
 anything else falls back to the `gguf` package.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,6 +6,7 @@ restarts is a worker that is not serving), so we parse the header with
 `struct` and only use the `gguf` package for block sizes and exotic
 dequantization.
 """
+
 from __future__ import annotations
 
 import struct
@@ -51,7 +52,7 @@ class GGUFFile:
         n = self._unpack("<Q")
         if self._pos + n > len(self._buf):
             raise GGUFFormatError("string runs past the end of the file")
-        s = bytes(self._mv[self._pos:self._pos + n]).decode("utf-8", "replace")
+        s = bytes(self._mv[self._pos : self._pos + n]).decode("utf-8", "replace")
         self._pos += n
         return s
 
@@ -103,8 +104,9 @@ class GGUFFile:
             begin = start + offset
             if begin + nbytes > len(self._buf):
                 raise GGUFFormatError(f"tensor {name} runs past the end of the file (truncated?)")
-            self.tensors.append(GGUFTensor(name, tuple(reversed(dims)), type_id, qtype.name,
-                                           self._buf[begin:begin + nbytes]))
+            self.tensors.append(
+                GGUFTensor(name, tuple(reversed(dims)), type_id, qtype.name, self._buf[begin : begin + nbytes])
+            )
 
     def get(self, key: str, default=None):
         return self.fields.get(key, default)

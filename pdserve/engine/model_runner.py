@@ -1,4 +1,5 @@
 """Owns the model and the KV cache tensors; turns a scheduler output into one forward pass."""
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,9 @@ from pdserve.kv.slots import slot_list
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, state_dict: dict,
-                 quantized: dict | None = None):
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, state_dict: dict, quantized: dict | None = None
+    ):
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device.device)
@@ -39,7 +41,8 @@ class ModelRunner:
             self.decode_kernel = cpu_kernels.load()
             if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
                 self.num_quantized_linears = self.model.load_quantized(
-                    quantized, self.decode_kernel, int8_activations=config.int8_activations)
+                    quantized, self.decode_kernel, int8_activations=config.int8_activations
+                )
         self.prefill_kernel = self._prefill_kernel(model_config)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":
             self.num_packed_linears = sum(m.pack_dense() for m in self.model.modules() if isinstance(m, Linear))
@@ -49,16 +52,24 @@ class ModelRunner:
         if config.cache.kv_cache_shm_dir and self.device.type == "cpu":
             self.kv_caches = self._shared_caches(config.cache.kv_cache_shm_dir, model_config.num_hidden_layers)
         else:
-            self.kv_caches = [(torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
-                               torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device))
-                              for _ in range(model_config.num_hidden_layers)]
+            self.kv_caches = [
+                (
+                    torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device),
+                )
+                for _ in range(model_config.num_hidden_layers)
+            ]
 
     def _prefill_kernel(self, model_config: ModelConfig):
         """The C++ module if it runs this model's prefill attention: bf16 caches only (fp32
         stays on torch's SDPA, token-identical to transformers; fp16 has no kernel)."""
         k = self.decode_kernel
-        if (k is None or self.dtype != torch.bfloat16 or not hasattr(k, "prefill_attention")
-                or model_config.head_dim not in k.prefill_attention_head_dims):
+        if (
+            k is None
+            or self.dtype != torch.bfloat16
+            or not hasattr(k, "prefill_attention")
+            or model_config.head_dim not in k.prefill_attention_head_dims
+        ):
             return None
         return k
 
@@ -123,7 +134,7 @@ class ModelRunner:
             for s in group:
                 seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
                 table = kv.block_table(seq.seq_id)
-                tokens = seq.all_token_ids[start:start + n]
+                tokens = seq.all_token_ids[start : start + n]
                 first = len(ids)
                 ids.extend(tokens)
                 pos.extend(range(start, start + n))
@@ -137,8 +148,9 @@ class ModelRunner:
                 else:
                     spans.append((first, len(ids), start + n, table))
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 num_decodes=len(decodes))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), num_decodes=len(decodes)
+        )
         if decodes:
             width = max(len(t) for t in dec_tables)
             padded = [t + [0] * (width - len(t)) for t in dec_tables]
@@ -174,8 +186,9 @@ class ModelRunner:
         meta.prefills = [PrefillSpan(first, end, ctx, None) for first, end, ctx, _ in spans]
         meta.prefill_spans = torch.tensor([[first, end, ctx] for first, end, ctx, _ in spans], dtype=torch.long)
         width = max(len(table) for *_, table in spans)
-        meta.prefill_block_tables = torch.tensor([table + [0] * (width - len(table)) for *_, table in spans],
-                                                 dtype=torch.long)
+        meta.prefill_block_tables = torch.tensor(
+            [table + [0] * (width - len(table)) for *_, table in spans], dtype=torch.long
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):

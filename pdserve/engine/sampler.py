@@ -1,5 +1,6 @@
 """Turn a batch of logits into next tokens: penalties, temperature, top-k/top-p/min-p,
 seeded sampling, logprobs. An all-greedy batch without extras is one argmax."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,13 @@ class Sampler:
             self._generators[seq_id] = g
         return g
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[str],
-                 token_history: list[tuple[list[int], list[int]]]) -> SampleResult:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seq_ids: list[str],
+        token_history: list[tuple[list[int], list[int]]],
+    ) -> SampleResult:
         """logits [N, V] fp32; token_history[i] = (prompt ids, output ids) of row i."""
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -58,15 +64,15 @@ class Sampler:
             if output and (p.presence_penalty or p.frequency_penalty):
                 out_ids = torch.tensor(output, dtype=torch.long, device=logits.device)
                 counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
-                    0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+                    0, out_ids, torch.ones_like(out_ids, dtype=torch.float32)
+                )
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
     def _sample(self, logits, params, seq_ids) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                             device=logits.device).unsqueeze(1)
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device).unsqueeze(1)
         logits = logits / temps
         logits = _top_k_top_p_min_p(logits, params)
         probs = torch.softmax(logits, dim=-1)

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, with vLLM's names and defaults."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,22 +70,40 @@ class SamplingParams:
         _bad(not -2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
         _bad(self.max_tokens is not None and self.max_tokens < 1, "max_tokens", "max_tokens must be at least 1")
         _bad(self.min_tokens < 0, "min_tokens", "min_tokens must be >= 0")
-        _bad(self.max_tokens is not None and self.min_tokens > self.max_tokens, "min_tokens",
-            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        _bad(self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX, "seed",
-            f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
-        _bad(self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-            f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        _bad(
+            self.max_tokens is not None and self.min_tokens > self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        _bad(
+            self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX,
+            "seed",
+            f"seed must be in [{SEED_MIN}, {SEED_MAX}]",
+        )
+        _bad(
+            self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
         self._check_stops()
 
     def _check_stops(self):
-        _bad(len(self.stop) > MAX_STOP_STRINGS, "stop",
-            f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+        _bad(
+            len(self.stop) > MAX_STOP_STRINGS,
+            "stop",
+            f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed",
+        )
         longest = max(map(len, self.stop), default=0)
-        _bad(longest > MAX_STOP_STRING_CHARS, "stop",
-            f"a stop string of {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed")
-        _bad(len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS, "stop_token_ids",
-            f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        _bad(
+            longest > MAX_STOP_STRING_CHARS,
+            "stop",
+            f"a stop string of {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
+        )
+        _bad(
+            len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS} are allowed",
+        )
         _bad(any(t < 0 for t in self.stop_token_ids), "stop_token_ids", "stop token ids must be >= 0")
 
     @property
@@ -93,5 +112,4 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

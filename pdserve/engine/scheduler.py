@@ -20,6 +20,7 @@ What a step did comes back through this scheduler as well (vLLM's
 sampled tokens appended, stop conditions, finished sequences out. The engine
 calls it with what its model sampled, the simulator with placeholder tokens.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -140,9 +141,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, *,
-                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
-                 cache_generated_blocks: bool = True):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+        cache_generated_blocks: bool = True,
+    ):
         """`eos_token_ids` and `max_model_len` end sequences (`update_from_output`).
         `cache_generated_blocks`: blocks full of generated tokens go into the prefix cache
         too; the simulator turns it off (its placeholder outputs match no later prompt)."""
@@ -260,8 +267,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         # 2. Waiting sequences, unless this step had to preempt (the pool is full).
-        while (len(self.waiting) and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
+        while len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             cached, num_cached = [], 0
             # a request whose KV was imported (or is being recomputed) already owns blocks
@@ -339,8 +345,13 @@ class Scheduler:
         return refund
 
     # ---- after the step
-    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[SampledToken], now: float | None = None,
-                           detokenize: Callable[[Sequence, int], str] | None = None) -> StepUpdate:
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: Iterable[SampledToken],
+        now: float | None = None,
+        detokenize: Callable[[Sequence, int], str] | None = None,
+    ) -> StepUpdate:
         """The bookkeeping of a step that ran `out` and sampled `sampled`.
 
         First every scheduled sequence advances by the tokens the step computed (in
@@ -360,16 +371,23 @@ class Scheduler:
             if self.cache_generated_blocks:
                 self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
             elif start < seq.num_prompt_tokens:
-                self.kv.cache_full_blocks(seq.seq_id, seq.prompt_token_ids,
-                                          min(seq.num_computed_tokens, seq.num_prompt_tokens))
+                self.kv.cache_full_blocks(
+                    seq.seq_id, seq.prompt_token_ids, min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                )
         now = time.monotonic() if now is None else now
         for x in sampled:
             if self.append_token(x.seq, x.token, x.logprobs, now, detokenize):
                 upd.finished.append(x.seq)
         return upd
 
-    def append_token(self, seq: Sequence, token: int, logprobs: tuple[float, dict[int, float]] | None = None,
-                     now: float | None = None, detokenize: Callable[[Sequence, int], str] | None = None) -> bool:
+    def append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        logprobs: tuple[float, dict[int, float]] | None = None,
+        now: float | None = None,
+        detokenize: Callable[[Sequence, int], str] | None = None,
+    ) -> bool:
         """Append one token to `seq` (sampled by a step, or by the prefill worker that
         computed its prompt) and check the stop conditions; a sequence that meets one
         is finished here. True if it finished."""
@@ -410,8 +428,9 @@ class Scheduler:
                         seq.output_text = seq.output_text[:cut]
                         seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                         return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or \
-                (self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or (
+            self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        ):
             seq.finish_reason = FinishReason.LENGTH
 
     def finish(self, seq: Sequence) -> None:

@@ -1,4 +1,5 @@
 """A request's state inside the engine, and what the engine hands back."""
+
 from __future__ import annotations
 
 import enum

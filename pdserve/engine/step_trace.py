@@ -28,6 +28,7 @@ what serving adds to it (the event loop taking the GIL for detokenised
 deltas and SSE frames, the KV hand-off hooks), which a profile of the engine
 alone misses.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,8 +78,13 @@ class StepTraceWriter:
     def record(self, step: StepRecord) -> None:
         if step.calibration:  # the trace is of served steps
             return
-        rec = {"t0": round(step.t0, 6), "t1": round(step.t1, 6), "cpu": round(step.cpu_s, 6), "idle": step.idle,
-               "seqs": step.rows}
+        rec = {
+            "t0": round(step.t0, 6),
+            "t1": round(step.t1, 6),
+            "cpu": round(step.cpu_s, 6),
+            "idle": step.idle,
+            "seqs": step.rows,
+        }
         self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         if step.t1 - self._flushed > FLUSH_EVERY_S:
             self._f.flush()

@@ -4,6 +4,7 @@ A Hugging Face directory brings its own tokenizer.json; a GGUF file carries the
 vocabulary, merges, special tokens and chat template in its metadata, from
 which we build an equivalent `tokenizers` BPE tokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ _PRE_TOKENIZERS = {
 class Tokenizer:
     """Encode/decode plus chat template; the engine sees only this class."""
 
-    def __init__(self, tok: HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False,
-                 chat_template: str | None = None):
+    def __init__(
+        self, tok: HFTokenizer, *, bos_token_id=None, eos_token_ids=(), add_bos=False, chat_template: str | None = None
+    ):
         self._tok = tok
         self.bos_token_id = bos_token_id
         self.eos_token_ids = [int(i) for i in eos_token_ids]
@@ -87,8 +89,7 @@ class Tokenizer:
         tok.pre_tokenizer = _PRE_TOKENIZERS[pre]()
         tok.decoder = decoders.ByteLevel()
         # CONTROL (3) and USER_DEFINED (4) tokens must be matched whole, before BPE.
-        special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, ty in enumerate(types) if ty in (3, 4)]
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty in (3, 4)]
         tok.add_special_tokens(special)
         eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
         return cls(
@@ -114,9 +115,13 @@ class Tokenizer:
         eos = list(eos_token_ids)
         if not eos and isinstance(cfg.get("eos_token"), str):
             eos = [tok.token_to_id(cfg["eos_token"])]
-        return cls(tok, bos_token_id=bos_token_id, eos_token_ids=eos,
-                   add_bos=False,  # tokenizer.json's post-processor adds BOS where the model wants it
-                   chat_template=template)
+        return cls(
+            tok,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos,
+            add_bos=False,  # tokenizer.json's post-processor adds BOS where the model wants it
+            chat_template=template,
+        )
 
     # ---- use
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -146,8 +151,9 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=eos)
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
 
     def save(self, out_dir: str) -> None:
         """Write tokenizer.json + tokenizer_config.json (with the chat template)."""
@@ -182,10 +188,10 @@ class IncrementalDetokenizer:
 
     def step(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
-        prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
-        full_text = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        prefix_text = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full_text = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text):]
+            delta = full_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             return delta

@@ -14,6 +14,7 @@ leaves the sequence's last token to compute), and a registered block keeps its
 hash while anyone owns it, so no sequence writes into a block another one
 holds: there is no copy-on-write.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -59,8 +60,9 @@ class SeqBlocks:
 class BlockManager:
     """Owns `num_blocks` KV blocks of `block_size` tokens each."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 record_events: bool = False):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, record_events: bool = False
+    ):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -151,7 +153,7 @@ class BlockManager:
         if num_full <= sb.num_cached_blocks:
             return
         if len(sb.hashes) < num_full:
-            sb.hashes = block_hashes(token_ids[:num_full * self.block_size], self.block_size, start=sb.hashes)
+            sb.hashes = block_hashes(token_ids[: num_full * self.block_size], self.block_size, start=sb.hashes)
         first = sb.num_cached_blocks
         stored = []
         for i in range(first, num_full):
@@ -161,7 +163,7 @@ class BlockManager:
                 self.cached[h] = block
                 stored.append(h)
                 if self.track_tiers:
-                    block.token_ids = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                    block.token_ids = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
                     self.registered.append((block.block_id, h, block.token_ids))
         sb.num_cached_blocks = num_full
         if stored and self.record_events:

@@ -5,6 +5,7 @@ mean equal whole prefixes. The hash is stable across processes and machines
 (blake2b, not Python's salted `hash`), because the router's global prefix
 index and the tiered cache on disk compare hashes computed by different workers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,12 +25,13 @@ def hash_block(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
-                 start: list[int] | None = None) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, extra: bytes = b"", start: list[int] | None = None
+) -> list[int]:
     """Hashes of every full block of `token_ids`; `start` continues an earlier list."""
     out = list(start or [])
     parent = out[-1] if out else ROOT_HASH
     for i in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[i:i + block_size], extra)
+        parent = hash_block(parent, token_ids[i : i + block_size], extra)
         out.append(parent)
     return out

@@ -8,6 +8,7 @@ The model runner writes each step's new K/V through these slots, the KV bridge
 reads a prefill worker's slots and the receiver lands them in the decode
 worker's own (the two may use different block sizes).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,7 +33,8 @@ def slot_list(block_table: Sequence[int], start: int, end: int, block_size: int)
     return out
 
 
-def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int,
-                 device: torch.device | str | None = None) -> torch.Tensor:
+def slot_mapping(
+    block_table: Sequence[int], start: int, end: int, block_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """`slot_list` as a [end - start] int64 tensor (for index_select / index_copy_)."""
     return torch.tensor(slot_list(block_table, start, end, block_size), dtype=torch.long, device=device)

@@ -14,6 +14,7 @@ A block whose digest does not match is corrupt; one whose header names another
 model, layout or token sequence is foreign. Both are misses to the caller:
 recomputing is always correct, loading a wrong block never is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,9 +58,13 @@ class KVBlock:
 
     def check(self, fingerprint: str, block_hash: int, token_ids, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         """The block's tensor if it is the block asked for; else BadBlock("foreign")."""
-        if (self.fingerprint != fingerprint or self.block_hash != block_hash
-                or tuple(int(t) for t in token_ids) != tuple(self.token_ids)
-                or list(self.kv.shape) != list(shape) or self.kv.dtype != dtype):
+        if (
+            self.fingerprint != fingerprint
+            or self.block_hash != block_hash
+            or tuple(int(t) for t in token_ids) != tuple(self.token_ids)
+            or list(self.kv.shape) != list(shape)
+            or self.kv.dtype != dtype
+        ):
             raise BadBlock("foreign", "not the block asked for")
         return self.kv
 
@@ -80,14 +85,23 @@ def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor, key: 
     """One block's K and V of every layer, `kv` shaped [layers, 2, block_size, kv_heads, head_dim]."""
     kv = kv.contiguous()
     raw = kv.view(torch.uint8).numpy().tobytes()
-    head = json.dumps({"model": fingerprint, "hash": f"{block_hash:016x}",
-                       "tokens": [int(t) for t in token_ids], "dtype": str(kv.dtype).removeprefix("torch."),
-                       "shape": list(kv.shape), "nbytes": len(raw)}, separators=(",", ":")).encode()
+    head = json.dumps(
+        {
+            "model": fingerprint,
+            "hash": f"{block_hash:016x}",
+            "tokens": [int(t) for t in token_ids],
+            "dtype": str(kv.dtype).removeprefix("torch."),
+            "shape": list(kv.shape),
+            "nbytes": len(raw),
+        },
+        separators=(",", ":"),
+    ).encode()
     return b"".join((_PREFIX.pack(MAGIC, VERSION, len(head)), head, _digest(head, raw, key), raw))
 
 
-def decode(blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: list[int],
-           dtype: torch.dtype, key: bytes = b"") -> torch.Tensor:
+def decode(
+    blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: list[int], dtype: torch.dtype, key: bytes = b""
+) -> torch.Tensor:
     """The block's tensor, after checking it is intact and is the block asked for; else BadBlock."""
     if len(blob) < _PREFIX.size:
         raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a header")
@@ -99,9 +113,9 @@ def decode(blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: lis
     start = _PREFIX.size
     if start + head_len + _DIGEST > len(blob):
         raise BadBlock("corrupt", "truncated header")
-    head = blob[start:start + head_len]
-    digest = blob[start + head_len:start + head_len + _DIGEST]
-    data = memoryview(blob)[start + head_len + _DIGEST:]
+    head = blob[start : start + head_len]
+    digest = blob[start + head_len : start + head_len + _DIGEST]
+    data = memoryview(blob)[start + head_len + _DIGEST :]
     if _digest(head, data, key) != digest:
         raise BadBlock("corrupt", "checksum mismatch (truncated, altered, or not written by this cluster)")
     try:
@@ -109,8 +123,13 @@ def decode(blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: lis
     except ValueError as e:
         raise BadBlock("corrupt", f"header is not JSON: {e}") from None
     want_dtype = str(dtype).removeprefix("torch.")
-    for field, want in (("model", fingerprint), ("hash", f"{block_hash:016x}"),
-                        ("tokens", [int(t) for t in token_ids]), ("dtype", want_dtype), ("shape", list(shape))):
+    for field, want in (
+        ("model", fingerprint),
+        ("hash", f"{block_hash:016x}"),
+        ("tokens", [int(t) for t in token_ids]),
+        ("dtype", want_dtype),
+        ("shape", list(shape)),
+    ):
         if meta.get(field) != want:
             raise BadBlock("foreign", f"{field} differs from this worker's")
     if meta.get("nbytes") != len(data):
@@ -123,9 +142,21 @@ def model_fingerprint(model_config, dtype: str, block_size: int, weights_digest:
     """16 hex digits naming everything that decides a block's bytes: two workers share
     blocks only if they agree on all of it."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(json.dumps({"arch": model_config.architecture, "layers": model_config.num_hidden_layers,
-                         "kv_heads": model_config.num_key_value_heads, "head_dim": model_config.head_dim,
-                         "hidden": model_config.hidden_size, "vocab": model_config.vocab_size,
-                         "rope_theta": model_config.rope_theta, "dtype": dtype, "block_size": block_size,
-                         "weights": weights_digest}, sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {
+                "arch": model_config.architecture,
+                "layers": model_config.num_hidden_layers,
+                "kv_heads": model_config.num_key_value_heads,
+                "head_dim": model_config.head_dim,
+                "hidden": model_config.hidden_size,
+                "vocab": model_config.vocab_size,
+                "rope_theta": model_config.rope_theta,
+                "dtype": dtype,
+                "block_size": block_size,
+                "weights": weights_digest,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     return h.hexdigest()

@@ -6,6 +6,7 @@ temporaries left by a crash are removed at start. At start the directory is
 indexed (oldest modification first), so a restarted worker finds what it wrote
 before. The byte bound is kept by removing the least recently used files.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,16 +47,20 @@ class DiskTier(KVTier):
             for e in it:
                 if e.name.endswith(".tmp"):
                     _unlink(e.path)  # a write a crash interrupted
-                elif e.name.endswith(SUFFIX) and _KEY.match(e.name[:-len(SUFFIX)]) and e.is_file():
+                elif e.name.endswith(SUFFIX) and _KEY.match(e.name[: -len(SUFFIX)]) and e.is_file():
                     st = e.stat()
-                    found.append((st.st_mtime, e.name[:-len(SUFFIX)], st.st_size))
+                    found.append((st.st_mtime, e.name[: -len(SUFFIX)], st.st_size))
         for _, key, size in sorted(found):
             self._files[key] = size
             self.used_bytes += size
         self._shrink(0)
         if found:
-            log.info("disk KV tier %s: %d blocks (%.1f MB) from before", self.directory, len(self._files),
-                     self.used_bytes / 1e6)
+            log.info(
+                "disk KV tier %s: %d blocks (%.1f MB) from before",
+                self.directory,
+                len(self._files),
+                self.used_bytes / 1e6,
+            )
 
     def _shrink(self, room: int) -> None:
         while self._files and self.used_bytes + room > self.capacity_bytes:

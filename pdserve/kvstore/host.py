@@ -7,6 +7,7 @@ to stay within its bound are handed to `spill` (the disk tier below, when there
 is one, which encodes them), so a block leaves the worker only when every tier
 under it is full too. Byte strings are kept as they are.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

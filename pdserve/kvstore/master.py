@@ -10,6 +10,7 @@ Everything the master writes goes to its stderr (kept in memory, for error
 messages), never to log files. It holds all objects in its clients' memory:
 killing it forgets every block, which a cache can live with.
 """
+
 from __future__ import annotations
 
 import collections
@@ -60,11 +61,20 @@ class MooncakeMaster:
     by the checksum above the tier).
     """
 
-    def __init__(self, host: str = "127.0.0.1", rpc_port: int = 0, http_port: int = 0,
-                 metrics_port: int = 0, *, lease_ttl_ms: int = 1000,
-                 eviction_high_watermark: float = 0.8, eviction_ratio: float = 0.1,
-                 client_ttl_s: int = 10, start_timeout_s: float = 15.0,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        rpc_port: int = 0,
+        http_port: int = 0,
+        metrics_port: int = 0,
+        *,
+        lease_ttl_ms: int = 1000,
+        eviction_high_watermark: float = 0.8,
+        eviction_ratio: float = 0.1,
+        client_ttl_s: int = 10,
+        start_timeout_s: float = 15.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.host = host
         self.rpc_port = rpc_port or free_port(host)
         self.http_port = http_port or free_port(host)
@@ -89,18 +99,33 @@ class MooncakeMaster:
         return f"http://{self.host}:{self.http_port}/metadata"
 
     def command(self, binary: str) -> list[str]:
-        return [binary,
-                "--rpc_address", self.host, "--rpc_port", str(self.rpc_port),
-                "--enable_http_metadata_server=true",
-                "--http_metadata_server_host", self.host,
-                "--http_metadata_server_port", str(self.http_port),
-                "--metrics_host", self.host, "--metrics_port", str(self.metrics_port),
-                "--enable_metric_reporting=false",
-                "--default_kv_lease_ttl", str(self.lease_ttl_ms),
-                "--eviction_high_watermark_ratio", str(self.eviction_high_watermark),
-                "--eviction_ratio", str(self.eviction_ratio),
-                "--client_ttl", str(self.client_ttl_s),
-                "--logtostderr=true", *self.extra_args]
+        return [
+            binary,
+            "--rpc_address",
+            self.host,
+            "--rpc_port",
+            str(self.rpc_port),
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host",
+            self.host,
+            "--http_metadata_server_port",
+            str(self.http_port),
+            "--metrics_host",
+            self.host,
+            "--metrics_port",
+            str(self.metrics_port),
+            "--enable_metric_reporting=false",
+            "--default_kv_lease_ttl",
+            str(self.lease_ttl_ms),
+            "--eviction_high_watermark_ratio",
+            str(self.eviction_high_watermark),
+            "--eviction_ratio",
+            str(self.eviction_ratio),
+            "--client_ttl",
+            str(self.client_ttl_s),
+            "--logtostderr=true",
+            *self.extra_args,
+        ]
 
     def start(self) -> MooncakeMaster:
         """Start the master (again, on the same ports) and wait until it accepts clients."""
@@ -111,11 +136,16 @@ class MooncakeMaster:
             raise RuntimeError(missing)
         self._log.clear()
         self.proc = subprocess.Popen(
-            self.command(_find_binary()), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, close_fds=True,
-            preexec_fn=die_with_parent)  # noqa: PLW1509 - one C call, no locks taken
-        self._reader = threading.Thread(target=self._read_log, args=(self.proc.stdout,),
-                                        name="mooncake-master-log", daemon=True)
+            self.command(_find_binary()),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+            preexec_fn=die_with_parent,
+        )  # noqa: PLW1509 - one C call, no locks taken
+        self._reader = threading.Thread(
+            target=self._read_log, args=(self.proc.stdout,), name="mooncake-master-log", daemon=True
+        )
         self._reader.start()
         try:
             self._wait_ready()
@@ -133,13 +163,14 @@ class MooncakeMaster:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n"
-                                   + self.log_tail())
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n" + self.log_tail())
             if self._accepts():
                 return
             time.sleep(0.05)
-        raise RuntimeError(f"mooncake_master did not accept clients on {self.rpc_address} "
-                           f"within {self.start_timeout_s:.0f} s:\n" + self.log_tail())
+        raise RuntimeError(
+            f"mooncake_master did not accept clients on {self.rpc_address} "
+            f"within {self.start_timeout_s:.0f} s:\n" + self.log_tail()
+        )
 
     def _accepts(self) -> bool:
         try:

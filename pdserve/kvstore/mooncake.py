@@ -17,6 +17,7 @@ within about a second; if it does not (RPC failures go on while the probe
 succeeds) or never connected, the tier sets up a fresh client, at most once
 per `reconnect_interval_s`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,12 +81,22 @@ class MooncakeTier(KVTier):
     name = "mooncake"
     shared = True
 
-    def __init__(self, master_address: str, metadata_url: str, *,
-                 segment_bytes: int = 256 << 20, local_buffer_bytes: int = 64 << 20,
-                 local_hostname: str = "127.0.0.1", max_object_bytes: int | None = None,
-                 call_timeout_s: float = 1.0, setup_timeout_s: float = 5.0,
-                 probe_interval_s: float = 1.0, reconnect_interval_s: float = 2.0,
-                 abandon_after_s: float = 15.0, protocol: str = "tcp") -> None:
+    def __init__(
+        self,
+        master_address: str,
+        metadata_url: str,
+        *,
+        segment_bytes: int = 256 << 20,
+        local_buffer_bytes: int = 64 << 20,
+        local_hostname: str = "127.0.0.1",
+        max_object_bytes: int | None = None,
+        call_timeout_s: float = 1.0,
+        setup_timeout_s: float = 5.0,
+        probe_interval_s: float = 1.0,
+        reconnect_interval_s: float = 2.0,
+        abandon_after_s: float = 15.0,
+        protocol: str = "tcp",
+    ) -> None:
         super().__init__()
         missing = mooncake_missing()
         if missing:
@@ -260,8 +271,10 @@ class MooncakeTier(KVTier):
             self._rpc_fail_since = None
         elif self._rpc_fail_since is None:
             self._rpc_fail_since = now
-        elif (now - self._rpc_fail_since >= self.reconnect_interval_s
-              and now - self._connect_at >= self.reconnect_interval_s):
+        elif (
+            now - self._rpc_fail_since >= self.reconnect_interval_s
+            and now - self._connect_at >= self.reconnect_interval_s
+        ):
             self._drop_client()
 
     def _connect(self) -> None:
@@ -279,8 +292,15 @@ class MooncakeTier(KVTier):
         from mooncake.store import MooncakeDistributedStore
 
         store = MooncakeDistributedStore()
-        rc = store.setup(self.local_hostname, self.metadata_url, self.segment_bytes,
-                         self.local_buffer_bytes, self.protocol, "", self.master_address)
+        rc = store.setup(
+            self.local_hostname,
+            self.metadata_url,
+            self.segment_bytes,
+            self.local_buffer_bytes,
+            self.protocol,
+            "",
+            self.master_address,
+        )
         if rc != 0:
             raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
         return store

@@ -1,4 +1,5 @@
 """Build a worker's KV store from its configuration."""
+
 from __future__ import annotations
 
 import hashlib
@@ -34,16 +35,21 @@ def build_kv_store(config, model_config, runner, secret: bytes | None = None) ->
     if t.kv_offload_bytes:
         spill = None
         if disk is not None:
+
             def spill(key: str, data: bytes | codec.KVBlock) -> bool:  # runs on the saver thread
                 return disk.put(key, data.to_bytes() if isinstance(data, codec.KVBlock) else data)
+
         tiers.append(HostTier(t.kv_offload_bytes, spill=spill))
     if disk is not None:
         tiers.append(disk)
     if t.kv_store == "mooncake":
         from pdserve.kvstore.mooncake import MooncakeTier
 
-        tiers.append(MooncakeTier.from_args(t.kv_store_master, t.kv_store_metadata_url or None,
-                                            segment_bytes=t.kv_store_segment_bytes))
+        tiers.append(
+            MooncakeTier.from_args(
+                t.kv_store_master, t.kv_store_metadata_url or None, segment_bytes=t.kv_store_segment_bytes
+            )
+        )
     if t.kv_store and secret is None:
         from pdserve.auth import load_cluster_secret
 

@@ -16,6 +16,7 @@ for a load, how their blocks are allocated) lives in the scheduler; this class
 answers its one question, "how many of these blocks can be loaded?", and
 reports which loads have finished.
 """
+
 from __future__ import annotations
 
 import collections
@@ -52,8 +53,15 @@ class LoadDone:
 
 
 class TieredKVStore:
-    def __init__(self, tiers: list[KVTier], fingerprint: str, kv_caches: list, block_size: int,
-                 max_queued_bytes: int = 256 << 20, secret: bytes = b""):
+    def __init__(
+        self,
+        tiers: list[KVTier],
+        fingerprint: str,
+        kv_caches: list,
+        block_size: int,
+        max_queued_bytes: int = 256 << 20,
+        secret: bytes = b"",
+    ):
         self.tiers = tiers
         self.local = [t for t in tiers if not t.shared]
         self.shared = [t for t in tiers if t.shared]
@@ -84,12 +92,18 @@ class TieredKVStore:
         self._done_event = threading.Event()
         self.pending_loads = 0
         self._closed = False
-        self._threads = [threading.Thread(target=self._saver, name="kvstore-save", daemon=True),
-                         threading.Thread(target=self._loader, name="kvstore-load", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._saver, name="kvstore-save", daemon=True),
+            threading.Thread(target=self._loader, name="kvstore-load", daemon=True),
+        ]
         for t in self._threads:
             t.start()
-        log.info("KV store tiers: %s (model fingerprint %s, %d KB a block)",
-                 ", ".join(t.name for t in tiers), fingerprint, self.block_bytes // 1024)
+        log.info(
+            "KV store tiers: %s (model fingerprint %s, %d KB a block)",
+            ", ".join(t.name for t in tiers),
+            fingerprint,
+            self.block_bytes // 1024,
+        )
 
     # ---- the scheduler's question
     def count_hits(self, hashes: list[int]) -> int:
@@ -111,15 +125,16 @@ class TieredKVStore:
     def _gather(self, blocks: list[BlockRef]) -> torch.Tensor:
         """[n, layers, 2, block_size, heads, dim]: a copy, so the pool may reuse the blocks."""
         idx = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
-        per_layer = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
-                     for k, v in self.kv_caches]  # each [n, 2, bs, heads, dim]
+        per_layer = [
+            torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1) for k, v in self.kv_caches
+        ]  # each [n, 2, bs, heads, dim]
         return torch.stack(per_layer, dim=1).cpu()
 
     def _enqueue(self, blocks: list[BlockRef], where: str) -> None:
         room = (self.max_queued_bytes - self._queued_bytes) // self.block_bytes
         if room < len(blocks):  # the tiers are slower than the pool churns: what does not fit is not kept
             self.dropped_saves += len(blocks) - max(room, 0)
-            blocks = blocks[:max(room, 0)]
+            blocks = blocks[: max(room, 0)]
         if not blocks:
             return
         data = self._gather(blocks)
@@ -221,7 +236,7 @@ class TieredKVStore:
             return 0
         t0 = time.monotonic()
         data = torch.stack(found)  # [n, layers, 2, block_size, heads, dim]
-        idx = torch.tensor([b.block_id for b in blocks[:len(found)]], dtype=torch.long)
+        idx = torch.tensor([b.block_id for b in blocks[: len(found)]], dtype=torch.long)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, data[:, layer, 0])
             v.index_copy_(0, idx, data[:, layer, 1])
@@ -255,8 +270,15 @@ class TieredKVStore:
                 if isinstance(blob, codec.KVBlock):
                     kv = blob.check(self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype)
                 else:
-                    kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape,
-                                      self.dtype, self.secret if tier.shared else b"")
+                    kv = codec.decode(
+                        blob,
+                        self.fingerprint,
+                        b.block_hash,
+                        b.token_ids,
+                        self.block_shape,
+                        self.dtype,
+                        self.secret if tier.shared else b"",
+                    )
             except codec.BadBlock as e:
                 log.warning("KV store: %s tier: %s (%s); recomputing instead", tier.name, e, key)
                 with tier.lock:
@@ -275,13 +297,17 @@ class TieredKVStore:
 
     # ---- introspection and shutdown
     def stats(self) -> dict:
-        return {"tiers": {t.name: {**t.stats.as_dict(), "healthy": t.healthy()} for t in self.tiers},
-                "queried_blocks": self.queried_blocks, "hit_blocks": self.hit_blocks,
-                "dropped_saves": self.dropped_saves, "pending_loads": self.pending_loads,
-                # for the router's prefix index: how many blocks the local tiers hold at most
-                "lower_capacity_blocks": sum(getattr(t, "capacity_bytes", 0) for t in self.local) // max(
-                    1, self.block_bytes + 512),
-                "shared": bool(self.shared)}
+        return {
+            "tiers": {t.name: {**t.stats.as_dict(), "healthy": t.healthy()} for t in self.tiers},
+            "queried_blocks": self.queried_blocks,
+            "hit_blocks": self.hit_blocks,
+            "dropped_saves": self.dropped_saves,
+            "pending_loads": self.pending_loads,
+            # for the router's prefix index: how many blocks the local tiers hold at most
+            "lower_capacity_blocks": sum(getattr(t, "capacity_bytes", 0) for t in self.local)
+            // max(1, self.block_bytes + 512),
+            "shared": bool(self.shared),
+        }
 
     def close(self) -> None:
         if self._closed:

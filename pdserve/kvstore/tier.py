@@ -9,6 +9,7 @@ The tiers, nearest first: `host` (a bounded pool of this process's DRAM),
 `disk` (a bounded local directory that survives a restart) and `mooncake`
 (Mooncake Store, shared by every worker of the cluster).
 """
+
 from __future__ import annotations
 
 import abc

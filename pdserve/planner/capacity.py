@@ -1,4 +1,5 @@
 """Pool sizing: the P:D ratio, GPU counts with redundancy, latency under SLOs."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,10 +25,10 @@ def request_latency_s(ttft_s: float, output_tokens: int, tpot_s: float) -> float
 
 @dataclass(frozen=True)
 class GpuCount:
-    raw: float         # load / capacity, before rounding
-    base: int          # ceil(raw)
+    raw: float  # load / capacity, before rounding
+    base: int  # ceil(raw)
     redundancy: float  # e.g. 0.3 for 30%
-    total: int         # ceil(base x (1 + redundancy))
+    total: int  # ceil(base x (1 + redundancy))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -51,8 +52,7 @@ def gpu_count(load: float, capacity_per_gpu: float, redundancy: float) -> GpuCou
     return GpuCount(raw, base, redundancy, ceil_count(base * (1.0 + redundancy)))
 
 
-def max_batch_within(step_time_s: Callable[[int], float], slo_s: float,
-                     max_batch: int) -> int:
+def max_batch_within(step_time_s: Callable[[int], float], slo_s: float, max_batch: int) -> int:
     """Largest batch in [1, max_batch] whose step time meets ``slo_s``, or 0.
 
     Step time grows with batch (more KV to read), so a binary search over the

@@ -3,6 +3,7 @@
 This is the input every cost function takes, so the planner, the simulator
 and the router price the same deployment the same way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ class Deployment:
     gpu: Accelerator
     tp: int = 1
     pp: int = 1
-    dtype: str = "bf16"          # compute and activation dtype
-    weight_quant: str = "none"   # "none": weights stored in `dtype`
+    dtype: str = "bf16"  # compute and activation dtype
+    weight_quant: str = "none"  # "none": weights stored in `dtype`
     kv_dtype: str = "bf16"
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # Fractions of peak FLOP/s and bandwidth reached; 1.0 is the pure roofline.
@@ -49,17 +50,21 @@ class Deployment:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.pp > self.model.layers:
             raise ValueError(f"pp={self.pp} exceeds the model's {self.model.layers} layers")
-        for value, allowed, what in ((self.latency_model, LATENCY_MODELS, "latency model"),
-                                     (self.engine, ENGINES, "engine"),
-                                     (self.dtype, COMPUTE_DTYPES, "dtype"),
-                                     (self.weight_quant, WEIGHT_QUANTS, "weight quant"),
-                                     (self.kv_dtype, KV_DTYPES, "kv dtype")):
+        for value, allowed, what in (
+            (self.latency_model, LATENCY_MODELS, "latency model"),
+            (self.engine, ENGINES, "engine"),
+            (self.dtype, COMPUTE_DTYPES, "dtype"),
+            (self.weight_quant, WEIGHT_QUANTS, "weight quant"),
+            (self.kv_dtype, KV_DTYPES, "kv dtype"),
+        ):
             if value not in allowed:
                 raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(allowed)}")
         self.gpu.peak_flops(self.dtype)  # raises where the chip lacks the dtype
-        for value, what in ((self.gpu_memory_utilization, "gpu memory utilization"),
-                            (self.compute_efficiency, "compute efficiency"),
-                            (self.bandwidth_efficiency, "bandwidth efficiency")):
+        for value, what in (
+            (self.gpu_memory_utilization, "gpu memory utilization"),
+            (self.compute_efficiency, "compute efficiency"),
+            (self.bandwidth_efficiency, "bandwidth efficiency"),
+        ):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{what} must be in (0, 1], got {value}")
 

@@ -28,6 +28,7 @@ What is fitted, with ``t`` a kernel's measured median time:
   RoPE model does not). Llama-2-70B's rows of the same file are the held-out
   set and are not read.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,9 @@ MS = 1e-3
 
 
 def _csv(git_dir: str, commit: str, path: str) -> list[dict]:
-    text = subprocess.run(["git", f"--git-dir={git_dir}", "show", f"{commit}:{path}"],
-                          check=True, capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["git", f"--git-dir={git_dir}", "show", f"{commit}:{path}"], check=True, capture_output=True, text=True
+    ).stdout
     return list(csv.DictReader(io.StringIO(text)))
 
 
@@ -58,10 +60,12 @@ def _gemm_rows(rows: list[dict]):
         tp, t = int(r["num_tensor_parallel_workers"]), int(r["num_tokens"])
         d = h // heads
         gated = r["use_gated_mlp"] == "True"
-        shapes = {"attn_pre_proj": (h, (heads + 2 * kv) * d // tp),
-                  "attn_post_proj": (heads * d // tp, h),
-                  "mlp_up_proj": (h, (2 if gated else 1) * e // tp),
-                  "mlp_down_proj": (e // tp, h)}
+        shapes = {
+            "attn_pre_proj": (h, (heads + 2 * kv) * d // tp),
+            "attn_post_proj": (heads * d // tp, h),
+            "mlp_up_proj": (h, (2 if gated else 1) * e // tp),
+            "mlp_down_proj": (e // tp, h),
+        }
         for op, (k, n) in shapes.items():
             sec = float(r[f"time_stats.{op}.median"]) * MS
             out.append((2.0 * t * k * n, DTYPE_BYTES * (k * n + t * k + t * n), sec))
@@ -81,8 +85,13 @@ def fit_gemm(rows, peak: float, bw: float) -> dict:
             if best is None or err < best[0]:
                 best = (err, ec, eb, launch)
     err, ec, eb, launch = best
-    return {"compute_eff": round(float(ec), 2), "bandwidth_eff": round(float(eb), 2),
-            "launch_s": round(launch, 7), "rms_rel_err": round(err ** 0.5, 3), "rows": len(y)}
+    return {
+        "compute_eff": round(float(ec), 2),
+        "bandwidth_eff": round(float(eb), 2),
+        "launch_s": round(launch, 7),
+        "rms_rel_err": round(err**0.5, 3),
+        "rows": len(y),
+    }
 
 
 def fit_elementwise(rows: list[dict], bw: float) -> dict:
@@ -92,9 +101,10 @@ def fit_elementwise(rows: list[dict], bw: float) -> dict:
     x, y = [], []
     for r in rows:
         t, h = int(r["num_tokens"]), int(r["n_embd"])
-        sec = sum(float(r[f"time_stats.{op}.median"]) for op in
-                  ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act")) \
-            + 2 * float(r["time_stats.add.median"])
+        sec = sum(
+            float(r[f"time_stats.{op}.median"])
+            for op in ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act")
+        ) + 2 * float(r["time_stats.add.median"])
         x.append(t * h * DTYPE_BYTES / bw)
         y.append(sec * MS)
     a = np.vstack([np.ones(len(x)), x]).T
@@ -135,9 +145,11 @@ def fit_allreduce(rows: list[dict]) -> dict:
 
     out = {}
     for n in sorted({int(r["num_workers"]) for r in rows}):
-        pts = [(int(r["size"]), float(r["time_stats.all_reduce.median"]) * MS) for r in rows
-               if int(r["num_workers"]) == n and int(r["devices_per_node"]) >= n
-               and int(r["size"]) <= 64 * 2**20]
+        pts = [
+            (int(r["size"]), float(r["time_stats.all_reduce.median"]) * MS)
+            for r in rows
+            if int(r["num_workers"]) == n and int(r["devices_per_node"]) >= n and int(r["size"]) <= 64 * 2**20
+        ]
         if not pts:  # only within one node: TP across nodes is not a deployment we price
             continue
         x = np.array([p[0] for p in pts], dtype=float)
@@ -159,10 +171,19 @@ def fit_cpu(rows: list[dict]) -> dict:
             if int(r["tensor_parallel_degree"]) != tp:
                 continue
             b.append(int(r["batch_size"]))
-            y.append(sum(float(r[k]) for k in ("schedule_median", "sampler_e2e_median",
-                                               "prepare_inputs_e2e_median",
-                                               "process_model_outputs_median",
-                                               "ray_comm_time_mean")) * MS)
+            y.append(
+                sum(
+                    float(r[k])
+                    for k in (
+                        "schedule_median",
+                        "sampler_e2e_median",
+                        "prepare_inputs_e2e_median",
+                        "process_model_outputs_median",
+                        "ray_comm_time_mean",
+                    )
+                )
+                * MS
+            )
         a = np.vstack([np.ones(len(b)), b]).T
         (fixed, per), *_ = np.linalg.lstsq(a, np.array(y), rcond=None)
         out[tp] = {"fixed_s": round(float(fixed), 6), "per_seq_s": round(float(per), 7)}
@@ -172,9 +193,18 @@ def fit_cpu(rows: list[dict]) -> dict:
 # BLOOM-176B (huggingface.co/bigscience/bloom config.json: 70 layers, hidden
 # 14,336, 112 heads, vocab 250,880, tied embeddings). Its 4h GELU MLP (8h^2
 # weights) is priced as a gated MLP of the same weights: intermediate 8h/3.
-BLOOM = {"name": "bloom-176b", "layers": 70, "hidden": 14336, "heads": 112,
-         "kv_heads": 112, "head_dim": 128, "intermediate": 38229, "vocab": 250880,
-         "max_context_tokens": 2048, "tied_embeddings": True}
+BLOOM = {
+    "name": "bloom-176b",
+    "layers": 70,
+    "hidden": 14336,
+    "heads": 112,
+    "kv_heads": 112,
+    "head_dim": 128,
+    "intermediate": 38229,
+    "vocab": 250880,
+    "max_context_tokens": 2048,
+    "tied_embeddings": True,
+}
 SPLITWISE_GPUS = {"a100-80gb": ("a100", "a100-80gb"), "h100-80gb": ("h100", "h100-sxm")}
 
 
@@ -193,10 +223,8 @@ def fit_engine(rows: list[dict]) -> dict:
     runs: dict = {}
     for r in rows:
         if r["model"] == "bloom-176b" and r["hardware"] in SPLITWISE_GPUS:
-            key = (r["hardware"], int(r["tensor_parallel"]), int(r["prompt_size"]),
-                   int(r["batch_size"]))
-            runs.setdefault(key, []).append((float(r["prompt_time"]) * MS,
-                                             float(r["token_time"]) * MS))
+            key = (r["hardware"], int(r["tensor_parallel"]), int(r["prompt_size"]), int(r["batch_size"]))
+            runs.setdefault(key, []).append((float(r["prompt_time"]) * MS, float(r["token_time"]) * MS))
     out = {}
     for hw, (kind, gpu) in SPLITWISE_GPUS.items():
         b, dec, pre = [], [], []
@@ -206,15 +234,16 @@ def fit_engine(rows: list[dict]) -> dict:
             dep = Deployment(model, resolve_gpu(gpu), tp=tp)
             if prompt == 512:  # decode steps hold the prompt plus half the 128 outputs
                 b.append(batch)
-                dec.append(statistics.median(t for _, t in v)
-                           - perf.decode_cost(dep, batch, prompt + 64).total_s)
+                dec.append(statistics.median(t for _, t in v) - perf.decode_cost(dep, batch, prompt + 64).total_s)
             if batch == 1 and prompt <= 1024:
-                pre.append(statistics.median(p for p, _ in v)
-                           - perf.prefill_cost(dep, prompt).total_s)
+                pre.append(statistics.median(p for p, _ in v) - perf.prefill_cost(dep, prompt).total_s)
         per_seq, fixed = np.polyfit(np.array(b, float), np.array(dec), 1)
-        out[kind] = {"fixed_s": round(float(fixed), 5), "per_seq_s": round(float(per_seq), 6),
-                     "prefill_fixed_s": round(float(statistics.median(pre) - fixed - per_seq), 4),
-                     "max_batch_fitted": max(b)}
+        out[kind] = {
+            "fixed_s": round(float(fixed), 5),
+            "per_seq_s": round(float(per_seq), 6),
+            "prefill_fixed_s": round(float(statistics.median(pre) - fixed - per_seq), 4),
+            "max_batch_fitted": max(b),
+        }
     return out
 
 
@@ -229,12 +258,12 @@ def fit_all(git_dir: str) -> dict:
         fits[kind] = {
             "gemm": fit_gemm(_gemm_rows(mlp), gpu.bf16_flops, gpu.memory_bytes_per_s),
             "elementwise": fit_elementwise(mlp, gpu.memory_bytes_per_s),
-            "allreduce": fit_allreduce(_csv(git_dir, head,
-                                            f"data/profiling/network/{kind}_dgx/all_reduce.csv")),
+            "allreduce": fit_allreduce(_csv(git_dir, head, f"data/profiling/network/{kind}_dgx/all_reduce.csv")),
         }
     a100 = PEAKS["a100"]
-    attn = fit_attention(_csv(git_dir, attn_commit, "data/profiling/a100/attention.csv"),
-                         a100.bf16_flops, a100.memory_bytes_per_s)
+    attn = fit_attention(
+        _csv(git_dir, attn_commit, "data/profiling/a100/attention.csv"), a100.bf16_flops, a100.memory_bytes_per_s
+    )
     cpu = fit_cpu(_csv(git_dir, cpu_commit, "data/profiling/a100/cpu_overheads.csv"))
     for kind in fits:  # only A100 attention and CPU profiles exist (see fitted.py)
         fits[kind]["attention"] = attn
@@ -245,8 +274,10 @@ def fit_all(git_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vidur-git", help="git directory of a microsoft/vidur clone")
-    p.add_argument("--splitwise-git", help="git directory of a Mutinifni/splitwise-sim clone: "
-                   "fit the vllm-2023 engine terms (fitted.ENGINES)")
+    p.add_argument(
+        "--splitwise-git",
+        help="git directory of a Mutinifni/splitwise-sim clone: fit the vllm-2023 engine terms (fitted.ENGINES)",
+    )
     args = p.parse_args(argv)
     import pprint
 

@@ -7,6 +7,7 @@ Data, not code: every number below was produced by
 BLOOM-176B runs). Times are seconds,
 rates bytes/s, efficiencies shares of the datasheet peak in ``hardware.py``.
 """
+
 SOURCES = {
     "vidur": {
         "repo": "github.com/microsoft/vidur",
@@ -14,11 +15,14 @@ SOURCES = {
         "attention_commit": "e2d00e9afba96cec9f0e7ea560bbfc4a539fae6a",
         "cpu_commit": "6d98aa8f71696520acc603d87439e77cc78160a7",
         "models": {
-            "a100": ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf",
-                     "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-70B",
-                     "codellama/CodeLlama-34b-Instruct-hf"],
-            "h100": ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf",
-                     "codellama/CodeLlama-34b-Instruct-hf"],
+            "a100": [
+                "meta-llama/Llama-2-7b-hf",
+                "meta-llama/Llama-2-70b-hf",
+                "meta-llama/Meta-Llama-3-8B",
+                "meta-llama/Meta-Llama-3-70B",
+                "codellama/CodeLlama-34b-Instruct-hf",
+            ],
+            "h100": ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf", "codellama/CodeLlama-34b-Instruct-hf"],
         },
     },
     # End-to-end runs of another model on the engine and nodes of the held-out
@@ -47,37 +51,40 @@ SOURCES = {
 #   shares it.
 FITS = {
     "a100": {
-        "gemm": {"compute_eff": 0.70, "bandwidth_eff": 0.77, "launch_s": 6.6e-06,
-                 "rms_rel_err": 0.106, "rows": 27120},
+        "gemm": {"compute_eff": 0.70, "bandwidth_eff": 0.77, "launch_s": 6.6e-06, "rms_rel_err": 0.106, "rows": 27120},
         "elementwise": {"fixed_s": 1.24e-05, "bytes_per_token_hidden": 24.26},
-        "allreduce": {2: {"latency_s": 3.58e-05, "bytes_per_s": 158.4e9},
-                      4: {"latency_s": 2.87e-05, "bytes_per_s": 102.6e9},
-                      8: {"latency_s": 3.90e-05, "bytes_per_s": 86.8e9}},
-        "attention": {"prefill": {"fixed_s": 1.79e-05, "eff": 0.284},
-                      "decode": {"fixed_s": 1.34e-05, "eff": 0.766}},
-        "cpu": {1: {"fixed_s": 0.000968, "per_seq_s": 4.87e-05},
-                2: {"fixed_s": 0.007677, "per_seq_s": 4.43e-05},
-                4: {"fixed_s": 0.008484, "per_seq_s": 3.49e-05}},
+        "allreduce": {
+            2: {"latency_s": 3.58e-05, "bytes_per_s": 158.4e9},
+            4: {"latency_s": 2.87e-05, "bytes_per_s": 102.6e9},
+            8: {"latency_s": 3.90e-05, "bytes_per_s": 86.8e9},
+        },
+        "attention": {"prefill": {"fixed_s": 1.79e-05, "eff": 0.284}, "decode": {"fixed_s": 1.34e-05, "eff": 0.766}},
+        "cpu": {
+            1: {"fixed_s": 0.000968, "per_seq_s": 4.87e-05},
+            2: {"fixed_s": 0.007677, "per_seq_s": 4.43e-05},
+            4: {"fixed_s": 0.008484, "per_seq_s": 3.49e-05},
+        },
     },
     "h100": {
-        "gemm": {"compute_eff": 0.67, "bandwidth_eff": 0.85, "launch_s": 6.8e-06,
-                 "rms_rel_err": 0.146, "rows": 12528},
+        "gemm": {"compute_eff": 0.67, "bandwidth_eff": 0.85, "launch_s": 6.8e-06, "rms_rel_err": 0.146, "rows": 12528},
         "elementwise": {"fixed_s": 1.22e-05, "bytes_per_token_hidden": 21.17},
-        "allreduce": {2: {"latency_s": 1.66e-05, "bytes_per_s": 282.1e9},
-                      4: {"latency_s": 3.06e-05, "bytes_per_s": 253.0e9},
-                      8: {"latency_s": 2.86e-05, "bytes_per_s": 193.7e9}},
-        "attention": {"prefill": {"fixed_s": 1.79e-05, "eff": 0.284},
-                      "decode": {"fixed_s": 1.34e-05, "eff": 0.766}},
-        "cpu": {1: {"fixed_s": 0.000968, "per_seq_s": 4.87e-05},
-                2: {"fixed_s": 0.007677, "per_seq_s": 4.43e-05},
-                4: {"fixed_s": 0.008484, "per_seq_s": 3.49e-05}},
+        "allreduce": {
+            2: {"latency_s": 1.66e-05, "bytes_per_s": 282.1e9},
+            4: {"latency_s": 3.06e-05, "bytes_per_s": 253.0e9},
+            8: {"latency_s": 2.86e-05, "bytes_per_s": 193.7e9},
+        },
+        "attention": {"prefill": {"fixed_s": 1.79e-05, "eff": 0.284}, "decode": {"fixed_s": 1.34e-05, "eff": 0.766}},
+        "cpu": {
+            1: {"fixed_s": 0.000968, "per_seq_s": 4.87e-05},
+            2: {"fixed_s": 0.007677, "per_seq_s": 4.43e-05},
+            4: {"fixed_s": 0.008484, "per_seq_s": 3.49e-05},
+        },
     },
 }
 
 # Catalog GPUs and the profiled kind whose constants they use. H800 and H200
 # are H100 silicon (different NVLink, HBM); their own peaks enter the formulas.
-GPU_KIND = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-sxm": "h100",
-            "h800": "h100", "h200": "h100"}
+GPU_KIND = {"a100-80gb": "a100", "a100-40gb": "a100", "h100-sxm": "h100", "h800": "h100", "h200": "h100"}
 # This machine's CPU stands in for a GPU in tests: no GPU profile describes it.
 NO_FIT = ("cpu-local",)
 # Other accelerators have no profile: A100's shares of peak, on their own peaks.
@@ -99,9 +106,7 @@ FABRIC_BYTES_PER_S = {"a100": 600e9, "h100": 900e9}
 ENGINES = {
     "vidur": {},
     "vllm-2023": {
-        "a100": {"fixed_s": -0.00014, "per_seq_s": 0.000444, "prefill_fixed_s": 0.0176,
-                 "max_batch_fitted": 64},
-        "h100": {"fixed_s": 0.00185, "per_seq_s": 0.000244, "prefill_fixed_s": 0.0084,
-                 "max_batch_fitted": 64},
+        "a100": {"fixed_s": -0.00014, "per_seq_s": 0.000444, "prefill_fixed_s": 0.0176, "max_batch_fitted": 64},
+        "h100": {"fixed_s": 0.00185, "per_seq_s": 0.000244, "prefill_fixed_s": 0.0084, "max_batch_fitted": 64},
     },
 }

@@ -1,4 +1,5 @@
 """Memory: weight bytes, KV bytes (MHA, GQA, MLA), fit and max concurrency."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,7 @@ def kv_bytes_per_token(model: ModelShape, bytes_per_element: float) -> float:
     return model.layers * kv_bytes_per_token_layer(model, bytes_per_element)
 
 
-def kv_bytes(model: ModelShape, tokens: int, bytes_per_element: float,
-             requests: int = 1) -> float:
+def kv_bytes(model: ModelShape, tokens: int, bytes_per_element: float, requests: int = 1) -> float:
     """M_KV = 2 x L x n_kv x d_head x S x B x bytes."""
     return kv_bytes_per_token(model, bytes_per_element) * tokens * requests
 
@@ -45,8 +45,7 @@ def usable_memory_bytes(memory_bytes: float, utilization: float) -> float:
     return memory_bytes * utilization
 
 
-def fits(weight_bytes_: float, kv_bytes_: float, memory_bytes: float,
-         utilization: float) -> bool:
+def fits(weight_bytes_: float, kv_bytes_: float, memory_bytes: float, utilization: float) -> bool:
     """Weights plus KV fit in the share of memory the engine may use."""
     return weight_bytes_ + kv_bytes_ <= usable_memory_bytes(memory_bytes, utilization)
 
@@ -59,6 +58,7 @@ def max_concurrency(free_bytes: float, kv_bytes_per_request: float) -> int:
 
 
 # Deployment-level views of the same formulas, per accelerator.
+
 
 def deployment_weight_bytes(dep: Deployment) -> float:
     return weight_bytes(param_count(dep.model), dep.weight_bytes_per_param)

@@ -11,6 +11,7 @@ terms, their constants fitted per GPU kind on operator profiles
 
 Standard library only: ``pdserve plan`` starts without numpy or torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -26,17 +27,17 @@ from pdserve.planner.roofline import ACTIVATION_BYTES, pp_hop_time_s, weight_byt
 @dataclass(frozen=True)
 class StepCost:
     """One iteration of one instance, split by where the time goes (seconds)."""
-    gemm_s: float         # projections and MLP of every layer, plus the LM head
-    attention_s: float    # prefill (FLOP-bound) and decode (KV-read-bound) attention
+
+    gemm_s: float  # projections and MLP of every layer, plus the LM head
+    attention_s: float  # prefill (FLOP-bound) and decode (KV-read-bound) attention
     elementwise_s: float  # norms, RoPE, activation, residual adds
-    comm_s: float         # TP all-reduces, two per layer
-    overhead_s: float     # host work: schedule, sample, prepare, TP hop, engine terms
-    pp_s: float = 0.0     # activations handed between pipeline stages
+    comm_s: float  # TP all-reduces, two per layer
+    overhead_s: float  # host work: schedule, sample, prepare, TP hop, engine terms
+    pp_s: float = 0.0  # activations handed between pipeline stages
 
     @property
     def total_s(self) -> float:
-        return (self.gemm_s + self.attention_s + self.elementwise_s + self.comm_s
-                + self.overhead_s + self.pp_s)
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.comm_s + self.overhead_s + self.pp_s
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total_s": self.total_s}
@@ -65,14 +66,17 @@ def _gemm_shapes(m: ModelShape, tp: int) -> list[tuple[int, int]] | None:
     if m.is_moe or m.is_mla:
         return None
     d = m.head_dim
-    return [(m.hidden, (m.heads + 2 * m.kv_heads) * d // tp), (m.heads * d // tp, m.hidden),
-            (m.hidden, 2 * m.intermediate // tp), (m.intermediate // tp, m.hidden)]
+    return [
+        (m.hidden, (m.heads + 2 * m.kv_heads) * d // tp),
+        (m.heads * d // tp, m.hidden),
+        (m.hidden, 2 * m.intermediate // tp),
+        (m.intermediate // tp, m.hidden),
+    ]
 
 
 def _gemm_s(fit: dict, peak: float, bw: float, flops: float, bytes_: float) -> float:
     g = fit["gemm"]
-    return g["launch_s"] + max(flops / (g["compute_eff"] * peak),
-                               bytes_ / (g["bandwidth_eff"] * bw))
+    return g["launch_s"] + max(flops / (g["compute_eff"] * peak), bytes_ / (g["bandwidth_eff"] * bw))
 
 
 def _layer_gemm_s(dep: Deployment, fit: dict, tokens: int) -> float:
@@ -80,8 +84,10 @@ def _layer_gemm_s(dep: Deployment, fit: dict, tokens: int) -> float:
     wb = dep.weight_bytes_per_param
     shapes = _gemm_shapes(m, dep.tp)
     if shapes is not None:
-        return sum(_gemm_s(fit, peak, bw, 2.0 * tokens * k * n,
-                           wb * k * n + ACTIVATION_BYTES * tokens * (k + n)) for k, n in shapes)
+        return sum(
+            _gemm_s(fit, peak, bw, 2.0 * tokens * k * n, wb * k * n + ACTIVATION_BYTES * tokens * (k + n))
+            for k, n in shapes
+        )
     # MoE / MLA: one layer's share of the weights read and of the active FLOPs,
     # priced as four GEMMs' worth of launches.
     embed = m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
@@ -124,9 +130,15 @@ def _engine_s(dep: Deployment, kind: str, seqs: int, prefills: bool) -> float:
     return e["fixed_s"] + e["per_seq_s"] * seqs + (e["prefill_fixed_s"] if prefills else 0.0)
 
 
-def step_time(dep: Deployment, prefill_tokens: int = 0, prefill_pairs: float = 0.0,
-              decode_seqs: int = 0, decode_context: float = 0.0, prefill_seqs: int = 0,
-              prefill_context: float = 0.0) -> StepCost:
+def step_time(
+    dep: Deployment,
+    prefill_tokens: int = 0,
+    prefill_pairs: float = 0.0,
+    decode_seqs: int = 0,
+    decode_context: float = 0.0,
+    prefill_seqs: int = 0,
+    prefill_context: float = 0.0,
+) -> StepCost:
     """One iteration over ``prefill_tokens`` prompt tokens (``prefill_pairs``
     causal query-key pairs, ``prefill_context`` cached tokens read) and
     ``decode_seqs`` decoding sequences holding ``decode_context`` tokens in all."""
@@ -140,8 +152,9 @@ def step_time(dep: Deployment, prefill_tokens: int = 0, prefill_pairs: float = 0
     # the LM head runs on the last position of each sequence only
     seqs = max(1, prefill_seqs + decode_seqs if prefill_tokens else decode_seqs)
     head = m.vocab * m.hidden // dep.tp
-    gemm += _gemm_s(fit, peak, bw, 2.0 * seqs * head,
-                    dep.weight_bytes_per_param * head + ACTIVATION_BYTES * seqs * m.hidden)
+    gemm += _gemm_s(
+        fit, peak, bw, 2.0 * seqs * head, dep.weight_bytes_per_param * head + ACTIVATION_BYTES * seqs * m.hidden
+    )
     a = fit["attention"]
     attn = 0.0
     if prefill_tokens:
@@ -154,10 +167,10 @@ def step_time(dep: Deployment, prefill_tokens: int = 0, prefill_pairs: float = 0
     e = fit["elementwise"]
     elem = e["fixed_s"] + e["bytes_per_token_hidden"] * tokens * m.hidden / bw
     comm = 2 * _allreduce_s(dep, fit, tokens * m.hidden * ACTIVATION_BYTES)
-    host = (_cpu_s(dep, fit, prefill_seqs + decode_seqs)
-            + _engine_s(dep, kind, prefill_seqs + decode_seqs, prefill_tokens > 0))
-    return StepCost(gemm, m.layers * attn, m.layers * elem, m.layers * comm, host,
-                    pp_hop_time_s(dep, tokens))
+    host = _cpu_s(dep, fit, prefill_seqs + decode_seqs) + _engine_s(
+        dep, kind, prefill_seqs + decode_seqs, prefill_tokens > 0
+    )
+    return StepCost(gemm, m.layers * attn, m.layers * elem, m.layers * comm, host, pp_hop_time_s(dep, tokens))
 
 
 def attention_rates(dep: Deployment) -> tuple[float, float, float]:
@@ -168,14 +181,12 @@ def attention_rates(dep: Deployment) -> tuple[float, float, float]:
     peak, bw = dep.gpu.peak_flops(dep.dtype), dep.gpu.memory_bytes_per_s
     pair = 2.0 * m.heads * (m.qk_dim + m.v_dim) / dep.tp / (a["prefill"]["eff"] * peak)
     kv = kv_bytes_per_token_layer(m, dep.kv_bytes_per_element) / kv_shards(m, dep.tp)
-    return (m.layers * pair, m.layers * kv / (a["decode"]["eff"] * bw),
-            m.layers * a["decode"]["fixed_s"])
+    return (m.layers * pair, m.layers * kv / (a["decode"]["eff"] * bw), m.layers * a["decode"]["fixed_s"])
 
 
 def prefill_cost(dep: Deployment, tokens: int) -> StepCost:
     """One ``tokens``-long prompt, alone in its step."""
-    return step_time(dep, prefill_tokens=tokens, prefill_pairs=tokens * (tokens + 1) / 2.0,
-                     prefill_seqs=1)
+    return step_time(dep, prefill_tokens=tokens, prefill_pairs=tokens * (tokens + 1) / 2.0, prefill_seqs=1)
 
 
 def decode_cost(dep: Deployment, batch: int, context_tokens: int) -> StepCost:

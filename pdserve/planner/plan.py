@@ -1,6 +1,7 @@
 """A capacity plan: the planner's formulas applied in the order capacity is
 worked out by hand (weights -> KV -> concurrency -> throughput/latency -> GPU
 count), each step kept as printable lines plus machine-readable values."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,34 +13,33 @@ from pdserve.planner.deployment import Deployment
 @dataclass(frozen=True)
 class PlanInputs:
     prefill: Deployment
-    decode: Deployment            # same model and parallelism; its GPU may differ
-    context_tokens: int           # tokens a request may hold in KV (sizes memory)
-    lin: int | None = None        # mean prompt tokens
-    lout: int | None = None       # mean output tokens
-    qps: float | None = None      # peak requests/s
+    decode: Deployment  # same model and parallelism; its GPU may differ
+    context_tokens: int  # tokens a request may hold in KV (sizes memory)
+    lin: int | None = None  # mean prompt tokens
+    lout: int | None = None  # mean output tokens
+    qps: float | None = None  # peak requests/s
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     # P->D links as (label, effective bytes/s); default: the 100/200/400 Gbps table
     links: tuple[tuple[str, float], ...] = ()
-    nics: int = 1                 # NICs a request's KV crosses in parallel
-    redundancy: float = 0.3       # spare share of GPUs, 30% as in the capacity worked example
-    binary_units: bool = False    # read a link's "GB/s" as GiB/s, as hand calculations often do
-    decode_batch: int | None = None   # None: memory's limit, lowered to meet the TPOT SLO
+    nics: int = 1  # NICs a request's KV crosses in parallel
+    redundancy: float = 0.3  # spare share of GPUs, 30% as in the capacity worked example
+    binary_units: bool = False  # read a link's "GB/s" as GiB/s, as hand calculations often do
+    decode_batch: int | None = None  # None: memory's limit, lowered to meet the TPOT SLO
     theta_p: float | None = None  # measured prefill tokens/s per GPU, instead of the model's
     theta_d: float | None = None  # measured decode tokens/s per GPU
-    occupancy_s: float | None = None          # mean seconds a request holds a slot
+    occupancy_s: float | None = None  # mean seconds a request holds a slot
     concurrency_per_gpu: float | None = None  # requests one GPU carries at once
-    spec_k: int | None = None                 # draft tokens per speculative step (gamma)
-    spec_acceptance: float | None = None      # per-token acceptance rate (alpha)
-    spec_draft_cost: float = 0.0              # one draft token's cost, in target steps
+    spec_k: int | None = None  # draft tokens per speculative step (gamma)
+    spec_acceptance: float | None = None  # per-token acceptance rate (alpha)
+    spec_draft_cost: float = 0.0  # one draft token's cost, in target steps
 
     def __post_init__(self) -> None:
         for name in ("context_tokens", "lin", "lout", "nics", "decode_batch", "spec_k"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("qps", "slo_ttft_s", "slo_tpot_s", "theta_p", "theta_d", "occupancy_s",
-                     "concurrency_per_gpu"):
+        for name in ("qps", "slo_ttft_s", "slo_tpot_s", "theta_p", "theta_d", "occupancy_s", "concurrency_per_gpu"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
@@ -127,12 +127,16 @@ def make_plan(inp: PlanInputs) -> Plan:
     if inp.spec_k is not None:
         add(steps_speed.spec_step(inp, decode.values))
     if inp.prefill.crosses_node:
-        notes.append(f"TP={inp.prefill.tp} spans nodes: every all-reduce crosses the NIC "
-                     "(keep TP inside one NVLink node)")
+        notes.append(
+            f"TP={inp.prefill.tp} spans nodes: every all-reduce crosses the NIC (keep TP inside one NVLink node)"
+        )
     if inp.prefill.latency_model == "roofline":
-        notes.append("roofline numbers are upper bounds on speed; derate with "
-                     "--compute-efficiency / --bandwidth-efficiency")
+        notes.append(
+            "roofline numbers are upper bounds on speed; derate with --compute-efficiency / --bandwidth-efficiency"
+        )
     else:
-        notes.append("times are the fitted model (docs/planner.md); the roofline lower bound "
-                     "is shown beside each, and --latency-model roofline uses it instead")
+        notes.append(
+            "times are the fitted model (docs/planner.md); the roofline lower bound "
+            "is shown beside each, and --latency-model roofline uses it instead"
+        )
     return plan

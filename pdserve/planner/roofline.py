@@ -4,6 +4,7 @@ time = max(FLOPs / peak, bytes / bandwidth) + TP all-reduces + PP hops.
 Compute and memory traffic overlap inside a kernel, so they take a max;
 the collectives wait on both and are added, as a hand count of the all-reduces adds them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,7 @@ def arithmetic_intensity(flops: float, bytes_: float) -> float:
     return flops / bytes_
 
 
-def roofline_time_s(flops: float, bytes_: float, peak_flops: float,
-                    bytes_per_s: float) -> float:
+def roofline_time_s(flops: float, bytes_: float, peak_flops: float, bytes_per_s: float) -> float:
     return max(flops / peak_flops, bytes_ / bytes_per_s)
 
 
@@ -71,8 +71,7 @@ def weight_bytes_read(model: ModelShape, tokens: int, bytes_per_param: float) ->
     return (total - untouched) * bytes_per_param
 
 
-def allreduce_time_s(tp: int, message_bytes: float, latency_s: float,
-                     link_bytes_per_s: float) -> float:
+def allreduce_time_s(tp: int, message_bytes: float, latency_s: float, link_bytes_per_s: float) -> float:
     """Ring all-reduce: a latency floor plus 2 (n-1)/n of the message per link."""
     if tp <= 1:
         return 0.0
@@ -110,12 +109,13 @@ def pp_bubble_ratio(pp: int, micro_batches: int) -> float:
 @dataclass(frozen=True)
 class StepTime:
     """One iteration of one instance; a token passes every stage in turn."""
+
     flops: float
-    bytes: float          # per accelerator of a TP group
+    bytes: float  # per accelerator of a TP group
     compute_s: float
     memory_s: float
-    comm_s: float         # TP all-reduces
-    pp_s: float           # PP stage hops
+    comm_s: float  # TP all-reduces
+    pp_s: float  # PP stage hops
 
     @property
     def total_s(self) -> float:
@@ -129,9 +129,14 @@ class StepTime:
 def _step(dep: Deployment, flops: float, bytes_: float, tokens: int) -> StepTime:
     # Stages run one after another, so the latency covers all layers on one
     # TP group; PP only adds hops here (its gain is throughput, see below).
-    return StepTime(flops, bytes_, flops / dep.tp / dep.peak_flops,
-                    bytes_ / dep.memory_bytes_per_s, tp_comm_time_s(dep, tokens),
-                    pp_hop_time_s(dep, tokens))
+    return StepTime(
+        flops,
+        bytes_,
+        flops / dep.tp / dep.peak_flops,
+        bytes_ / dep.memory_bytes_per_s,
+        tp_comm_time_s(dep, tokens),
+        pp_hop_time_s(dep, tokens),
+    )
 
 
 def prefill_time(dep: Deployment, tokens: int) -> StepTime:
@@ -147,13 +152,11 @@ def decode_step_time(dep: Deployment, batch: int, context_tokens: int) -> StepTi
     every step reads the weights and all their KV."""
     m = dep.model
     weights = weight_bytes_read(m, batch, dep.weight_bytes_per_param) / dep.tp
-    kv = (kv_bytes_per_token(m, dep.kv_bytes_per_element) * context_tokens * batch
-          / kv_shards(m, dep.tp))
+    kv = kv_bytes_per_token(m, dep.kv_bytes_per_element) * context_tokens * batch / kv_shards(m, dep.tp)
     return _step(dep, decode_flops(m, batch, context_tokens), weights + kv, batch)
 
 
-def tokens_per_s_per_gpu(dep: Deployment, tokens: int, step: StepTime,
-                         micro_batches: int) -> float:
+def tokens_per_s_per_gpu(dep: Deployment, tokens: int, step: StepTime, micro_batches: int) -> float:
     """Throughput of one accelerator. PP stages work on different micro-batches
     at once, busy (1 - bubble) of the time, so PP multiplies the instance's
     rate by pp x (1 - bubble); with one micro-batch it gains nothing."""

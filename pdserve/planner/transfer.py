@@ -4,6 +4,7 @@ Eager sends the whole cache after the last layer, so all of it adds to TTFT.
 Layer-wise sends layer i while layer i+1 computes; if a layer transfers faster
 than a layer computes, only the last layer's transfer is left exposed.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -26,8 +27,7 @@ def network_bytes_per_s(gbps: float) -> float:
     return gbps * 1e9 / 8 * LINE_RATE_EFFICIENCY
 
 
-def link(gbps: float | None = None, gbytes: float | None = None,
-         binary: bool = False) -> tuple[str, float]:
+def link(gbps: float | None = None, gbytes: float | None = None, binary: bool = False) -> tuple[str, float]:
     """(label, effective bytes/s) of a P->D link given in Gb/s or in GB/s.
 
     ``binary`` reads the resulting "GB/s" as GiB/s: hand calculations divide a
@@ -53,8 +53,7 @@ def transfer_time_s(bytes_: float, bytes_per_s: float, links: int = 1) -> float:
     return bytes_ / (bytes_per_s * links)
 
 
-def exposed_transfer_s(layers: int, per_layer_transfer_s: float,
-                       per_layer_compute_s: float, layerwise: bool) -> float:
+def exposed_transfer_s(layers: int, per_layer_transfer_s: float, per_layer_compute_s: float, layerwise: bool) -> float:
     """Transfer time left on the critical path after the prefill ends.
 
     Layer i's transfer starts when layer i is computed and the link is free.
@@ -88,13 +87,19 @@ class KVTransfer:
         return {**asdict(self), "hidden": self.hidden}
 
 
-def kv_transfer(kv_bytes: float, layers: int, prefill_s: float, net: tuple[str, float],
-                links: int = 1) -> KVTransfer:
+def kv_transfer(kv_bytes: float, layers: int, prefill_s: float, net: tuple[str, float], links: int = 1) -> KVTransfer:
     """Eager and layer-wise exposure of one request's KV over one link ``net``
     = (label, bytes/s), as ``link`` returns it."""
     label, bw = net
     total = transfer_time_s(kv_bytes, bw, links)
     per_layer, compute = total / layers, prefill_s / layers
-    return KVTransfer(label, bw * links, kv_bytes, total, per_layer, compute,
-                      exposed_transfer_s(layers, per_layer, compute, layerwise=False),
-                      exposed_transfer_s(layers, per_layer, compute, layerwise=True))
+    return KVTransfer(
+        label,
+        bw * links,
+        kv_bytes,
+        total,
+        per_layer,
+        compute,
+        exposed_transfer_s(layers, per_layer, compute, layerwise=False),
+        exposed_transfer_s(layers, per_layer, compute, layerwise=True),
+    )

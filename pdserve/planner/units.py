@@ -6,6 +6,7 @@ GiB = 2^10 .. 2^30 bytes) are used for KV sizes and GPU memory: the usual
 "320 KB per token" is 80 x 4,096 bytes = 320 KiB, and an "80 GB" HBM stack is
 80 GiB of DRAM. Every figure the planner prints names which one it is.
 """
+
 from __future__ import annotations
 
 import math
@@ -89,8 +90,10 @@ def fmt_count(x: float) -> str:
 def catalog_lookup(name: str, table: dict, aliases: dict[str, str]):
     """The row of ``table`` named ``name`` or one of its aliases, ignoring
     case, dashes, underscores and spaces ("Llama_3 70B", "H100"); else None."""
+
     def key(s: str) -> str:
         return "".join(c for c in s.lower() if c.isalnum() or c == ".")
+
     wanted = key(name)
     for known in table:
         if key(known) == wanted:

@@ -1,7 +1,8 @@
 """Predicted against measured for every held-out point (``heldout.py``).
 
-    python -m pdserve.planner.validate     # prints the table docs/planner.md shows
+python -m pdserve.planner.validate     # prints the table docs/planner.md shows
 """
+
 from __future__ import annotations
 
 import statistics
@@ -17,15 +18,12 @@ GPU_OF_KIND = {"a100": "a100-80gb", "h100": "h100-sxm"}
 BAND = (0.75, 1.33)
 
 
-def predict(kind: str, tp: int, phase: str, tokens: int, batch: int,
-            engine: str = "vidur") -> tuple[float, float]:
+def predict(kind: str, tp: int, phase: str, tokens: int, batch: int, engine: str = "vidur") -> tuple[float, float]:
     """(fitted, roofline) seconds of one held-out point, with ``engine``'s host costs."""
-    dep = Deployment(resolve_model("llama-2-70b"), resolve_gpu(GPU_OF_KIND[kind]), tp=tp,
-                     engine=engine)
+    dep = Deployment(resolve_model("llama-2-70b"), resolve_gpu(GPU_OF_KIND[kind]), tp=tp, engine=engine)
     if phase == "prefill":
         return perf.prefill_cost(dep, tokens).total_s, rl.prefill_time(dep, tokens).total_s
-    return (perf.decode_cost(dep, batch, tokens).total_s,
-            rl.decode_step_time(dep, batch, tokens).total_s)
+    return (perf.decode_cost(dep, batch, tokens).total_s, rl.decode_step_time(dep, batch, tokens).total_s)
 
 
 def rows() -> list[dict]:
@@ -33,30 +31,46 @@ def rows() -> list[dict]:
     for s in SETS:
         for kind, tp, phase, tokens, batch, measured in s["points"]:
             fitted, roof = predict(kind, tp, phase, tokens, batch, s["engine_profile"])
-            out.append({"engine": s["engine"], "gpu": kind, "tp": tp, "phase": phase,
-                        "tokens": tokens, "batch": batch, "measured_s": measured,
-                        "predicted_s": fitted, "ratio": fitted / measured,
-                        "roofline_ratio": roof / measured})
+            out.append(
+                {
+                    "engine": s["engine"],
+                    "gpu": kind,
+                    "tp": tp,
+                    "phase": phase,
+                    "tokens": tokens,
+                    "batch": batch,
+                    "measured_s": measured,
+                    "predicted_s": fitted,
+                    "ratio": fitted / measured,
+                    "roofline_ratio": roof / measured,
+                }
+            )
     return out
 
 
 def summary(rs: list[dict]) -> dict:
     ratios = [r["ratio"] for r in rs]
-    return {"points": len(rs), "median": statistics.median(ratios), "min": min(ratios),
-            "max": max(ratios), "in_band": sum(BAND[0] <= x <= BAND[1] for x in ratios),
-            "roofline_median": statistics.median(r["roofline_ratio"] for r in rs)}
+    return {
+        "points": len(rs),
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "in_band": sum(BAND[0] <= x <= BAND[1] for x in ratios),
+        "roofline_median": statistics.median(r["roofline_ratio"] for r in rs),
+    }
 
 
 def table(rs: list[dict]) -> str:
-    head = ("| engine | GPU | TP | phase | tokens | batch | measured ms | predicted ms | "
-            "ratio | roofline ratio |")
+    head = "| engine | GPU | TP | phase | tokens | batch | measured ms | predicted ms | ratio | roofline ratio |"
     lines = [head, "|" + "---|" * 10]
     for r in rs:
         flag = "" if BAND[0] <= r["ratio"] <= BAND[1] else " *"
-        lines.append(f"| {r['engine']} | {r['gpu'].upper()} | {r['tp']} | {r['phase']} | "
-                     f"{r['tokens']} | {r['batch']} | {r['measured_s'] * 1e3:.1f} | "
-                     f"{r['predicted_s'] * 1e3:.1f} | {r['ratio']:.2f}{flag} | "
-                     f"{r['roofline_ratio']:.2f} |")
+        lines.append(
+            f"| {r['engine']} | {r['gpu'].upper()} | {r['tp']} | {r['phase']} | "
+            f"{r['tokens']} | {r['batch']} | {r['measured_s'] * 1e3:.1f} | "
+            f"{r['predicted_s'] * 1e3:.1f} | {r['ratio']:.2f}{flag} | "
+            f"{r['roofline_ratio']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -65,9 +79,11 @@ def main() -> int:
     print(table(rs))
     for engine in dict.fromkeys(r["engine"] for r in rs):
         s = summary([r for r in rs if r["engine"] == engine])
-        print(f"{engine}: {s['points']} points, median ratio {s['median']:.2f} "
-              f"(roofline {s['roofline_median']:.2f}), range {s['min']:.2f}-{s['max']:.2f}, "
-              f"{s['in_band']} within {BAND[0]}-{BAND[1]}")
+        print(
+            f"{engine}: {s['points']} points, median ratio {s['median']:.2f} "
+            f"(roofline {s['roofline_median']:.2f}), range {s['min']:.2f}-{s['max']:.2f}, "
+            f"{s['in_band']} within {BAND[0]}-{BAND[1]}"
+        )
     s = summary(rs)
     print(f"all: {s['points']} points, median ratio {s['median']:.2f}, {s['in_band']} within band")
     return 0

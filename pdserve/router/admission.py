@@ -17,6 +17,7 @@ steps); its batch is the longer of the heartbeat's and the router's bookings.
 Without a step model there is nothing honest to predict, so the TPOT SLO is
 not checked for that worker.
 """
+
 from __future__ import annotations
 
 from collections import Counter, deque
@@ -36,8 +37,8 @@ class AdmissionConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     kv_watermark: float | None = None  # decode pool KV usage above which long requests are refused
-    long_request_tokens: int = 1024    # prompt + max_tokens at or above this is "long"
-    transfer_s: float = 0.0            # fixed exposed transfer latency per request, on top of the bytes
+    long_request_tokens: int = 1024  # prompt + max_tokens at or above this is "long"
+    transfer_s: float = 0.0  # fixed exposed transfer latency per request, on top of the bytes
     kv_bandwidth_bytes_per_s: float | None = None  # None: measured from transfers
 
     def __post_init__(self):
@@ -80,8 +81,9 @@ class Admitter:
 
     def check(self, registry: Registry, placer: Placer, prompt: list[int], max_tokens: int) -> conductor.Admission:
         cfg = self.config
-        decision = self._backpressure(registry, len(prompt), max_tokens) if cfg.kv_watermark is not None \
-            else conductor.ADMIT
+        decision = (
+            self._backpressure(registry, len(prompt), max_tokens) if cfg.kv_watermark is not None else conductor.ADMIT
+        )
         if decision.admitted and (cfg.slo_ttft_s is not None or cfg.slo_tpot_s is not None):
             decision = self._predict(registry, placer, prompt, max_tokens)
         if decision.admitted:
@@ -92,15 +94,20 @@ class Admitter:
 
     def _backpressure(self, registry: Registry, prompt_tokens: int, max_tokens: int) -> conductor.Admission:
         ds = registry.alive("decode")
-        usage = conductor.pool_kv_usage([float((w.stats or {}).get("kv_usage", 0.0)) for w in ds],
-                                        [int((w.stats or {}).get("num_blocks", 0)) for w in ds])
+        usage = conductor.pool_kv_usage(
+            [float((w.stats or {}).get("kv_usage", 0.0)) for w in ds],
+            [int((w.stats or {}).get("num_blocks", 0)) for w in ds],
+        )
         is_long = conductor.is_long_request(prompt_tokens, max_tokens, self.config.long_request_tokens)
         return conductor.backpressure(usage, is_long=is_long, watermark=self.config.kv_watermark)
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
-        return (self.config.kv_bandwidth_bytes_per_s or self.transfers.bandwidth_bytes_per_s
-                or DEFAULT_KV_BANDWIDTH_BYTES_PER_S)
+        return (
+            self.config.kv_bandwidth_bytes_per_s
+            or self.transfers.bandwidth_bytes_per_s
+            or DEFAULT_KV_BANDWIDTH_BYTES_PER_S
+        )
 
     def _predict(self, registry: Registry, placer: Placer, prompt: list[int], max_tokens: int) -> conductor.Admission:
         best = placer.peek_prefill(registry, prompt)
@@ -108,11 +115,19 @@ class Admitter:
         transfer_s = 0.0
         if best is not None and d is not None:
             transfer_s = self.predict_transfer_s(registry.get(best.worker_id), d, placer, prompt)
-        ttft_s = 0.0 if best is None else conductor.predict_ttft(
-            best.queue_drain_s, (1 - best.hit_ratio) * best.prefill_time_s, transfer_s)
+        ttft_s = (
+            0.0
+            if best is None
+            else conductor.predict_ttft(best.queue_drain_s, (1 - best.hit_ratio) * best.prefill_time_s, transfer_s)
+        )
         tpot_s = 0.0 if d is None else self.predict_tpot_s(d, placer, len(prompt), max_tokens)
-        self.last = {"ttft_s": ttft_s, "transfer_s": transfer_s, "tpot_s": tpot_s,
-                     "prefill": best.worker_id if best else None, "decode": d.worker_id if d else None}
+        self.last = {
+            "ttft_s": ttft_s,
+            "transfer_s": transfer_s,
+            "tpot_s": tpot_s,
+            "prefill": best.worker_id if best else None,
+            "decode": d.worker_id if d else None,
+        }
         return conductor.admit(ttft_s, tpot_s, self.config.slo_ttft_s, self.config.slo_tpot_s)
 
     def predict_transfer_s(self, p: WorkerInfo | None, d: WorkerInfo, placer: Placer, prompt: list[int]) -> float:
@@ -123,9 +138,14 @@ class Admitter:
             return self.config.transfer_s  # a worker that does not say: only the fixed part
         bs = int((d.stats or {}).get("kv_block_size", 0))
         cached = placer.index.hit_ratio(d.worker_id, block_hashes(prompt, bs), bs, len(prompt)) if bs else 0.0
-        return conductor.predict_transfer_s((1 - cached) * len(prompt), per_token, int(ps.get("num_layers", 1)),
-                                            self.bandwidth_bytes_per_s, bool(ps.get("kv_layerwise", True)),
-                                            latency_s=self.config.transfer_s)
+        return conductor.predict_transfer_s(
+            (1 - cached) * len(prompt),
+            per_token,
+            int(ps.get("num_layers", 1)),
+            self.bandwidth_bytes_per_s,
+            bool(ps.get("kv_layerwise", True)),
+            latency_s=self.config.transfer_s,
+        )
 
     @staticmethod
     def predict_tpot_s(d: WorkerInfo, placer: Placer, prompt_tokens: int, max_tokens: int) -> float:

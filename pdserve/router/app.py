@@ -6,6 +6,7 @@ the router's own metrics. Every route under /internal/ needs a request signed
 with the cluster secret (pdserve/auth.py): without it, 401 and a log line. The
 bodies workers and supervisors send are models of pdserve/control_api.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,19 +46,38 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
     # The control routes take their bodies as control_api models: FastAPI validates them,
     # and a body that does not fit is a 400 naming the field (errors.install_handlers).
     async def register(b: RegisterRequest) -> RegisterResponse:
-        info = WorkerInfo(worker_id=b.worker_id, url=b.url, role=b.role, kv_address=b.kv_address,
-                          kv_export_address=b.kv_export_address, host=b.host, restarts=b.restarts)
+        info = WorkerInfo(
+            worker_id=b.worker_id,
+            url=b.url,
+            role=b.role,
+            kv_address=b.kv_address,
+            kv_export_address=b.kv_export_address,
+            host=b.host,
+            restarts=b.restarts,
+        )
         unreachable = await engine.probe(info.url)
         if unreachable:
             log.warning("refused registration of %s: %s", info.worker_id, unreachable)
-            raise APIError(400, f"the router cannot reach {info.url} ({unreachable}); start the worker with "
-                                "--advertise-host set to an address the router and the other workers can dial",
-                           param="url")
+            raise APIError(
+                400,
+                f"the router cannot reach {info.url} ({unreachable}); start the worker with "
+                "--advertise-host set to an address the router and the other workers can dial",
+                param="url",
+            )
         old = registry.get(info.worker_id)
         registry.register(info)
-        log.info("worker registered", extra={"fields": {"worker_id": info.worker_id, "role": info.role,
-                                                        "url": info.url, "restarts": info.restarts,
-                                                        "again": old is not None}})
+        log.info(
+            "worker registered",
+            extra={
+                "fields": {
+                    "worker_id": info.worker_id,
+                    "role": info.role,
+                    "url": info.url,
+                    "restarts": info.restarts,
+                    "again": old is not None,
+                }
+            },
+        )
         engine.refresh_stats()
         return RegisterResponse(registered=info.worker_id)
 
@@ -73,11 +93,23 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         return HeartbeatResponse(ok=True, kv_snapshot=kv_snapshot)
 
     async def workers(request: Request):
-        return {"workers": [{"worker_id": w.worker_id, "url": w.url, "role": w.role, "alive": w.alive,
-                             "kv_address": w.kv_address, "stats": w.stats} for w in registry.all()],
-                "counters": engine.counters, "policy": engine.placer.name,
-                "prefix_index": engine.placer.index.stats(),
-                "admission": _admission_status(engine.admitter)}
+        return {
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "url": w.url,
+                    "role": w.role,
+                    "alive": w.alive,
+                    "kv_address": w.kv_address,
+                    "stats": w.stats,
+                }
+                for w in registry.all()
+            ],
+            "counters": engine.counters,
+            "policy": engine.placer.name,
+            "prefix_index": engine.placer.index.stats(),
+            "admission": _admission_status(engine.admitter),
+        }
 
     engine.pools.pd_advice = lambda: conductor_status(engine.metrics, registry)["recommended_nd_per_np"]
 
@@ -97,8 +129,10 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         grows = [r for r in wanted if wanted[r] > live.get(r, 0)]
         note = None
         if grows and not engine.pools.sizes.supervised():
-            note = (f"no supervisor polls this router: start the new {' and '.join(grows)} worker(s) by hand "
-                    "(pdserve worker --router ...)")
+            note = (
+                f"no supervisor polls this router: start the new {' and '.join(grows)} worker(s) by hand "
+                "(pdserve worker --router ...)"
+            )
         log.info("pools scaled", extra={"fields": {"wanted": wanted, "live": live}})
         await engine.pools.tick()  # shrink at once; growth is the supervisor's next poll
         return ScaleResponse(wanted=wanted, live=live, note=note)
@@ -108,17 +142,22 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
             raise APIError(404, f"no route POST /internal/resume/{path}")
         return await app.state.api.resume(request, b, path)
 
-    app.add_api_route("/internal/resume/{path:path}", resume, methods=["POST"], include_in_schema=False,
-                      response_model=None)
+    app.add_api_route(
+        "/internal/resume/{path:path}", resume, methods=["POST"], include_in_schema=False, response_model=None
+    )
     app.add_api_route("/internal/admin/pools", pools, methods=["GET"], include_in_schema=False)
     app.add_api_route("/internal/admin/pools/poll", supervisor_poll, methods=["POST"], include_in_schema=False)
     app.add_api_route("/internal/admin/scale", scale, methods=["POST"], include_in_schema=False)
     app.add_api_route("/internal/register", register, methods=["POST"], include_in_schema=False)
     # response_model=None: an unknown worker gets a bare 404 JSONResponse, which is no HeartbeatResponse
-    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"], include_in_schema=False,
-                      response_model=None)
+    app.add_api_route("/internal/heartbeat", heartbeat, methods=["POST"], include_in_schema=False, response_model=None)
     app.add_api_route("/internal/workers", workers, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/internal/conductor", lambda: conductor_status(engine.metrics, registry), methods=["GET"], include_in_schema=False)
+    app.add_api_route(
+        "/internal/conductor",
+        lambda: conductor_status(engine.metrics, registry),
+        methods=["GET"],
+        include_in_schema=False,
+    )
     return app
 
 
@@ -143,18 +182,28 @@ def conductor_status(metrics, registry: Registry) -> dict:
     ratio = None
     if None not in (lin, lout, theta_p, theta_d):
         ratio = conductor.recommended_pd_ratio(lin, lout, theta_p, theta_d)
-    return {"mean_lin_tokens": lin, "mean_lout_tokens": lout, "theta_p_tokens_per_s": theta_p,
-            "theta_d_tokens_per_s": theta_d, "recommended_nd_per_np": ratio,
-            "num_prefill": len(registry.alive("prefill")), "num_decode": len(registry.alive("decode"))}
+    return {
+        "mean_lin_tokens": lin,
+        "mean_lout_tokens": lout,
+        "theta_p_tokens_per_s": theta_p,
+        "theta_d_tokens_per_s": theta_d,
+        "recommended_nd_per_np": ratio,
+        "num_prefill": len(registry.alive("prefill")),
+        "num_decode": len(registry.alive("decode")),
+    }
 
 
 def _admission_status(admitter) -> dict | None:
     if admitter is None:
         return None
-    return {"admitted": admitter.admitted, "rejected": dict(admitter.rejected), **vars(admitter.config),
-            "kv_bandwidth_used_bytes_per_s": admitter.bandwidth_bytes_per_s,
-            "kv_bandwidth_measured_bytes_per_s": admitter.transfers.bandwidth_bytes_per_s,
-            "last_prediction": admitter.last}
+    return {
+        "admitted": admitter.admitted,
+        "rejected": dict(admitter.rejected),
+        **vars(admitter.config),
+        "kv_bandwidth_used_bytes_per_s": admitter.bandwidth_bytes_per_s,
+        "kv_bandwidth_measured_bytes_per_s": admitter.transfers.bandwidth_bytes_per_s,
+        "last_prediction": admitter.last,
+    }
 
 
 def _feed_index(index, worker_id: str, kv: KVEventsBody | dict) -> bool:
@@ -193,30 +242,43 @@ class _RouterCollector:
 
     def collect(self):
         c = self.engine.counters
-        for name, doc, key in (("kv_transfer_bytes", "KV bytes moved from prefill to decode workers.", "kv_bytes"),
-                               ("kv_transfer_seconds", "Seconds from transfer start to acknowledgement.", "kv_seconds"),
-                               ("kv_transfer_failed", "KV transfers that failed.", "kv_failed"),
-                               ("kv_transfer_retries", "Reconnects during KV transfers.", "kv_retries"),
-                               ("request_recomputed", "Requests whose prompt the decode worker recomputed.",
-                                "recomputed"),
-                               ("request_replaced", "Requests moved to another worker mid-decode.", "replaced"),
-                               ("request_whole_on_one_worker", "Requests one worker ran whole because the "
-                                "other role had no live worker.", "whole"),
-                               ("request_resumed", "Streams resumed here after the router that served them "
-                                "died (the front sent what they had streamed).", "resumed"),
-                               ("kv_transfer_exposed_seconds", "Transfer seconds left after the prefill ended "
-                                "(what TTFT pays; layer-wise hides the rest).", "kv_exposed_seconds"),
-                               ("kv_transfer_exposed_bytes", "Bytes that travelled in the exposed seconds.",
-                                "kv_exposed_bytes")):
+        for name, doc, key in (
+            ("kv_transfer_bytes", "KV bytes moved from prefill to decode workers.", "kv_bytes"),
+            ("kv_transfer_seconds", "Seconds from transfer start to acknowledgement.", "kv_seconds"),
+            ("kv_transfer_failed", "KV transfers that failed.", "kv_failed"),
+            ("kv_transfer_retries", "Reconnects during KV transfers.", "kv_retries"),
+            ("request_recomputed", "Requests whose prompt the decode worker recomputed.", "recomputed"),
+            ("request_replaced", "Requests moved to another worker mid-decode.", "replaced"),
+            (
+                "request_whole_on_one_worker",
+                "Requests one worker ran whole because the other role had no live worker.",
+                "whole",
+            ),
+            (
+                "request_resumed",
+                "Streams resumed here after the router that served them died (the front sent what they had streamed).",
+                "resumed",
+            ),
+            (
+                "kv_transfer_exposed_seconds",
+                "Transfer seconds left after the prefill ended (what TTFT pays; layer-wise hides the rest).",
+                "kv_exposed_seconds",
+            ),
+            ("kv_transfer_exposed_bytes", "Bytes that travelled in the exposed seconds.", "kv_exposed_bytes"),
+        ):
             m = CounterMetricFamily(f"pdserve:{name}", doc)
             m.add_metric([], c.get(key, 0))
             yield m
-        refused = CounterMetricFamily("pdserve:internal_auth_refused", "Internal calls refused for a missing or "
-                                      "wrong cluster-token signature.")
+        refused = CounterMetricFamily(
+            "pdserve:internal_auth_refused", "Internal calls refused for a missing or wrong cluster-token signature."
+        )
         refused.add_metric([], self.verifier.refused)
         yield refused
-        restarts = CounterMetricFamily("pdserve:worker_restarts", "Restarts of each worker by its supervisor, "
-                                       "as the worker reported at registration.", labels=["worker_id", "role"])
+        restarts = CounterMetricFamily(
+            "pdserve:worker_restarts",
+            "Restarts of each worker by its supervisor, as the worker reported at registration.",
+            labels=["worker_id", "role"],
+        )
         for w in self.registry.all():
             restarts.add_metric([w.worker_id, w.role], w.restarts)
         yield restarts
@@ -229,30 +291,36 @@ class _RouterCollector:
         yield alive
         yield queue
         pools = self.engine.pools
-        wanted = GaugeMetricFamily("pdserve:pool_wanted_workers", "Wanted pool size by role (scale commands, "
-                                   "the autoscaler).", labels=["role"])
+        wanted = GaugeMetricFamily(
+            "pdserve:pool_wanted_workers", "Wanted pool size by role (scale commands, the autoscaler).", labels=["role"]
+        )
         for role, n in (pools.sizes.wanted or {}).items():
             wanted.add_metric([role], n)
         yield wanted
-        decisions = CounterMetricFamily("pdserve:autoscale_decisions", "Pool-size changes the autoscaler made.",
-                                        labels=["role", "direction"])
+        decisions = CounterMetricFamily(
+            "pdserve:autoscale_decisions", "Pool-size changes the autoscaler made.", labels=["role", "direction"]
+        )
         for (role, direction), n in sorted(pools.decisions.items()):
             decisions.add_metric([role, direction], n)
         yield decisions
         retired = CounterMetricFamily("pdserve:workers_retired", "Workers asked to drain and leave (pool shrunk).")
         retired.add_metric([], pools.retired)
         yield retired
-        rejected = CounterMetricFamily("pdserve:router_early_rejected", "Requests refused before prefill "
-                                       "(predicted SLO miss, or KV backpressure).", labels=["reason"])
+        rejected = CounterMetricFamily(
+            "pdserve:router_early_rejected",
+            "Requests refused before prefill (predicted SLO miss, or KV backpressure).",
+            labels=["reason"],
+        )
         counts = self.engine.admitter.rejected if self.engine.admitter is not None else {}
         for reason in ("ttft_slo", "tpot_slo", "kv_backpressure"):
             rejected.add_metric([reason], counts.get(reason, 0))
         yield rejected
         st = conductor_status(self.engine.metrics, self.registry)
-        for key, name, doc in (("mean_lin_tokens", "observed_mean_prompt_tokens", "Mean prompt tokens (Lin)."),
-                               ("mean_lout_tokens", "observed_mean_generation_tokens", "Mean generated tokens (Lout)."),
-                               ("recommended_nd_per_np", "recommended_pd_ratio",
-                                "N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D).")):
+        for key, name, doc in (
+            ("mean_lin_tokens", "observed_mean_prompt_tokens", "Mean prompt tokens (Lin)."),
+            ("mean_lout_tokens", "observed_mean_generation_tokens", "Mean generated tokens (Lout)."),
+            ("recommended_nd_per_np", "recommended_pd_ratio", "N_D / N_P = (Lout / Lin) x (Theta_P / Theta_D)."),
+        ):
             if st[key] is not None:
                 g = GaugeMetricFamily(f"pdserve:{name}", doc)
                 g.add_metric([], st[key])

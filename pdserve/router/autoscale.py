@@ -11,6 +11,7 @@ Dynamo's planner or Ray Serve's autoscaler would expect:
 - a pool shrinks when the workers left would still sit below `kv_low` with
   nothing queued (for decode), or nothing queued and little running (prefill).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,9 @@ class Decision:
     reason: str
 
 
-def decide(cfg: AutoscaleConfig, prefill: PoolLoad, decode: PoolLoad, pd_advice: float | None,
-           since_last_change_s: float) -> Decision | None:
+def decide(
+    cfg: AutoscaleConfig, prefill: PoolLoad, decode: PoolLoad, pd_advice: float | None, since_last_change_s: float
+) -> Decision | None:
     """The one change to make now, or None."""
     if since_last_change_s < cfg.cooldown_s:
         return None
@@ -77,10 +79,13 @@ def decide(cfg: AutoscaleConfig, prefill: PoolLoad, decode: PoolLoad, pd_advice:
         want_d = math.ceil(prefill.workers * pd_advice)
         if decode.workers < want_d and decode.kv_usage > cfg.kv_low and can("decode", 1):
             return Decision("decode", 1, f"P:D advice {pd_advice:.2f} wants {want_d} decode workers")
-    if decode.workers > 1 and can("decode", -1) and decode.waiting == 0 \
-            and decode.kv_usage * decode.workers / (decode.workers - 1) < cfg.kv_low:
+    if (
+        decode.workers > 1
+        and can("decode", -1)
+        and decode.waiting == 0
+        and decode.kv_usage * decode.workers / (decode.workers - 1) < cfg.kv_low
+    ):
         return Decision("decode", -1, f"decode KV usage {decode.kv_usage:.0%} fits on one worker fewer")
-    if prefill.workers > 1 and can("prefill", -1) and prefill.waiting == 0 \
-            and prefill.running < prefill.workers - 1:
+    if prefill.workers > 1 and can("prefill", -1) and prefill.waiting == 0 and prefill.running < prefill.workers - 1:
         return Decision("prefill", -1, "prefill pool idle enough for one worker fewer")
     return None

@@ -18,6 +18,7 @@ policy is written once. Every time is in seconds (`_s`), every length in tokens.
   output lengths and the token throughputs of one prefill and one decode
   instance: both pools then finish the same requests per second.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,6 @@ class DecodeCostModel:
     def step_s(self, batch: int, context_tokens: float) -> float:
         return self.base_s + self.per_seq_s * batch + self.per_kv_token_s * context_tokens
 
-
     def scaled(self, factor: float) -> DecodeCostModel:
         """The same shape, every term times `factor` (a busier or quieter machine)."""
         return DecodeCostModel(self.base_s * factor, self.per_seq_s * factor, self.per_kv_token_s * factor)
@@ -113,8 +113,9 @@ def fit_decode_cost(samples: Sequence[tuple[int, int, float]]) -> DecodeCostMode
     return DecodeCostModel(*full)
 
 
-def live_scale(model: DecodeCostModel, observed: Sequence[tuple[int, int, float]],
-               lo: float = 0.25, hi: float = 8.0) -> float:
+def live_scale(
+    model: DecodeCostModel, observed: Sequence[tuple[int, int, float]], lo: float = 0.25, hi: float = 8.0
+) -> float:
     """How much slower (> 1) or faster live decode steps run than `model` says: the
     median of observed / predicted over (batch, context_tokens, step_s) samples.
 
@@ -132,11 +133,15 @@ def prefill_step_s(model: PrefillCostModel, chunks: Sequence[tuple[int, int]]) -
     """One step prefilling `chunks` of (tokens already computed, new tokens): the fixed
     cost once, and for each chunk what D_prefill adds from its start to its end."""
     a, b, c = model.a_s, model.b_s_per_token, model.c_s_per_token2
-    return a + sum(b * n + c * ((k + n) ** 2 - k ** 2) for k, n in chunks)
+    return a + sum(b * n + c * ((k + n) ** 2 - k**2) for k, n in chunks)
 
 
-def live_prefill_scale(model: PrefillCostModel, observed: Sequence[tuple[Sequence[tuple[int, int]], float]],
-                       lo: float = 0.25, hi: float = 8.0) -> float:
+def live_prefill_scale(
+    model: PrefillCostModel,
+    observed: Sequence[tuple[Sequence[tuple[int, int]], float]],
+    lo: float = 0.25,
+    hi: float = 8.0,
+) -> float:
     """Median observed / predicted over live prefill steps ([(computed, new), ...], seconds),
     bounded to [lo, hi]; 1.0 with no samples. See `live_scale`."""
     ratios = sorted(s / p for chunks, s in observed if (p := prefill_step_s(model, chunks)) > 0)
@@ -156,8 +161,9 @@ def prefill_score(hit_ratio: float, prefill_time_s: float, queue_drain_s: float,
     return (1.0 - hit_ratio) * prefill_time_s + alpha * queue_drain_s
 
 
-def effective_hit_ratio(local_blocks: int, lower_blocks: int, block_size: int, prompt_tokens: int,
-                        lower_load_cost: float) -> float:
+def effective_hit_ratio(
+    local_blocks: int, lower_blocks: int, block_size: int, prompt_tokens: int, lower_load_cost: float
+) -> float:
     """H_i with lower KV tiers: a block in the worker's pool saves its whole prefill, one it can
     load from a lower tier (its host memory or disk, the shared store) saves all but the load
     (`lower_load_cost`: load time over prefill time of a block), so a store hit ranks between
@@ -171,9 +177,9 @@ def effective_hit_ratio(local_blocks: int, lower_blocks: int, block_size: int, p
 @dataclass(frozen=True)
 class PrefillCandidate:
     worker_id: str
-    hit_ratio: float = 0.0       # H_i: cached share of this request's prompt on this worker
+    hit_ratio: float = 0.0  # H_i: cached share of this request's prompt on this worker
     prefill_time_s: float = 0.0  # D_prefill(L) on this worker's own cost model
-    queue_drain_s: float = 0.0   # Q_i: time until its queue is empty
+    queue_drain_s: float = 0.0  # Q_i: time until its queue is empty
 
 
 def choose_prefill(cands: Sequence[PrefillCandidate], alpha: float) -> tuple[PrefillCandidate, float]:
@@ -181,8 +187,7 @@ def choose_prefill(cands: Sequence[PrefillCandidate], alpha: float) -> tuple[Pre
     so the router and the simulator agree exactly."""
     if not cands:
         raise ValueError("no prefill candidates")
-    scored = [(prefill_score(c.hit_ratio, c.prefill_time_s, c.queue_drain_s, alpha), c.worker_id, c)
-              for c in cands]
+    scored = [(prefill_score(c.hit_ratio, c.prefill_time_s, c.queue_drain_s, alpha), c.worker_id, c) for c in cands]
     score, _, best = min(scored, key=lambda t: (t[0], t[1]))
     return best, score
 
@@ -222,8 +227,14 @@ def predict_ttft(queue_s: float, prefill_s: float, transfer_s: float) -> float:
     return queue_s + prefill_s + transfer_s
 
 
-def predict_transfer_s(tokens: float, kv_bytes_per_token: float, num_layers: int,
-                       bandwidth_bytes_per_s: float, layerwise: bool, latency_s: float = 0.0) -> float:
+def predict_transfer_s(
+    tokens: float,
+    kv_bytes_per_token: float,
+    num_layers: int,
+    bandwidth_bytes_per_s: float,
+    layerwise: bool,
+    latency_s: float = 0.0,
+) -> float:
     """Exposed KV transfer time of `tokens` prompt tokens: the part TTFT waits for.
 
     Eager: every layer leaves after the prefill, so all the bytes are exposed.
@@ -239,8 +250,9 @@ def predict_transfer_s(tokens: float, kv_bytes_per_token: float, num_layers: int
     return latency_s + exposed_bytes / bandwidth_bytes_per_s
 
 
-def predict_tpot(model: DecodeCostModel, num_running: int, context_tokens: int,
-                 prompt_tokens: int, max_tokens: int) -> float:
+def predict_tpot(
+    model: DecodeCostModel, num_running: int, context_tokens: int, prompt_tokens: int, max_tokens: int
+) -> float:
     """TPOT the decode instance would give once this request joins its batch.
 
     Context is counted at the request's midpoint (prompt + half its output):
@@ -252,8 +264,8 @@ def predict_tpot(model: DecodeCostModel, num_running: int, context_tokens: int,
 @dataclass(frozen=True)
 class Admission:
     admitted: bool
-    reason: str = "ok"          # ok | ttft_slo | tpot_slo | kv_backpressure
-    retry_after_s: int = 0      # for the 429's Retry-After header (whole seconds)
+    reason: str = "ok"  # ok | ttft_slo | tpot_slo | kv_backpressure
+    retry_after_s: int = 0  # for the 429's Retry-After header (whole seconds)
 
 
 ADMIT = Admission(True)
@@ -264,8 +276,9 @@ def _retry_after_s(excess_s: float) -> int:
     return max(1, math.ceil(excess_s))
 
 
-def admit(predicted_ttft_s: float, predicted_tpot_s: float,
-          slo_ttft_s: float | None, slo_tpot_s: float | None) -> Admission:
+def admit(
+    predicted_ttft_s: float, predicted_tpot_s: float, slo_ttft_s: float | None, slo_tpot_s: float | None
+) -> Admission:
     """Refuse what would break an SLO; an SLO of None is not checked.
 
     Retry-After for TTFT is the predicted excess: the queue must drain that

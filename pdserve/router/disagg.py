@@ -17,6 +17,7 @@ whole (both roles are the same engine).
 Every call to a worker is signed with the cluster secret (pdserve/auth.py), and
 every body and answer is a model of pdserve/control_api.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -120,14 +121,20 @@ class _Choice:
                 gap = now - self.last_token_s
             self.last_token_s = now
             m.on_tokens(len(ids), gap)
-        comp = CompletionOutput(0, self.text, list(self.token_ids), None,
-                                list(self.logprobs) if self.params.logprobs is not None else None,
-                                ev.finish_reason if self.finished else None,
-                                ev.stop_reason if self.finished else None)
+        comp = CompletionOutput(
+            0,
+            self.text,
+            list(self.token_ids),
+            None,
+            list(self.logprobs) if self.params.logprobs is not None else None,
+            ev.finish_reason if self.finished else None,
+            ev.stop_reason if self.finished else None,
+        )
         out = RequestOutput(self.rid, None, self.prompt, [comp], self.finished, ids, ev.text)
         if self.finished:
-            m.on_finish(comp.finish_reason or "stop", self.arrival_s, self.first_token_s, self.last_token_s,
-                        len(self.token_ids))
+            m.on_finish(
+                comp.finish_reason or "stop", self.arrival_s, self.first_token_s, self.last_token_s, len(self.token_ids)
+            )
         self.group._queue.put_nowait((self.index, out))
 
 
@@ -135,8 +142,10 @@ class RouterGroup:
     def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
         self.engine = engine
         self.request_id = request_id
-        self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params,
-                             inp.resume_token_ids) for i, inp in enumerate(inputs)]
+        self.subs = [
+            _Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params, inp.resume_token_ids)
+            for i, inp in enumerate(inputs)
+        ]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending_acks = len(self.subs)
@@ -190,8 +199,18 @@ class RouterGroup:
 class DisaggEngine:
     """The OpenAI app's EngineClient (pdserve/server/engine_client.py); places work on remote workers."""
 
-    def __init__(self, core, registry, metrics, placer: Placer | None = None, kv_timeout_s: float = KV_TIMEOUT_S,
-                 max_in_flight: int = 1024, kv_mode: str = "push", admitter=None, secret: bytes | None = None):
+    def __init__(
+        self,
+        core,
+        registry,
+        metrics,
+        placer: Placer | None = None,
+        kv_timeout_s: float = KV_TIMEOUT_S,
+        max_in_flight: int = 1024,
+        kv_mode: str = "push",
+        admitter=None,
+        secret: bytes | None = None,
+    ):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry
         self.metrics = metrics
@@ -206,9 +225,18 @@ class DisaggEngine:
         self.ready = asyncio.Event()
         self.stats: dict | None = None
         self.num_waiting = 0
-        self.counters = {"kv_bytes": 0, "kv_seconds": 0.0, "kv_failed": 0, "kv_retries": 0,
-                         "recomputed": 0, "replaced": 0, "whole": 0, "resumed": 0, "kv_exposed_bytes": 0.0,
-                         "kv_exposed_seconds": 0.0}
+        self.counters = {
+            "kv_bytes": 0,
+            "kv_seconds": 0.0,
+            "kv_failed": 0,
+            "kv_retries": 0,
+            "recomputed": 0,
+            "replaced": 0,
+            "whole": 0,
+            "resumed": 0,
+            "kv_exposed_bytes": 0.0,
+            "kv_exposed_seconds": 0.0,
+        }
         self._groups: set[RouterGroup] = set()
         self._http: httpx.AsyncClient | None = None
         self._auth = auth.http_auth(secret) if secret is not None else None
@@ -223,8 +251,11 @@ class DisaggEngine:
 
     # ---- lifecycle
     def start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None), auth=self._auth, limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=256))
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(10.0, read=None),
+            auth=self._auth,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
         self._expiry = asyncio.get_running_loop().create_task(self._expire_loop())
         self._pool_task = asyncio.get_running_loop().create_task(self._pool_loop())
         self.started_s = time.monotonic()
@@ -296,13 +327,20 @@ class DisaggEngine:
         dec = [w.stats for w in alive if w.can_decode() and w.stats]
         num_blocks = sum(s.get("num_blocks", 0) for s in dec)
         free = sum(s.get("num_free_blocks", 0) for s in dec)
-        self.stats = {"num_running": sum(w.stats.get("num_running", 0) for w in alive if w.stats),
-                      "num_waiting": sum(w.stats.get("num_waiting", 0) for w in alive if w.stats),
-                      "num_free_blocks": free, "num_blocks": num_blocks,
-                      "kv_usage": 1 - free / num_blocks if num_blocks else 0.0,
-                      "workers_alive": {r: len(self.registry.alive(r)) for r in ("prefill", "decode")}}
-        for key in ("prefix_cache_queries_tokens", "prefix_cache_hits_tokens", "num_preemptions",
-                    "prompt_tokens_computed"):
+        self.stats = {
+            "num_running": sum(w.stats.get("num_running", 0) for w in alive if w.stats),
+            "num_waiting": sum(w.stats.get("num_waiting", 0) for w in alive if w.stats),
+            "num_free_blocks": free,
+            "num_blocks": num_blocks,
+            "kv_usage": 1 - free / num_blocks if num_blocks else 0.0,
+            "workers_alive": {r: len(self.registry.alive(r)) for r in ("prefill", "decode")},
+        }
+        for key in (
+            "prefix_cache_queries_tokens",
+            "prefix_cache_hits_tokens",
+            "num_preemptions",
+            "prompt_tokens_computed",
+        ):
             self.stats[key] = sum(w.stats.get(key, 0) for w in alive if w.stats)
         stores = [w.stats["kv_store"] for w in alive if w.stats and isinstance(w.stats.get("kv_store"), dict)]
         if stores:
@@ -346,8 +384,7 @@ class DisaggEngine:
         group = RouterGroup(self, request_id or f"req-{time.monotonic_ns()}", inputs, priority)
         self._groups.add(group)
         for t in group.tasks:
-            t.add_done_callback(lambda _t, g=group: self._groups.discard(g) if all(x.done() for x in g.tasks)
-                                else None)
+            t.add_done_callback(lambda _t, g=group: self._groups.discard(g) if all(x.done() for x in g.tasks) else None)
         return group
 
     def _admit(self, inputs) -> None:
@@ -359,8 +396,12 @@ class DisaggEngine:
             d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens)
             if not d.admitted:
                 self.metrics.rejected.inc()
-                raise APIError(429, f"request refused to protect the SLOs ({d.reason}); retry later",
-                               code=d.reason, headers={"Retry-After": str(d.retry_after_s)})
+                raise APIError(
+                    429,
+                    f"request refused to protect the SLOs ({d.reason}); retry later",
+                    code=d.reason,
+                    headers={"Retry-After": str(d.retry_after_s)},
+                )
 
     # ---- one choice
     async def run_choice(self, c: _Choice) -> None:
@@ -383,31 +424,35 @@ class DisaggEngine:
             await self._run_whole(c, "resumed")
             return
         params = params_to_json(c.params)
-        reserve = ReserveRequest(request_id=c.rid, prompt_token_ids=c.prompt, params=params,
-                                 deadline_s=self.kv_timeout_s)
+        reserve = ReserveRequest(
+            request_id=c.rid, prompt_token_ids=c.prompt, params=params, deadline_s=self.kv_timeout_s
+        )
         for attempt in range(3):
             p, d = self.placer.pick(self.registry, c.prompt)
             if p is None or d is None:
                 await self._run_whole(c)
                 return
             try:
-                dest = (await self._watch(d, self._post(d, "/internal/reserve", reserve, ReserveResponse))
-                        ).kv_destination
+                dest = (
+                    await self._watch(d, self._post(d, "/internal/reserve", reserve, ReserveResponse))
+                ).kv_destination
                 break
             except WorkerGone as e:
                 # a worker that died (or stopped) since its last heartbeat: place again without it;
                 # a reservation it may have made is dropped there once it answers again
                 self._abort_later(d, c.rid)
                 if isinstance(e, WorkerSlow) or attempt == 2:
-                    raise APIError(503, f"the decode worker could not be reached ({e}); retry",
-                                   headers={"Retry-After": "1"}) from None
+                    raise APIError(
+                        503, f"the decode worker could not be reached ({e}); retry", headers={"Retry-After": "1"}
+                    ) from None
                 log.warning("request %s: decode worker %s unreachable (%s); placing again", c.rid, d.worker_id, e)
                 self.registry.mark_dead(d.worker_id)
         if self.kv_mode == "pull" and p.kv_export_address:
             dest.pull = True
             try:  # D starts pulling now; P's exporter waits for the transfer to begin
-                await self._post(d, "/internal/pull", PullRequest(request_id=c.rid, address=p.kv_export_address),
-                                 PullResponse)
+                await self._post(
+                    d, "/internal/pull", PullRequest(request_id=c.rid, address=p.kv_export_address), PullResponse
+                )
             except WorkerGone:
                 dest.pull = False
         c.group.acknowledge()
@@ -441,10 +486,12 @@ class DisaggEngine:
             if isinstance(e, APIError) and e.status != 503:
                 raise  # the request itself is bad: the decode worker would refuse it too
             # 503: P is draining or its engine failed; D has the prompt and can compute it
-            log.warning("request %s: prefill worker %s failed (%s); the decode worker recomputes",
-                        c.rid, p.worker_id, e)
+            log.warning(
+                "request %s: prefill worker %s failed (%s); the decode worker recomputes", c.rid, p.worker_id, e
+            )
             if isinstance(e, (WorkerGone, httpx.TransportError)) and not isinstance(
-                    e, (WorkerSlow, httpx.TimeoutException)):
+                e, (WorkerSlow, httpx.TimeoutException)
+            ):
                 self.registry.mark_dead(p.worker_id)
             return None, None  # the decode worker recomputes; its "kv" event is counted below
         first = ev.token_ids[0]
@@ -482,14 +529,12 @@ class DisaggEngine:
     async def _tell_kv_failed(self, d, rid: str, reason: str) -> None:
         log.warning("request %s: KV transfer to %s broke (%s); telling it to recompute", rid, d.worker_id, reason)
         try:
-            await self._post(d, "/internal/kv_failed", KVFailedRequest(request_id=rid, reason=reason),
-                             KVFailedResponse)
+            await self._post(d, "/internal/kv_failed", KVFailedRequest(request_id=rid, reason=reason), KVFailedResponse)
         except (WorkerGone, APIError, httpx.HTTPError):
             pass  # D gone too, or already past the wait: its own deadline still holds
 
     async def _decode(self, c: _Choice, d, first: int | None, kv_expected: bool) -> None:
-        body = DecodeRequest(request_id=c.rid, first_token=first, kv_expected=kv_expected,
-                             timeout_s=self.kv_timeout_s)
+        body = DecodeRequest(request_id=c.rid, first_token=first, kv_expected=kv_expected, timeout_s=self.kv_timeout_s)
         try:
             await self._consume(c, d, "/internal/decode", body)
         except WorkerGone as e:
@@ -502,8 +547,7 @@ class DisaggEngine:
             # --kv-timeout-s): its blocks are gone, so it recomputes from the prompt
             # and the tokens already streamed, as after a failed transfer.
             self.counters["recomputed"] += 1
-            log.warning("request %s: %s's reservation expired before decoding; recomputing there",
-                        c.rid, d.worker_id)
+            log.warning("request %s: %s's reservation expired before decoding; recomputing there", c.rid, d.worker_id)
             try:
                 await self._resume_on(c, d, f"{c.rid}-x")
             except WorkerGone as e2:
@@ -551,8 +595,12 @@ class DisaggEngine:
     async def _resume_on(self, c: _Choice, w, remote_id: str) -> None:
         """Run the rest of the request on w from its prompt and the tokens already streamed."""
         c.remote_ids[w.worker_id] = remote_id
-        body = GenerateRequest(request_id=remote_id, prompt_token_ids=c.prompt, resume_token_ids=c.token_ids,
-                               params=params_to_json(c.params))
+        body = GenerateRequest(
+            request_id=remote_id,
+            prompt_token_ids=c.prompt,
+            resume_token_ids=c.token_ids,
+            params=params_to_json(c.params),
+        )
         await self._consume(c, w, "/internal/generate", body)
 
     async def _consume(self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest) -> None:
@@ -621,10 +669,12 @@ class DisaggEngine:
     def _abort_later(self, w, remote_id: str, timeout_s: float = 120.0) -> None:
         """Abort `remote_id` on w in the background: the caller does not wait for a worker
         that may be stopped; the abort lands when (if) it answers within `timeout_s`."""
+
         async def send():
             try:
-                await self._http.post(w.url + "/internal/abort", json=AbortRequest(request_id=remote_id).wire(),
-                                      timeout=timeout_s)
+                await self._http.post(
+                    w.url + "/internal/abort", json=AbortRequest(request_id=remote_id).wire(), timeout=timeout_s
+                )
             except httpx.HTTPError:
                 pass  # gone for good: its blocks went with it
 

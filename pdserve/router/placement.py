@@ -1,4 +1,5 @@
 """Choosing workers for a request: adapts registry entries to the pure policy functions."""
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,9 @@ HASH_PREFIX_TOKENS = 64  # consistent_hash keys on this much of the prompt (the 
 
 def candidate(w: WorkerInfo) -> policy.Candidate:
     s = w.stats or {}
-    return policy.Candidate(w.worker_id, int(s.get("num_waiting", 0)), int(s.get("num_running", 0)),
-                            float(s.get("kv_usage", 0.0)))
+    return policy.Candidate(
+        w.worker_id, int(s.get("num_waiting", 0)), int(s.get("num_running", 0)), float(s.get("kv_usage", 0.0))
+    )
 
 
 def prefill_cost(w: WorkerInfo) -> conductor.PrefillCostModel:
@@ -45,8 +47,13 @@ def tier_load_cost(w: WorkerInfo) -> float:
 class Placer:
     """Prefill by `prefill_policy`, decode by KV headroom (the worker with the most free KV)."""
 
-    def __init__(self, prefill_policy: str = "cache_aware", index: PrefixIndex | None = None,
-                 alpha: float | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        prefill_policy: str = "cache_aware",
+        index: PrefixIndex | None = None,
+        alpha: float | None = None,
+        clock=time.monotonic,
+    ):
         if prefill_policy not in policy.POLICIES:
             raise ValueError(f"policy must be one of {policy.POLICIES}")
         self.name = prefill_policy
@@ -80,7 +87,8 @@ class Placer:
         now = self._clock()
         best = self._best_prefill(ps, prompt, now)
         self._busy_until_s[best.worker_id] = conductor.next_busy_until_s(
-            now, self._busy_until_s.get(best.worker_id, now), (1 - best.hit_ratio) * best.prefill_time_s)
+            now, self._busy_until_s.get(best.worker_id, now), (1 - best.hit_ratio) * best.prefill_time_s
+        )
         return next(w for w in ps if w.worker_id == best.worker_id)
 
     def peek_prefill(self, registry: Registry, prompt: list[int]) -> conductor.PrefillCandidate | None:
@@ -129,8 +137,7 @@ class Placer:
         booked = self._decode_booked.get(w.worker_id, {}).values()
         seen_seqs = int(s.get("num_running", 0)) + int(s.get("num_waiting", 0))
         seen_ctx = float(s.get("running_context_tokens", 0))
-        return (max(seen_seqs, len(booked)),
-                max(seen_ctx, sum(p + m / 2 for p, m in booked)))
+        return (max(seen_seqs, len(booked)), max(seen_ctx, sum(p + m / 2 for p, m in booked)))
 
     def pick_decode(self, registry: Registry) -> WorkerInfo | None:
         """The decode worker `pick` would choose now, booking nothing (for admission)."""

@@ -3,6 +3,7 @@
 The router calls these; the simulator will call the very same ones. The
 conductor's cache-aware score (router/conductor.py's `prefill_score`) joins them here.
 """
+
 from __future__ import annotations
 
 import bisect

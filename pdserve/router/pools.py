@@ -14,6 +14,7 @@ Getting there is split by who can do what:
   its requests in flight finish, then it exits 0, which a supervisor takes as
   "retired", not "crashed".
 """
+
 from __future__ import annotations
 
 import re
@@ -71,11 +72,12 @@ def parse_change(current: int, spec) -> int:
 def pick_to_retire(workers, n: int) -> list:
     """The `n` workers to drain away: the least busy first (fewest requests to finish),
     the newest among equals (its cache is the coldest)."""
+
     def busy(w) -> tuple:
         s = w.stats or {}
         return (s.get("num_running", 0) + s.get("num_waiting", 0), -w.registered_s)
 
-    return sorted(workers, key=busy)[:max(0, n)]
+    return sorted(workers, key=busy)[: max(0, n)]
 
 
 class PoolManager:
@@ -119,8 +121,11 @@ class PoolManager:
 
     def scale(self, changes: dict, by: str = "admin") -> dict[str, int]:
         base = self.sizes.wanted or self.live_counts()
-        sizes = {role: parse_change(base.get(role, 0), spec) for role, spec in changes.items()
-                 if role in POOL_ROLES and spec is not None}
+        sizes = {
+            role: parse_change(base.get(role, 0), spec)
+            for role, spec in changes.items()
+            if role in POOL_ROLES and spec is not None
+        }
         if not sizes:
             raise ValueError("name a pool to scale: prefill and/or decode")
         for role, n in sizes.items():
@@ -150,8 +155,9 @@ class PoolManager:
         await self._drain(w)
 
     def _autoscale(self, now_s: float) -> None:
-        d = decide(self.autoscale, self._load("prefill"), self._load("decode"), self.pd_advice(),
-                             now_s - self.last_change_s)
+        d = decide(
+            self.autoscale, self._load("prefill"), self._load("decode"), self.pd_advice(), now_s - self.last_change_s
+        )
         if d is None:
             return
         self.last_change_s = now_s
@@ -166,12 +172,21 @@ class PoolManager:
         stats = [w.stats or {} for w in ws]
         blocks = sum(s.get("num_blocks", 0) for s in stats)
         free = sum(s.get("num_free_blocks", 0) for s in stats)
-        return PoolLoad(workers=len(ws), running=sum(s.get("num_running", 0) for s in stats),
-                        waiting=sum(s.get("num_waiting", 0) for s in stats),
-                        kv_usage=1 - free / blocks if blocks else 0.0)
+        return PoolLoad(
+            workers=len(ws),
+            running=sum(s.get("num_running", 0) for s in stats),
+            waiting=sum(s.get("num_waiting", 0) for s in stats),
+            kv_usage=1 - free / blocks if blocks else 0.0,
+        )
 
     def status(self) -> dict:
-        return {"wanted": self.sizes.wanted, "live": self.live_counts(), "supervised": self.sizes.supervised(),
-                "min": self.sizes.min_size, "max": self.sizes.max_size, "changes": self.sizes.changes[-8:],
-                "autoscale": vars(self.autoscale) if self.autoscale is not None else None,
-                "retired": self.retired}
+        return {
+            "wanted": self.sizes.wanted,
+            "live": self.live_counts(),
+            "supervised": self.sizes.supervised(),
+            "min": self.sizes.min_size,
+            "max": self.sizes.max_size,
+            "changes": self.sizes.changes[-8:],
+            "autoscale": vars(self.autoscale) if self.autoscale is not None else None,
+            "retired": self.retired,
+        }

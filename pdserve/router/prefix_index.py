@@ -29,6 +29,7 @@ Wire format, JSON only (ints are the 64-bit hashes):
                                       "block_hashes": [int, ...]}, ...]}
   snapshot: {"epoch": str, "seq": int (last event it includes), "block_hashes": [int, ...]}
 """
+
 from __future__ import annotations
 
 import threading
@@ -101,9 +102,13 @@ class PrefixIndex:
         """Replace a worker's set with everything it caches as of event `seq`."""
         with self._lock:
             old = self._workers.get(worker_id)
-            w = self._workers[worker_id] = _WorkerCache(epoch=epoch, next_seq=int(seq) + 1, synced=True,
-                                                        hashes=set(int(h) for h in block_hashes),
-                                                        num_gaps=old.num_gaps if old else 0)
+            w = self._workers[worker_id] = _WorkerCache(
+                epoch=epoch,
+                next_seq=int(seq) + 1,
+                synced=True,
+                hashes=set(int(h) for h in block_hashes),
+                num_gaps=old.num_gaps if old else 0,
+            )
             if old is not None:
                 w.lower, w.lower_capacity, w.shares = old.lower, old.lower_capacity, old.shares
 
@@ -144,8 +149,9 @@ class PrefixIndex:
                 n += 1
             return n
 
-    def hit_ratio(self, worker_id: str, request_block_hashes: Sequence[int], block_size: int,
-                  prompt_tokens: int) -> float:
+    def hit_ratio(
+        self, worker_id: str, request_block_hashes: Sequence[int], block_size: int, prompt_tokens: int
+    ) -> float:
         """H_i of the placement score: the cached share of the prompt on this worker."""
         if prompt_tokens <= 0:
             return 0.0
@@ -154,10 +160,18 @@ class PrefixIndex:
 
     def stats(self) -> dict[str, dict]:
         with self._lock:
-            return {wid: {"epoch": w.epoch, "synced": w.synced, "num_blocks": len(w.hashes),
-                          "next_seq": w.next_seq, "num_gaps": w.num_gaps, "num_lower_blocks": len(w.lower),
-                          "shares": w.shares}
-                    for wid, w in self._workers.items()}
+            return {
+                wid: {
+                    "epoch": w.epoch,
+                    "synced": w.synced,
+                    "num_blocks": len(w.hashes),
+                    "next_seq": w.next_seq,
+                    "num_gaps": w.num_gaps,
+                    "num_lower_blocks": len(w.lower),
+                    "shares": w.shares,
+                }
+                for wid, w in self._workers.items()
+            }
 
     # ---- internals
     def _follow_tiers(self, w: _WorkerCache, kind: str, hashes: list[int]) -> None:

@@ -7,6 +7,7 @@ could not reach, is marked dead and gets no new work until it answers again.
 A worker that says it is draining keeps its requests in flight but gets no
 new ones.
 """
+
 from __future__ import annotations
 
 import threading

@@ -5,6 +5,7 @@ A pool that shrinks drains the workers it loses; a pool that grows gets new
 workers from the supervisor (`pdserve serve`, `pdserve serve --ray`), or from
 you, by hand, when workers were started by hand.
 """
+
 from __future__ import annotations
 
 import json

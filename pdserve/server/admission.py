@@ -1,5 +1,6 @@
 """Admission control as pure functions, so the worker's server, the router and the
 simulator refuse work by the same rule."""
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ Handlers validate and tokenize on the event loop, hand the engine a
 except through asyncio. The engine is any `EngineClient` (engine_client.py):
 the collocated AsyncEngine, or the router's DisaggEngine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,10 +54,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     install_handlers(app)
     api = _Api(engine, settings)
     app.state.api = api
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"],
-                      openapi_extra=_json_body(P.CompletionRequest))
-    app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"],
-                      openapi_extra=_json_body(P.ChatCompletionRequest))
+    app.add_api_route(
+        "/v1/completions", api.completions, methods=["POST"], openapi_extra=_json_body(P.CompletionRequest)
+    )
+    app.add_api_route(
+        "/v1/chat/completions", api.chat, methods=["POST"], openapi_extra=_json_body(P.ChatCompletionRequest)
+    )
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_json_body(P.TokenizeRequest))
@@ -103,8 +106,7 @@ class _Api:
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                           code="invalid_api_key")
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)", code="invalid_api_key")
 
     def _core(self):
         """The loaded engine, or 503 while it loads or after it failed."""
@@ -132,8 +134,9 @@ class _Api:
         else:
             raw = resume.body.encode()
             if len(raw) > self.settings.max_request_body_bytes:
-                raise APIError(413, f"the request body is over the limit of {self.settings.max_request_body_bytes} "
-                                    "bytes")
+                raise APIError(
+                    413, f"the request body is over the limit of {self.settings.max_request_body_bytes} bytes"
+                )
         req = P.parse_body(raw, cls)
         self._core()
         P.check_model(getattr(req, "model", None), self.served_names())
@@ -160,9 +163,12 @@ class _Api:
         """The checks that need the server's settings or the model: fan-out and vocabulary."""
         num_seqs, limit = len(prompts) * req.n, self.settings.max_seqs_per_request
         if num_seqs > limit:
-            raise bad_request(f"this request asks for {num_seqs} sequences ({len(prompts)} prompts x n={req.n}); "
-                              f"the limit is max_seqs_per_request={limit}", "n" if req.n > 1 else "prompt",
-                              code="too_many_sequences")
+            raise bad_request(
+                f"this request asks for {num_seqs} sequences ({len(prompts)} prompts x n={req.n}); "
+                f"the limit is max_seqs_per_request={limit}",
+                "n" if req.n > 1 else "prompt",
+                code="too_many_sequences",
+            )
         vocab_size = self._core().model_config.vocab_size
         P.check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
         for p in prompts:
@@ -188,11 +194,14 @@ class _Api:
         params = req.sampling_params(req.max_tokens, req.logprobs)
         echo = None
         if req.echo:
-            echo = [p if isinstance(p, str) else self._core().tokenizer.decode(ids)
-                    for p, ids in zip(req.prompts(), prompts)]
+            echo = [
+                p if isinstance(p, str) else self._core().tokenizer.decode(ids)
+                for p, ids in zip(req.prompts(), prompts)
+            ]
         rid = resume.request_id if resume else f"cmpl-{uuid.uuid4().hex}"
-        fmt = CompletionFormatter(rid, self.served_names()[0], self._text(), len(prompts) * req.n, req.logprobs,
-                                  echo_texts=echo, n=req.n)
+        fmt = CompletionFormatter(
+            rid, self.served_names()[0], self._text(), len(prompts) * req.n, req.logprobs, echo_texts=echo, n=req.n
+        )
         return await self._generate(request, req, rid, prompts, params, fmt, resume)
 
     async def _chat(self, request: Request, resume: ResumeRequest | None = None):
@@ -203,12 +212,19 @@ class _Api:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, req.engine_logprobs())
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormatter(rid, self.served_names()[0], self._text(), req.n,
-                            req.engine_logprobs())
+        fmt = ChatFormatter(rid, self.served_names()[0], self._text(), req.n, req.engine_logprobs())
         return await self._generate(request, req, rid, [prompt], params, fmt, resume)
 
-    async def _generate(self, request: Request, req, rid: str, prompts: list[list[int]], params, fmt,
-                        resume: ResumeRequest | None = None):
+    async def _generate(
+        self,
+        request: Request,
+        req,
+        rid: str,
+        prompts: list[list[int]],
+        params,
+        fmt,
+        resume: ResumeRequest | None = None,
+    ):
         inputs = []
         for ids in prompts:
             if not ids:
@@ -235,18 +251,38 @@ class _Api:
         client_id = request.headers.get("x-request-id")
 
         def done(outcome: str, completion_tokens: int) -> None:
-            log.info("request finished", extra={"fields": {
-                "request_id": rid, "client_request_id": client_id, "outcome": outcome, "stream": req.stream,
-                "choices": len(inputs), "prompt_tokens": num_prompt_tokens,
-                "completion_tokens": completion_tokens, "elapsed_ms": round((time.monotonic() - t0) * 1e3, 1)}})
+            log.info(
+                "request finished",
+                extra={
+                    "fields": {
+                        "request_id": rid,
+                        "client_request_id": client_id,
+                        "outcome": outcome,
+                        "stream": req.stream,
+                        "choices": len(inputs),
+                        "prompt_tokens": num_prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "elapsed_ms": round((time.monotonic() - t0) * 1e3, 1),
+                    }
+                },
+            )
 
         headers = {"X-Request-Id": rid}
         if req.stream:
-            body = sse_events(group, fmt, req.include_usage, num_prompt_tokens, on_done=done,
-                              tag_tokens=request.headers.get(TOKEN_IDS_HEADER) == "1", indices=indices,
-                              completion_tokens=streamed, preamble=resume is None)
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})
+            body = sse_events(
+                group,
+                fmt,
+                req.include_usage,
+                num_prompt_tokens,
+                on_done=done,
+                tag_tokens=request.headers.get(TOKEN_IDS_HEADER) == "1",
+                indices=indices,
+                completion_tokens=streamed,
+                preamble=resume is None,
+            )
+            return StreamingResponse(
+                body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
+            )
         try:
             finals = await collect(group, request.receive)
         except APIError as e:
@@ -270,15 +306,23 @@ class _Api:
 
     @staticmethod
     def _model_card(name: str, core) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "root": core.model_config.name,
-                "max_model_len": core.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "root": core.model_config.name,
+            "max_model_len": core.max_model_len,
+        }
 
     async def tokenize(self, request: Request):
         req: P.TokenizeRequest = await self._parse(request, P.TokenizeRequest)
         core = self._core()
         if req.messages is not None:
-            text = self._chat_prompt([m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
-                                     req.add_generation_prompt)
+            text = self._chat_prompt(
+                [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
+                req.add_generation_prompt,
+            )
         else:
             text = req.prompt
         ids = core.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
@@ -290,9 +334,14 @@ class _Api:
         body = {"status": "ok", "model": None, "num_waiting_requests": e.num_waiting}
         if e.stats is not None:
             s = e.stats
-            body.update(model=self._name(), num_running=s["num_running"],
-                        num_waiting=s["num_waiting"], num_free_blocks=s["num_free_blocks"],
-                        num_blocks=s["num_blocks"], kv_usage=s["kv_usage"])
+            body.update(
+                model=self._name(),
+                num_running=s["num_running"],
+                num_waiting=s["num_waiting"],
+                num_free_blocks=s["num_free_blocks"],
+                num_blocks=s["num_blocks"],
+                kv_usage=s["kv_usage"],
+            )
         if e.failure is not None or e.engine is None or e.draining:
             body["status"] = "failed" if e.failure else ("draining" if e.draining else "loading")
             body["reason"] = e.failure

@@ -11,6 +11,7 @@ fans out to per-request queues.
 One API request becomes a `RequestGroup`: n choices x k prompts engine
 requests that share one queue, accepted or refused together.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -105,8 +106,13 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, make_engine: Callable[[], object], metrics_factory: Callable[[str], ServerMetrics],
-                 max_waiting_requests: int = 256, step_trace: StepTraceWriter | None = None):
+    def __init__(
+        self,
+        make_engine: Callable[[], object],
+        metrics_factory: Callable[[str], ServerMetrics],
+        max_waiting_requests: int = 256,
+        step_trace: StepTraceWriter | None = None,
+    ):
         self._make_engine = make_engine
         self.step_trace = step_trace  # every step's record goes there (engine/step_trace.py)
         self._metrics_factory = metrics_factory
@@ -179,15 +185,23 @@ class AsyncEngine:
         prompts x n of them, and each waits and is aborted on its own."""
         limit = self.max_waiting_requests
         if num > limit:  # no amount of waiting lets it in: say so instead of "retry"
-            raise APIError(400, f"this request needs {num} sequences, but at most {limit} may wait in this "
-                                f"engine (max_waiting_requests={limit})", code="request_too_large")
+            raise APIError(
+                400,
+                f"this request needs {num} sequences, but at most {limit} may wait in this "
+                f"engine (max_waiting_requests={limit})",
+                code="request_too_large",
+            )
         # the group is admitted whole or not at all, as if its sequences arrived one by one
         if not admit(self._num_waiting + num - 1, limit):
             self.metrics.rejected.inc()
             wait_s = retry_after_s(self._num_waiting, self._starts.rate_per_s(time.monotonic()))
-            raise APIError(429, f"{self._num_waiting} sequences are already waiting and this request adds {num}; "
-                                f"the limit is max_waiting_requests={limit}; retry in {wait_s}s",
-                           code="queue_full", headers={"Retry-After": str(wait_s)})
+            raise APIError(
+                429,
+                f"{self._num_waiting} sequences are already waiting and this request adds {num}; "
+                f"the limit is max_waiting_requests={limit}; retry in {wait_s}s",
+                code="queue_full",
+                headers={"Retry-After": str(wait_s)},
+            )
 
     def attach(self, request_id: str, num: int) -> RequestGroup:
         """A group for engine requests created by a command (`activate_transferred`: a decode
@@ -201,8 +215,15 @@ class AsyncEngine:
 
     # ---- named engine commands (event loop side): each runs on the engine thread
     # between steps, and what it raises there is raised here
-    async def reserve_for_transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                                   receiver, deadline_s: float, wait_s: float = 0.0):
+    async def reserve_for_transfer(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        receiver,
+        deadline_s: float,
+        wait_s: float = 0.0,
+    ):
         """Reserve blocks for KV another worker computes: its KVDestination, or None when
         there is no room, now or within `wait_s` in line. Cancelled while it waits in
         line (the caller gave up): the reservation is cancelled too."""
@@ -213,8 +234,16 @@ class AsyncEngine:
         def on_done(dest):  # engine thread: the wait in line ended
             self._post(_settle, got, dest)
 
-        dest = await self._command("reserve_for_transfer", request_id, prompt_token_ids, params, receiver,
-                                   deadline_s=deadline_s, wait_s=wait_s, on_done=on_done)
+        dest = await self._command(
+            "reserve_for_transfer",
+            request_id,
+            prompt_token_ids,
+            params,
+            receiver,
+            deadline_s=deadline_s,
+            wait_s=wait_s,
+            on_done=on_done,
+        )
         if dest is not PENDING:
             return dest
         try:
@@ -312,8 +341,9 @@ class AsyncEngine:
                 sub.first_token_s = m["first_token_time"]
                 self._num_waiting -= 1
                 self._starts.add(now)
-                self.metrics.on_first_token(m["arrival_time"], m["first_scheduled_time"], m["first_token_time"],
-                                            len(out.prompt_token_ids))
+                self.metrics.on_first_token(
+                    m["arrival_time"], m["first_scheduled_time"], m["first_token_time"], len(out.prompt_token_ids)
+                )
             else:
                 gap_s = m["last_token_time"] - sub.last_token_s
             sub.last_token_s = m["last_token_time"]
@@ -321,8 +351,13 @@ class AsyncEngine:
             self.metrics.on_tokens(len(out.new_token_ids), gap_s)
             if out.finished:
                 del self._subs[out.request_id]
-                self.metrics.on_finish(out.outputs[0].finish_reason or "stop", sub.arrival_s, sub.first_token_s,
-                                       sub.last_token_s, sub.num_tokens)
+                self.metrics.on_finish(
+                    out.outputs[0].finish_reason or "stop",
+                    sub.arrival_s,
+                    sub.first_token_s,
+                    sub.last_token_s,
+                    sub.num_tokens,
+                )
             sub.group.put((sub.index, out))
 
     # ---- the engine thread
@@ -409,8 +444,15 @@ class AsyncEngine:
         added = []
         try:
             for rid, inp, priority, arrival_s in items:
-                engine.add_request(rid, inp.prompt_token_ids, inp.params, priority=priority, arrival_time=arrival_s,
-                                   kv_destination=inp.kv_destination, resume_token_ids=inp.resume_token_ids)
+                engine.add_request(
+                    rid,
+                    inp.prompt_token_ids,
+                    inp.params,
+                    priority=priority,
+                    arrival_time=arrival_s,
+                    kv_destination=inp.kv_destination,
+                    resume_token_ids=inp.resume_token_ids,
+                )
                 added.append(rid)
             return None
         except InvalidRequest as e:
@@ -433,9 +475,11 @@ def _settle(fut: asyncio.Future, result) -> None:
 # ---- what the named commands run on the engine thread: the engine's whole surface
 # used from the event loop, besides adding and aborting requests
 
+
 @dataclass
 class HeartbeatSnapshot:
     """What one heartbeat reads on the engine thread."""
+
     kv_events: list  # drained from the block manager since the last snapshot
     block_size: int
     cached_hashes: list[int] | None  # every cached block hash, when asked for
@@ -447,10 +491,14 @@ class HeartbeatSnapshot:
 def _heartbeat_snapshot(engine, want_cached: bool, recorder) -> HeartbeatSnapshot:
     # the events and the snapshot in one go: no event falls between them
     bm = engine.block_manager
-    return HeartbeatSnapshot(bm.drain_events(), bm.block_size, list(bm.cached) if want_cached else None,
-                             sum(s.num_tokens for s in engine.scheduler.running),
-                             list(recorder.prefill_samples) if recorder is not None else [],
-                             recorder.recent() if recorder is not None else [])
+    return HeartbeatSnapshot(
+        bm.drain_events(),
+        bm.block_size,
+        list(bm.cached) if want_cached else None,
+        sum(s.num_tokens for s in engine.scheduler.running),
+        list(recorder.prefill_samples) if recorder is not None else [],
+        recorder.recent() if recorder is not None else [],
+    )
 
 
 def _calibrate_prefill(engine):
@@ -468,13 +516,23 @@ def _calibrate_decode(engine, recorder):
 def _method(name: str):
     def run(engine, *args, **kwargs):
         return getattr(engine, name)(*args, **kwargs)
+
     run.__name__ = name
     return run
 
 
 ENGINE_COMMANDS: dict[str, Callable] = {
-    **{name: _method(name) for name in ("reserve_for_transfer", "cancel_reservation", "claim_reservation",
-                                        "activate_transferred", "abort_request", "expire_reservations")},
+    **{
+        name: _method(name)
+        for name in (
+            "reserve_for_transfer",
+            "cancel_reservation",
+            "claim_reservation",
+            "activate_transferred",
+            "abort_request",
+            "expire_reservations",
+        )
+    },
     "calibrate_prefill": _calibrate_prefill,
     "calibrate_decode": _calibrate_decode,
     "heartbeat_snapshot": _heartbeat_snapshot,

@@ -14,6 +14,7 @@ rescale it to what the machine delivers under traffic.
 
 Everything runs on the engine thread while no request is in flight.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,8 +101,11 @@ def measure_prefill(engine, lengths_tokens=LENGTHS_TOKENS, repeats: int = REPEAT
             best_s = float("inf")
             for r in range(repeats):
                 clock.seconds = 0.0
-                engine.add_request(f"pdserve-calibrate-{n}-{r}", _prompt(vocab, length, n * repeats + r),
-                                   SamplingParams(max_tokens=1, temperature=0))
+                engine.add_request(
+                    f"pdserve-calibrate-{n}-{r}",
+                    _prompt(vocab, length, n * repeats + r),
+                    SamplingParams(max_tokens=1, temperature=0),
+                )
                 while engine.has_unfinished_requests():
                     engine.step()
                 best_s = min(best_s, clock.seconds)
@@ -113,8 +117,10 @@ def calibration_stats(samples: list[tuple[int, float]], reference_tokens: int = 
     """Heartbeat stats from the samples: the fitted model and Theta_P at `reference_tokens`."""
     cost = conductor.fit_prefill_cost(samples)
     seconds = cost(reference_tokens)
-    return {"prefill_cost_s": [cost.a_s, cost.b_s_per_token, cost.c_s_per_token2],
-            "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None}
+    return {
+        "prefill_cost_s": [cost.a_s, cost.b_s_per_token, cost.c_s_per_token2],
+        "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None,
+    }
 
 
 class DecodeStepRecorder:
@@ -144,8 +150,9 @@ class DecodeStepRecorder:
         return list(self.samples)
 
 
-def measure_decode(engine, recorder: DecodeStepRecorder, points=DECODE_POINTS,
-                   steps: int = DECODE_STEPS) -> list[tuple[int, int, float]]:
+def measure_decode(
+    engine, recorder: DecodeStepRecorder, points=DECODE_POINTS, steps: int = DECODE_STEPS
+) -> list[tuple[int, int, float]]:
     """(batch, context tokens, step seconds) at each point, median of `steps` steps.
 
     A batch shares one prompt, so it is prefilled once and the rest hit the
@@ -182,8 +189,9 @@ def measure_decode(engine, recorder: DecodeStepRecorder, points=DECODE_POINTS,
     return out
 
 
-def prefill_stats(calibration: dict, live: list[tuple[list[tuple[int, int]], float]],
-                  reference_tokens: int = REFERENCE_TOKENS) -> dict:
+def prefill_stats(
+    calibration: dict, live: list[tuple[list[tuple[int, int]], float]], reference_tokens: int = REFERENCE_TOKENS
+) -> dict:
     """The start-up D_prefill(L) rescaled by live prefill steps (as the decode model is):
     a busy machine prefills slower than the idle one calibration saw, and a TTFT
     prediction from the idle fit would admit what then misses its SLO."""
@@ -193,19 +201,29 @@ def prefill_stats(calibration: dict, live: list[tuple[list[tuple[int, int]], flo
     scale = conductor.live_prefill_scale(model, live)
     m = conductor.PrefillCostModel(model.a_s * scale, model.b_s_per_token * scale, model.c_s_per_token2 * scale)
     seconds = m(reference_tokens)
-    return {"prefill_cost_s": [m.a_s, m.b_s_per_token, m.c_s_per_token2],
-            "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None,
-            "prefill_live_scale": scale, "prefill_live_samples": len(live)}
+    return {
+        "prefill_cost_s": [m.a_s, m.b_s_per_token, m.c_s_per_token2],
+        "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None,
+        "prefill_live_scale": scale,
+        "prefill_live_samples": len(live),
+    }
 
 
-def decode_stats(model: conductor.DecodeCostModel, live: list[tuple[int, int, float]],
-                 max_num_seqs: int, reference_tokens: int = REFERENCE_TOKENS) -> dict:
+def decode_stats(
+    model: conductor.DecodeCostModel,
+    live: list[tuple[int, int, float]],
+    max_num_seqs: int,
+    reference_tokens: int = REFERENCE_TOKENS,
+) -> dict:
     """Heartbeat stats: the start-up model rescaled by live steps, and Theta_D at
     a loaded operating point (REFERENCE_BATCH sequences, or the worker's max,
     each `reference_tokens` deep)."""
     scale = conductor.live_scale(model, live)
     m = model.scaled(scale)
     batch = min(REFERENCE_BATCH, max_num_seqs)
-    return {"decode_cost_s": [m.base_s, m.per_seq_s, m.per_kv_token_s],
-            "decode_tokens_per_s": m.tokens_per_s(batch, reference_tokens) or None,
-            "decode_live_scale": scale, "decode_live_samples": len(live)}
+    return {
+        "decode_cost_s": [m.base_s, m.per_seq_s, m.per_kv_token_s],
+        "decode_tokens_per_s": m.tokens_per_s(batch, reference_tokens) or None,
+        "decode_live_scale": scale,
+        "decode_live_samples": len(live),
+    }

@@ -7,6 +7,7 @@ another). Both are checked against it, names and signatures, in
 tests/server/test_engine_client.py: add a member here only if the front end
 uses it, and to both engines.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
@@ -69,8 +70,7 @@ class EngineClient(Protocol):
     async def shutdown(self, reason: str = ...) -> None:
         """Fail what is in flight with a 503 giving `reason`, and stop."""
 
-    def submit(self, inputs: list[EngineInput], priority: int = 0,
-               request_id: str | None = None) -> RequestStream:
+    def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestStream:
         """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now."""
 
     def fail_all(self, err: APIError) -> None:

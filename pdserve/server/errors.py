@@ -4,6 +4,7 @@ Every failure a client can cause is an `APIError` with a 4xx status; anything
 else that escapes a handler is logged and answered as a 500 in the same shape,
 so a client never sees a bare traceback or FastAPI's `{"detail": ...}`.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,15 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -68,9 +76,10 @@ def install_handlers(app) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(request, exc: HTTPException):
         # unknown routes (404) and wrong methods (405) come from the router itself
-        msg = {404: f"no route {request.method} {request.url.path}",
-               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
-                                                                                          str(exc.detail))
+        msg = {
+            404: f"no route {request.method} {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
         return respond(APIError(exc.status_code, msg, code=None, headers=dict(exc.headers or {})))
 
     @app.exception_handler(RequestValidationError)
@@ -98,8 +107,9 @@ def from_validation_errors(errors: list[dict]) -> APIError:
         return bad_request(f"the request body is not valid JSON: {why}", code="invalid_json")
     if tuple(first.get("loc", ())) == ("body",):
         if isinstance(first.get("input"), bytes):  # FastAPI reads JSON only under a JSON content type
-            return bad_request("the request body must be JSON sent as content-type: application/json",
-                               code="invalid_json")
+            return bad_request(
+                "the request body must be JSON sent as content-type: application/json", code="invalid_json"
+            )
         return bad_request("the request body must be a JSON object", code="invalid_json")
     loc = []
     for part in first.get("loc", ()):

@@ -4,6 +4,7 @@ A formatter turns engine outputs (`RequestOutput`: text deltas, token ids,
 logprob dicts) into the JSON objects OpenAI's API returns; it keeps the little
 per-choice state a stream needs (text offsets, whether the role was sent).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,11 @@ dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -97,8 +101,10 @@ class _Base:
         if not out.new_text:
             return None  # bytes of an unfinished character: nothing to show yet
         tail = ',"usage":null}' if include_usage else "}"
-        return (f'{self._chunk_head}{index},{self._delta_key}{dumps(out.new_text)}{self._delta_end},'
-                f'"logprobs":null,"finish_reason":null}}]{tail}')
+        return (
+            f"{self._chunk_head}{index},{self._delta_key}{dumps(out.new_text)}{self._delta_end},"
+            f'"logprobs":null,"finish_reason":null}}]{tail}'
+        )
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -112,7 +118,7 @@ class _Base:
     @staticmethod
     def new_logprobs(out) -> list[dict]:
         lps = out.outputs[0].logprobs or []
-        return lps[len(lps) - len(out.new_token_ids):] if out.new_token_ids else []
+        return lps[len(lps) - len(out.new_token_ids) :] if out.new_token_ids else []
 
 
 class CompletionFormatter(_Base):
@@ -134,9 +140,12 @@ class CompletionFormatter(_Base):
             tokens.append(s)
             offsets.append(self._offsets[index])
             self._offsets[index] += len(s)
-        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [self._top_dict(t, e) for t, e in zip(token_ids, entries)],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+            "top_logprobs": [self._top_dict(t, e) for t, e in zip(token_ids, entries)],
+            "text_offset": offsets,
+        }
 
     def _top_dict(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
         items = _top(entry, self.top_logprobs)
@@ -153,16 +162,23 @@ class CompletionFormatter(_Base):
     def preamble(self) -> list[dict]:
         if not self.echo_texts:
             return []
-        return [self._envelope(self.chunk_object_name, [{"index": i, "text": self._echo(i), "logprobs": None,
-                                                         "finish_reason": None}]) for i in range(self.num_choices)]
+        return [
+            self._envelope(
+                self.chunk_object_name, [{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}]
+            )
+            for i in range(self.num_choices)
+        ]
 
     def chunk(self, index: int, out) -> dict | None:
         c = out.outputs[0]
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None  # bytes of an unfinished character: nothing to show yet
-        choice = {"index": index, "text": out.new_text,
-                  "logprobs": self._logprobs(index, out.new_token_ids, self.new_logprobs(out)),
-                  "finish_reason": c.finish_reason if out.finished else None}
+        choice = {
+            "index": index,
+            "text": out.new_text,
+            "logprobs": self._logprobs(index, out.new_token_ids, self.new_logprobs(out)),
+            "finish_reason": c.finish_reason if out.finished else None,
+        }
         if out.finished:
             choice["stop_reason"] = c.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
@@ -171,9 +187,15 @@ class CompletionFormatter(_Base):
         choices = []
         for index, out in enumerate(finals):
             c = out.outputs[0]
-            choices.append({"index": index, "text": self._echo(index) + c.text,
-                            "logprobs": self._logprobs(index, c.token_ids, c.logprobs or []),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": index,
+                    "text": self._echo(index) + c.text,
+                    "logprobs": self._logprobs(index, c.token_ids, c.logprobs or []),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {**self._envelope(self.object_name, choices), "usage": u}
 
 
@@ -189,30 +211,49 @@ class ChatFormatter(_Base):
         content = []
         for t, e in zip(token_ids, entries):
             s = self.token_text(t)
-            top = [{"token": self.token_text(tt), "logprob": lp, "bytes": self.token_text.bytes_of(tt)}
-                   for tt, lp in _top(e, self.top_logprobs)] if self.top_logprobs else []
+            top = (
+                [
+                    {"token": self.token_text(tt), "logprob": lp, "bytes": self.token_text.bytes_of(tt)}
+                    for tt, lp in _top(e, self.top_logprobs)
+                ]
+                if self.top_logprobs
+                else []
+            )
             content.append({"token": s, "logprob": e[t], "bytes": self.token_text.bytes_of(t), "top_logprobs": top})
         return {"content": content}
 
     def preamble(self) -> list[dict]:
-        return [self._envelope(self.chunk_object_name, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}])
-                for i in range(self.num_choices)]
+        return [
+            self._envelope(
+                self.chunk_object_name,
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            )
+            for i in range(self.num_choices)
+        ]
 
     def chunk(self, index: int, out) -> dict | None:
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None
         c = out.outputs[0]
-        choice = {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                  "logprobs": self._logprobs(out.new_token_ids, self.new_logprobs(out)),
-                  "finish_reason": c.finish_reason if out.finished else None}
+        choice = {
+            "index": index,
+            "delta": {"content": out.new_text} if out.new_text else {},
+            "logprobs": self._logprobs(out.new_token_ids, self.new_logprobs(out)),
+            "finish_reason": c.finish_reason if out.finished else None,
+        }
         if out.finished:
             choice["stop_reason"] = c.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
 
     def full(self, finals: list, u: dict) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
-                    "logprobs": self._logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs or []),
-                    "finish_reason": out.outputs[0].finish_reason, "stop_reason": out.outputs[0].stop_reason}
-                   for i, out in enumerate(finals)]
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out.outputs[0].text},
+                "logprobs": self._logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs or []),
+                "finish_reason": out.outputs[0].finish_reason,
+                "stop_reason": out.outputs[0].stop_reason,
+            }
+            for i, out in enumerate(finals)
+        ]
         return {**self._envelope(self.object_name, choices), "usage": u}

@@ -20,6 +20,7 @@ It parses no OpenAI body and keeps nothing but the streams in flight: a plain AS
 app over httpx, small enough not to be the part that fails. While it drains
 (SIGTERM to the launcher), new generation requests get 503 with `Retry-After`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,20 @@ log = logging.getLogger("pdserve.front")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # hop-by-hop headers, and those the front sets itself
-_DROPPED = {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade",
-            b"proxy-connection", b"trailer", b"date", b"server", TOKEN_IDS_HEADER.encode()}
+_DROPPED = {
+    b"host",
+    b"content-length",
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"te",
+    b"upgrade",
+    b"proxy-connection",
+    b"trailer",
+    b"date",
+    b"server",
+    TOKEN_IDS_HEADER.encode(),
+}
 _DONE = b"data: [DONE]"
 RETRY_WINDOW_S = 60.0  # how long a request or a cut stream waits for the router to come back
 
@@ -84,7 +97,7 @@ class _Stream:
                     c.token_ids += ids
                     c.finished = c.finished or finished
                 elif line.startswith(STREAM_COMMENT.encode()):
-                    self.created = int(line[len(STREAM_COMMENT):])
+                    self.created = int(line[len(STREAM_COMMENT) :])
                 elif line:
                     lines.append(line)
                     self.done = self.done or line == _DONE
@@ -93,16 +106,25 @@ class _Stream:
         return b"".join(out)
 
     def resume_body(self, body: bytes) -> bytes:
-        return ResumeRequest(body=body.decode(), request_id=self.request_id, created=self.created,
-                             choices=list(self.choices.values())).model_dump_json().encode()
+        return (
+            ResumeRequest(
+                body=body.decode(),
+                request_id=self.request_id,
+                created=self.created,
+                choices=list(self.choices.values()),
+            )
+            .model_dump_json()
+            .encode()
+        )
 
 
 class Front:
     """The ASGI app. `router_url`: where the router listens (loopback); `secret`: the cluster's,
     to sign resumes; `max_body_bytes`: the router's --max-request-body-bytes."""
 
-    def __init__(self, router_url: str, secret: bytes, max_body_bytes: int = 1 << 20,
-                 retry_window_s: float = RETRY_WINDOW_S):
+    def __init__(
+        self, router_url: str, secret: bytes, max_body_bytes: int = 1 << 20, retry_window_s: float = RETRY_WINDOW_S
+    ):
         self.router_url = router_url.rstrip("/")
         self.signer = auth.http_auth(secret)
         self.max_body_bytes = max_body_bytes
@@ -133,9 +155,11 @@ class Front:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
                 self._http = httpx.AsyncClient(
-                    base_url=self.router_url, trust_env=False,
+                    base_url=self.router_url,
+                    trust_env=False,
                     timeout=httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                )
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 await self._http.aclose()
@@ -155,8 +179,14 @@ class Front:
                 break
             except httpx.TransportError as e:
                 if time.monotonic() >= deadline:
-                    return await _answer(send, APIError(503, f"the router is not reachable now ({type(e).__name__}); "
-                                                             "retry shortly", headers={"Retry-After": "2"}))
+                    return await _answer(
+                        send,
+                        APIError(
+                            503,
+                            f"the router is not reachable now ({type(e).__name__}); retry shortly",
+                            headers={"Retry-After": "2"},
+                        ),
+                    )
                 await asyncio.sleep(0.25)
         content = resp.content
         if scope["path"] == "/metrics" and resp.status_code == 200:
@@ -179,9 +209,11 @@ class Front:
 
     def _metrics(self) -> str:
         lines = []
-        for key, doc in (("retried", "Requests the front sent again because the router died before answering."),
-                         ("resumed", "Streams the front resumed on a restarted router after it died mid-stream."),
-                         ("failed", "Requests the front gave up on: the router did not come back in time.")):
+        for key, doc in (
+            ("retried", "Requests the front sent again because the router died before answering."),
+            ("resumed", "Streams the front resumed on a restarted router after it died mid-stream."),
+            ("failed", "Requests the front gave up on: the router did not come back in time."),
+        ):
             name = f"pdserve:front_requests_{key}_total"
             lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {self.counters[key]}"]
         return "\n".join(lines) + "\n"
@@ -190,8 +222,9 @@ class Front:
     async def _generation(self, scope, receive, send):
         body = await _read_body(receive, self.max_body_bytes)
         if self.draining:
-            return await _answer(send, APIError(503, "the server is shutting down", code="shutting_down",
-                                                headers={"Retry-After": "5"}))
+            return await _answer(
+                send, APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+            )
         self.in_flight += 1
         relay = asyncio.ensure_future(self._relay(scope, body, send))
         gone = asyncio.ensure_future(_disconnected(receive))
@@ -213,7 +246,7 @@ class Front:
             if stream is None:
                 req, signed = self._request(scope, body, token_ids=True), None
             else:
-                resume_path = "/internal/resume/" + path[len("/v1/"):]
+                resume_path = "/internal/resume/" + path[len("/v1/") :]
                 req = self._request({**scope, "method": "POST"}, stream.resume_body(body), resume_path, token_ids=True)
                 signed = self.signer
             try:
@@ -223,8 +256,9 @@ class Front:
                     return await self._give_up(send, stream, e)
                 continue
             try:
-                if stream is None and (resp.status_code != 200
-                                       or not resp.headers.get("content-type", "").startswith("text/event-stream")):
+                if stream is None and (
+                    resp.status_code != 200 or not resp.headers.get("content-type", "").startswith("text/event-stream")
+                ):
                     content = await resp.aread()  # a whole answer: nothing reached the client yet
                     await _start(send, resp.status_code, resp.headers, len(content))
                     await send({"type": "http.response.body", "body": content})
@@ -260,15 +294,22 @@ class Front:
         if time.monotonic() >= deadline:
             return False
         self.counters["resumed" if resume else "retried"] += 1
-        log.warning("the router connection broke (%s: %s); %s", type(why).__name__, why,
-                    "resuming the stream" if resume else "sending the request again")
+        log.warning(
+            "the router connection broke (%s: %s); %s",
+            type(why).__name__,
+            why,
+            "resuming the stream" if resume else "sending the request again",
+        )
         await asyncio.sleep(0.1)
         return True
 
     async def _give_up(self, send, stream: _Stream | None, why: Exception) -> None:
         self.counters["failed"] += 1
-        err = APIError(503, f"the router did not come back to finish this request ({type(why).__name__}); retry",
-                       headers={"Retry-After": "2"})
+        err = APIError(
+            503,
+            f"the router did not come back to finish this request ({type(why).__name__}); retry",
+            headers={"Retry-After": "2"},
+        )
         if stream is None:
             return await _answer(send, err)
         await send({"type": "http.response.body", "body": err.sse().encode() + _DONE + b"\n\n"})

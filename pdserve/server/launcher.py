@@ -15,6 +15,7 @@ the streams of a router that dies, so a router crash costs a pause, not answers.
   503, those in flight finish, up to --shutdown-timeout), then the workers, so
   no stream loses its worker before its router is done with it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +38,17 @@ from pdserve.server.front import Front
 
 log = logging.getLogger("pdserve.launcher")
 
-ENGINE_FLAGS = ("dtype", "device", "block_size", "num_gpu_blocks", "kv_cache_memory_bytes",
-                "max_num_batched_tokens", "max_num_seqs", "max_model_len", "long_prefill_token_threshold")
+ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "block_size",
+    "num_gpu_blocks",
+    "kv_cache_memory_bytes",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "long_prefill_token_threshold",
+)
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 RESTARTS_ENV = "PDSERVE_RESTARTS"  # in each worker's environment: how often it was restarted (it tells the router)
 LOOPBACK = "127.0.0.1"
@@ -85,16 +95,52 @@ def _router_cmd(py, args, host: str | None = None, port: int | None = None) -> l
     bandwidth for its TTFT model, its timeouts and limits (the router's defaults otherwise).
     It listens on host:port (default: the deployment's --host and --port)."""
     host, port = host or args.host, port or args.port
-    cmd = py + ["router", "--host", host, "--port", str(port), "--policy", args.router_policy,
-                "--kv-mode", args.kv_mode, "--log-level", args.log_level, "--log-format", args.log_format,
-                *_flags(args, ("slo_ttft_ms", "slo_tpot_ms", "kv_watermark", "kv_bandwidth_gbps", "worker_timeout_s",
-                               "kv_timeout_s", "max_request_body_bytes", "shutdown_timeout",
-                               "max_seqs_per_request"))]
+    cmd = py + [
+        "router",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        args.router_policy,
+        "--kv-mode",
+        args.kv_mode,
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+        *_flags(
+            args,
+            (
+                "slo_ttft_ms",
+                "slo_tpot_ms",
+                "kv_watermark",
+                "kv_bandwidth_gbps",
+                "worker_timeout_s",
+                "kv_timeout_s",
+                "max_request_body_bytes",
+                "shutdown_timeout",
+                "max_seqs_per_request",
+            ),
+        ),
+    ]
     if getattr(args, "metrics_require_key", False):
         cmd.append("--metrics-require-key")
     if getattr(args, "autoscale", False):
-        cmd += ["--autoscale", *_flags(args, ("min_prefill", "max_prefill", "min_decode", "max_decode",
-                                              "autoscale_cooldown_s", "autoscale_interval_s"))]
+        cmd += [
+            "--autoscale",
+            *_flags(
+                args,
+                (
+                    "min_prefill",
+                    "max_prefill",
+                    "min_decode",
+                    "max_decode",
+                    "autoscale_cooldown_s",
+                    "autoscale_interval_s",
+                ),
+            ),
+        ]
     if args.model:
         cmd += ["--model", args.model]
     if args.served_model_name:
@@ -103,9 +149,23 @@ def _router_cmd(py, args, host: str | None = None, port: int | None = None) -> l
 
 
 def _worker_cmd(py, args, role: str, index: int, pinned_cores: list[int] | None, router_url: str) -> list[str]:
-    cmd = py + ["worker", "--role", role, "--router", router_url, "--host", args.host,
-                "--worker-id", f"{role}-{index}", "--log-level", args.log_level, "--log-format", args.log_format,
-                *_flags(args, ("shutdown_timeout", "max_waiting_requests")), *_engine_args(args)]
+    cmd = py + [
+        "worker",
+        "--role",
+        role,
+        "--router",
+        router_url,
+        "--host",
+        args.host,
+        "--worker-id",
+        f"{role}-{index}",
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+        *_flags(args, ("shutdown_timeout", "max_waiting_requests")),
+        *_engine_args(args),
+    ]
     cores = _cores()
     # one core each while cores last; the threads flag still wins if given
     threads = args.threads or max(1, len(cores) // max(1, args.prefill + args.decode))
@@ -132,9 +192,14 @@ def _initial_workers(py, args, router_url: str) -> list[tuple[str, str, list[str
     cores = _cores()
     threads = args.threads or max(1, len(cores) // len(roles))
     pin = len(roles) <= len(cores) and not args.no_pin
-    return [(role, f"{role}-{i}", _worker_cmd(py, args, role, i, cores[i * threads:(i + 1) * threads] if pin else None,
-                                              router_url))
-            for i, role in enumerate(roles)]
+    return [
+        (
+            role,
+            f"{role}-{i}",
+            _worker_cmd(py, args, role, i, cores[i * threads : (i + 1) * threads] if pin else None, router_url),
+        )
+        for i, role in enumerate(roles)
+    ]
 
 
 def _child_env(args) -> dict:
@@ -165,8 +230,9 @@ class Child:
     def start(self) -> None:
         env = {**self.env, RESTARTS_ENV: str(self.restarts)}
         # own session: a terminal's Ctrl-C reaches only us, and we stop the children in order
-        self.proc = subprocess.Popen(self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent,
-                                     pass_fds=self.pass_fds)
+        self.proc = subprocess.Popen(
+            self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, pass_fds=self.pass_fds
+        )
         self.started_s = time.monotonic()
         self.restart_at_s = None
 
@@ -184,7 +250,7 @@ class Child:
                 return
             if now - self.started_s > STABLE_S:
                 self.restarts_in_row = 0
-            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** self.restarts_in_row)
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2**self.restarts_in_row)
             self.restarts_in_row += 1
             self.restart_at_s = now + delay
             log.warning("%s exited with code %s; restarting in %.1f s", self.name, code, delay)
@@ -269,9 +335,14 @@ class _Pools:
             for _ in range(max(0, (wanted or {}).get(role, 0) - running[role])):
                 name = f"{role}-{self.next_index}"
                 log.info("pool %s grows: starting %s", role, name)
-                self.workers.append(Child(name, _worker_cmd(self.py, self.args, role, self.next_index, None,
-                                                                      self.router_url),
-                                          self.env, role))
+                self.workers.append(
+                    Child(
+                        name,
+                        _worker_cmd(self.py, self.args, role, self.next_index, None, self.router_url),
+                        self.env,
+                        role,
+                    )
+                )
                 self.next_index += 1
 
 
@@ -285,8 +356,9 @@ class _FrontThread:
         self.front, self.listener = front, listener
         config = uvicorn.Config(front, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[listener])),
-                                       name="front", daemon=True)
+        self.thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve(sockets=[listener])), name="front", daemon=True
+        )
         self.thread.start()
 
     def drain(self, deadline_s: float) -> None:

@@ -4,6 +4,7 @@ Call sites pass their fields as `extra={"fields": {...}}` so that request ids,
 token counts and timings stay machine-readable instead of being formatted
 into the message.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,12 @@ class _Formatter(logging.Formatter):
         self.as_json = as_json
 
     def format(self, record: logging.LogRecord) -> str:
-        fields = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-                  "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        fields = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         fields.update({k: v for k, v in getattr(record, "fields", {}).items() if v is not None})
         if record.exc_info:
             fields["exc"] = self.formatException(record.exc_info)

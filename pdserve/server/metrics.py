@@ -13,6 +13,7 @@ here in plain lists (bisect into the bucket, no lock: one thread writes and
 the scrape runs on that same thread) and handed to prometheus_client only
 when /metrics is read.
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left
@@ -24,7 +25,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _geometric(start: float, factor: float, count: int) -> list[float]:
-    return [round(start * factor ** i, 6) for i in range(count)]
+    return [round(start * factor**i, 6) for i in range(count)]
 
 
 # Our own bucket choices: wide enough for a CPU trial box (seconds per token)
@@ -73,22 +74,34 @@ class ServerMetrics:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         self._stats: dict | None = None
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.", LATENCY_BUCKETS_S)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds",
-                             "Time between consecutive generated tokens of a request.", TOKEN_GAP_BUCKETS_S)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds",
-                             "Time from arrival to the last token of a request.", LATENCY_BUCKETS_S)
-        self.queue = Histogram("pdserve:request_queue_time_seconds",
-                               "Time a request waited before it was first scheduled.", LATENCY_BUCKETS_S)
-        self.prefill = Histogram("pdserve:request_prefill_time_seconds",
-                                 "Time from first scheduled to first token.", LATENCY_BUCKETS_S)
-        self.decode = Histogram("pdserve:request_decode_time_seconds",
-                                "Time from first token to last token.", LATENCY_BUCKETS_S)
-        self.req_prompt = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per request.",
-                                    TOKEN_COUNT_BUCKETS)
-        self.req_generation = Histogram("pdserve:request_generation_tokens", "Generated tokens per request.",
-                                        TOKEN_COUNT_BUCKETS)
+        self.ttft = Histogram(
+            "pdserve:time_to_first_token_seconds", "Time from arrival to the first generated token.", LATENCY_BUCKETS_S
+        )
+        self.itl = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            TOKEN_GAP_BUCKETS_S,
+        )
+        self.e2e = Histogram(
+            "pdserve:e2e_request_latency_seconds",
+            "Time from arrival to the last token of a request.",
+            LATENCY_BUCKETS_S,
+        )
+        self.queue = Histogram(
+            "pdserve:request_queue_time_seconds",
+            "Time a request waited before it was first scheduled.",
+            LATENCY_BUCKETS_S,
+        )
+        self.prefill = Histogram(
+            "pdserve:request_prefill_time_seconds", "Time from first scheduled to first token.", LATENCY_BUCKETS_S
+        )
+        self.decode = Histogram(
+            "pdserve:request_decode_time_seconds", "Time from first token to last token.", LATENCY_BUCKETS_S
+        )
+        self.req_prompt = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS)
+        self.req_generation = Histogram(
+            "pdserve:request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )
         self.prompt_tokens = Counter()
         self.generation_tokens = Counter()
         self.rejected = Counter()
@@ -96,8 +109,9 @@ class ServerMetrics:
         self.registry.register(_Collector(self))
 
     # ---- fed by the request stream
-    def on_first_token(self, arrival_s: float, scheduled_s: float | None, first_token_s: float,
-                       num_prompt_tokens: int) -> None:
+    def on_first_token(
+        self, arrival_s: float, scheduled_s: float | None, first_token_s: float, num_prompt_tokens: int
+    ) -> None:
         self.ttft.observe(first_token_s - arrival_s)
         if scheduled_s is not None:
             self.queue.observe(max(0.0, scheduled_s - arrival_s))
@@ -110,8 +124,14 @@ class ServerMetrics:
         if gap_s is not None:
             self.itl.observe(gap_s)
 
-    def on_finish(self, reason: str, arrival_s: float, first_token_s: float | None, last_token_s: float | None,
-                  num_generated_tokens: int) -> None:
+    def on_finish(
+        self,
+        reason: str,
+        arrival_s: float,
+        first_token_s: float | None,
+        last_token_s: float | None,
+        num_generated_tokens: int,
+    ) -> None:
         self.success.setdefault(reason, Counter()).inc()
         if last_token_s is not None:
             self.e2e.observe(last_token_s - arrival_s)
@@ -141,8 +161,9 @@ class _Collector:
         yield _counter("pdserve:prompt_tokens", "Prompt tokens processed.", name, m.prompt_tokens.value)
         yield _counter("pdserve:generation_tokens", "Tokens generated.", name, m.generation_tokens.value)
         yield _counter("pdserve:request_rejected", "Requests refused by admission control.", name, m.rejected.value)
-        success = CounterMetricFamily("pdserve:request_success", "Finished requests by finish reason.",
-                                      labels=["model_name", "finished_reason"])
+        success = CounterMetricFamily(
+            "pdserve:request_success", "Finished requests by finish reason.", labels=["model_name", "finished_reason"]
+        )
         for reason, c in m.success.items():
             success.add_metric([name, reason], c.value)
         yield success
@@ -154,22 +175,33 @@ class _Collector:
         if not s:
             return
         for metric, doc, key in (
-                ("pdserve:num_requests_running", "Requests in the running batch.", "num_running"),
-                ("pdserve:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-                ("pdserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_usage"),
-                ("pdserve:kv_cache_free_blocks", "KV-cache blocks free or evictable.", "num_free_blocks")):
+            ("pdserve:num_requests_running", "Requests in the running batch.", "num_running"),
+            ("pdserve:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("pdserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_usage"),
+            ("pdserve:kv_cache_free_blocks", "KV-cache blocks free or evictable.", "num_free_blocks"),
+        ):
             g = GaugeMetricFamily(metric, doc, labels=["model_name"])
             g.add_metric([name], s[key])
             yield g
-        yield _counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", name,
-                       s["prefix_cache_queries_tokens"])
-        yield _counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", name,
-                       s["prefix_cache_hits_tokens"])
-        yield _counter("pdserve:num_preemptions", "Sequences preempted for lack of KV blocks.", name,
-                       s["num_preemptions"])
-        yield _counter("pdserve:prompt_tokens_computed", "Prompt tokens the model computed (not found in the "
-                       "prefix cache, not loaded from a KV tier or another worker).", name,
-                       s.get("prompt_tokens_computed", 0))
+        yield _counter(
+            "pdserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            name,
+            s["prefix_cache_queries_tokens"],
+        )
+        yield _counter(
+            "pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", name, s["prefix_cache_hits_tokens"]
+        )
+        yield _counter(
+            "pdserve:num_preemptions", "Sequences preempted for lack of KV blocks.", name, s["num_preemptions"]
+        )
+        yield _counter(
+            "pdserve:prompt_tokens_computed",
+            "Prompt tokens the model computed (not found in the "
+            "prefix cache, not loaded from a KV tier or another worker).",
+            name,
+            s.get("prompt_tokens_computed", 0),
+        )
         if s.get("kv_store"):
             yield from _kv_tiers(s["kv_store"], name)
 
@@ -193,16 +225,25 @@ def _kv_tiers(kv: dict, name: str):
         for tier, t in kv["tiers"].items():
             c.add_metric([name, tier], t[key])
         yield c
-    up = GaugeMetricFamily("pdserve:kv_tier_healthy", "1 while the tier's backend answers.",
-                           labels=["model_name", "tier"])
+    up = GaugeMetricFamily(
+        "pdserve:kv_tier_healthy", "1 while the tier's backend answers.", labels=["model_name", "tier"]
+    )
     for tier, t in kv["tiers"].items():
         up.add_metric([name, tier], 1.0 if t["healthy"] else 0.0)
     yield up
-    yield _counter("pdserve:kv_tier_queried_blocks", "Blocks beyond the pool's own prefix hits looked up in the "
-                   "tiers.", name, kv["queried_blocks"])
+    yield _counter(
+        "pdserve:kv_tier_queried_blocks",
+        "Blocks beyond the pool's own prefix hits looked up in the tiers.",
+        name,
+        kv["queried_blocks"],
+    )
     yield _counter("pdserve:kv_tier_hit_blocks", "Of those, blocks some tier held.", name, kv["hit_blocks"])
-    yield _counter("pdserve:kv_tier_dropped_saves", "Blocks not written down because the tiers fell behind.",
-                   name, kv["dropped_saves"])
+    yield _counter(
+        "pdserve:kv_tier_dropped_saves",
+        "Blocks not written down because the tiers fell behind.",
+        name,
+        kv["dropped_saves"],
+    )
 
 
 def _counter(metric: str, doc: str, model: str, value: float) -> CounterMetricFamily:

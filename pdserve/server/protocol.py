@@ -6,6 +6,7 @@ them. Anything that could fail later inside a batched engine step (a seed out
 of range, too many logprobs) must be refused here, because a failure there
 would hit every request in the batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,15 +68,33 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; n is handled by the caller (one engine request per choice)."""
-        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                                               "frequency_penalty", "repetition_penalty")
-                 if getattr(self, k) is not None}
+        given = {
+            k: getattr(self, k)
+            for k in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if getattr(self, k) is not None
+        }
         try:
             return SamplingParams(
-                n=1, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+                n=1,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs, **given)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs,
+                **given,
+            )
         except InvalidRequest as e:
             raise bad_request(str(e), e.param) from None
 
@@ -192,8 +211,10 @@ def _reject_constant(name: str):
 # high one: the only way a lone surrogate gets into a strictly decoded body (a
 # pair, as json.dumps writes emoji, is one character). Cheap to look for; the
 # walk that finds which field holds it is not.
-_LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
-                                    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]")
+_LONE_SURROGATE_ESCAPE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F]"
+)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -231,8 +252,9 @@ def _load_json(raw: bytes):
     # every UTF-8 encoder downstream would fail on it.
     if _LONE_SURROGATE_ESCAPE.search(text) and (at := _lone_surrogate_at(data)) is not None:
         where = f"{at}: " if at else ""
-        raise bad_request(f"{where}a string holds a lone UTF-16 surrogate, which is not valid Unicode",
-                          param=at or None)
+        raise bad_request(
+            f"{where}a string holds a lone UTF-16 surrogate, which is not valid Unicode", param=at or None
+        )
     return data
 
 
@@ -252,5 +274,9 @@ def parse_body(raw: bytes, model_cls: type[_Strict]):
 
 def check_model(requested: str | None, served: list[str]) -> None:
     if requested is not None and requested not in served:
-        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )

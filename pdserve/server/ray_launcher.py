@@ -19,6 +19,7 @@ cluster secret reaches the actors as an argument (inside Ray's own
 authenticated control plane); a local Ray started here has token
 authentication on and its dashboard on loopback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,9 +54,11 @@ class PdserveProcess:
         self.node_id = ctx.get_node_id()
         restarts = 1 if ctx.was_current_actor_reconstructed else 0
         argv = [a.replace(NODE_IP, self.node_ip) for a in argv]
-        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *argv],
-                                     env={**os.environ, **env, RESTARTS_ENV: str(restarts)},
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *argv],
+            env={**os.environ, **env, RESTARTS_ENV: str(restarts)},
+            preexec_fn=die_with_parent,
+        )
         self.stopping = False
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -63,13 +66,22 @@ class PdserveProcess:
         code = self.proc.wait()
         if code != 0 and not self.stopping:
             # the process crashed: take the actor down with it, and Ray restarts both
-            print(f"pdserve {self.name} exited with {code}; the actor exits for Ray to restart it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"pdserve {self.name} exited with {code}; the actor exits for Ray to restart it",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
     def info(self) -> dict:
-        return {"name": self.name, "role": self.role, "node_ip": self.node_ip, "node_id": self.node_id,
-                "pid": self.proc.pid, "exit_code": self.proc.poll()}
+        return {
+            "name": self.name,
+            "role": self.role,
+            "node_ip": self.node_ip,
+            "node_id": self.node_id,
+            "pid": self.proc.pid,
+            "exit_code": self.proc.poll(),
+        }
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM (a drain), then wait for the process to exit."""
@@ -92,17 +104,42 @@ def _connect(args):
     if args.ray_address:
         ray.init(address=args.ray_address, namespace="pdserve", log_to_driver=True)
         return
-    ray.init(namespace="pdserve", include_dashboard=False, dashboard_host="127.0.0.1",
-             num_cpus=max(len(os.sched_getaffinity(0)), args.prefill + args.decode))
+    ray.init(
+        namespace="pdserve",
+        include_dashboard=False,
+        dashboard_host="127.0.0.1",
+        num_cpus=max(len(os.sched_getaffinity(0)), args.prefill + args.decode),
+    )
 
 
 def _worker_argv(args, role: str, index: int, router_url: str) -> list[str]:
     host = args.host or NODE_IP  # None: joined a cluster, and each node serves on its Ray address
     advertise = NODE_IP if host in ("0.0.0.0", "::") else host
-    argv = ["worker", "--role", role, "--router", router_url, "--host", host, "--advertise-host", advertise,
-            "--worker-id", f"{role}-{index}", "--threads", str(args.threads or 1), "--log-level", args.log_level,
-            "--log-format", args.log_format, "--kv-wire", args.kv_wire, "--kv-transport", args.kv_transport,
-            *_flags(args, ("shutdown_timeout", "max_waiting_requests")), *_engine_args(args)]
+    argv = [
+        "worker",
+        "--role",
+        role,
+        "--router",
+        router_url,
+        "--host",
+        host,
+        "--advertise-host",
+        advertise,
+        "--worker-id",
+        f"{role}-{index}",
+        "--threads",
+        str(args.threads or 1),
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+        "--kv-wire",
+        args.kv_wire,
+        "--kv-transport",
+        args.kv_transport,
+        *_flags(args, ("shutdown_timeout", "max_waiting_requests")),
+        *_engine_args(args),
+    ]
     if not args.kv_layerwise:
         argv.append("--no-kv-layerwise")
     return argv
@@ -121,8 +158,9 @@ def launch(args) -> int:
     host = args.host or node_ip
     router_url = f"http://{node_ip if host in ('0.0.0.0', '::') else host}:{args.port}"
     router_argv = _router_cmd([], argparse.Namespace(**{**vars(args), "host": host}))
-    router = Actor.options(name="pdserve-router", num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-        here, soft=False)).remote("router", "router", router_argv, env)
+    router = Actor.options(
+        name="pdserve-router", num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
+    ).remote("router", "router", router_argv, env)
 
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = args.threads or 1
@@ -130,17 +168,21 @@ def launch(args) -> int:
     if not _ready(pg, 120):
         remove_placement_group(pg)
         ray.kill(router, no_restart=True)
-        print(f"pdserve serve --ray: the cluster cannot place {len(roles)} workers of {cpus} CPU(s) each",
-              file=sys.stderr)
+        print(
+            f"pdserve serve --ray: the cluster cannot place {len(roles)} workers of {cpus} CPU(s) each", file=sys.stderr
+        )
         return 2
     workers = {}
     for i, role in enumerate(roles):
         workers[f"{role}-{i}"] = Actor.options(
-            name=f"pdserve-{role}-{i}", num_cpus=cpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+            name=f"pdserve-{role}-{i}",
+            num_cpus=cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
         ).remote(f"{role}-{i}", role, _worker_argv(args, role, i, router_url), env)
-    log.info("pdserve on Ray", extra={"fields": {"router": router_url, "workers": list(workers),
-                                                  "placement": args.placement}})
+    log.info(
+        "pdserve on Ray",
+        extra={"fields": {"router": router_url, "workers": list(workers), "placement": args.placement}},
+    )
     print(f"pdserve serve --ray: router at {router_url}", flush=True)
     http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=5)
     try:
@@ -188,7 +230,8 @@ def _supervise(args, Actor, router, workers: dict, router_url: str, http, env: d
                 name = f"{role}-{next_index}"
                 log.info("pool %s grows: starting %s", role, name)
                 workers[name] = Actor.options(name=f"pdserve-{name}", num_cpus=args.threads or 1).remote(
-                    name, role, _worker_argv(args, role, next_index, router_url), env)
+                    name, role, _worker_argv(args, role, next_index, router_url), env
+                )
                 next_index += 1
     grace = args.shutdown_timeout + 10
     ray.get(router.stop.remote(grace))

@@ -12,6 +12,7 @@ Every pdserve process (collocated server, router, worker) stops the same way:
 A second signal exits at once. A worker asked to leave its pool
 (`/internal/drain`) goes the same way through `start_drain`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -76,15 +77,25 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def make_server(app, host: str, port: int, engine: EngineClient, grace_s: float, on_drain=None,
-                **config) -> DrainingServer:
-    cfg = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                         timeout_graceful_shutdown=5, lifespan="on", **config)
+def make_server(
+    app, host: str, port: int, engine: EngineClient, grace_s: float, on_drain=None, **config
+) -> DrainingServer:
+    cfg = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        **config,
+    )
     return DrainingServer(cfg, engine, grace_s, on_drain)
 
 
-def serve(app, host: str, port: int, engine: EngineClient, grace_s: float, on_drain=None, sockets=None,
-          **config) -> DrainingServer:
+def serve(
+    app, host: str, port: int, engine: EngineClient, grace_s: float, on_drain=None, sockets=None, **config
+) -> DrainingServer:
     """Serve until a signal drains and stops the server; returns it (`.started` tells a bind failure).
     `sockets`: listen on these (already bound and listening) instead of binding host:port."""
     server = make_server(app, host, port, engine, grace_s, on_drain, **config)

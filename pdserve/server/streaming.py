@@ -4,6 +4,7 @@ Whatever way a response ends — finished, engine error, client disconnect, task
 cancelled at shutdown — the group is aborted in a `finally`, so a request never
 keeps its KV blocks after nobody is listening.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,9 +38,18 @@ async def read_body(request, limit_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-async def sse_events(group: RequestStream | None, fmt, include_usage: bool, num_prompt_tokens: int, on_done=None,
-                     *, tag_tokens: bool = False, indices: list[int] | None = None, completion_tokens: int = 0,
-                     preamble: bool = True) -> AsyncIterator[str]:
+async def sse_events(
+    group: RequestStream | None,
+    fmt,
+    include_usage: bool,
+    num_prompt_tokens: int,
+    on_done=None,
+    *,
+    tag_tokens: bool = False,
+    indices: list[int] | None = None,
+    completion_tokens: int = 0,
+    preamble: bool = True,
+) -> AsyncIterator[str]:
     """The SSE body of a streamed response; one write per engine step, however many chunks it made.
 
     For a front that resumes streams (control_api: TOKEN_IDS_HEADER): `tag_tokens` writes each

@@ -25,6 +25,7 @@ multiplies the dense weights), weighted to minimise
 relative error (a 12 ms decode step matters as much as a 4 s prefill). About a
 minute on an idle machine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,8 +84,9 @@ class _Driver:
         self._n += 1
         # distinct ids per request: no prefix-cache hits in a calibration
         ids = [(self._n * 7919 + i * 31) % (self._vocab - 200) + 100 for i in range(prompt_tokens)]
-        return self.engine.add_request(f"cal-{self._n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                              temperature=0.0))
+        return self.engine.add_request(
+            f"cal-{self._n}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        )
 
     def step(self, record: bool = True) -> None:
         self._recording = record
@@ -100,8 +102,11 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
     from pdserve.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig.from_kwargs(model=model, threads=threads, max_num_batched_tokens=8192,
-                                                max_num_seqs=64, enable_chunked_prefill=True))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=model, threads=threads, max_num_batched_tokens=8192, max_num_seqs=64, enable_chunked_prefill=True
+        )
+    )
     d = _Driver(engine)
     for _ in range(4):  # warm-up: the first calls load kernels and allocate (decode and prefill paths)
         d.add(256, 8)
@@ -132,19 +137,27 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
         sc.max_num_batched_tokens = budget
     mc = engine.model_config
     dtype_bytes = 2 if engine.config.device.dtype in ("bfloat16", "float16") else 4
-    prof = ProfileLatency.fit(d.samples, model_layers=mc.num_hidden_layers, row_tile=ENGINE_ROW_TILE,
-                              tile_max_rows=ENGINE_TILE_MAX_ROWS,
-                              kv_bytes_per_token_=float(mc.kv_bytes_per_token(dtype_bytes)), threads=threads,
-                              source=f"pdserve engine, {mc.name}, {engine.config.device.dtype}, "
-                                     f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}")
+    prof = ProfileLatency.fit(
+        d.samples,
+        model_layers=mc.num_hidden_layers,
+        row_tile=ENGINE_ROW_TILE,
+        tile_max_rows=ENGINE_TILE_MAX_ROWS,
+        kv_bytes_per_token_=float(mc.kv_bytes_per_token(dtype_bytes)),
+        threads=threads,
+        source=f"pdserve engine, {mc.name}, {engine.config.device.dtype}, "
+        f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}",
+    )
     prof.num_blocks = engine.block_manager.num_blocks
     prof.block_size = engine.block_manager.block_size
-    log(f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
-        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef)))
+    log(
+        f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
+        + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef))
+    )
     return prof
 
 
 # ---- profiles from served steps
+
 
 def trace_samples(records: list[dict]) -> list[tuple[StepShape, float]]:
     """(shape, seconds) per traced step. A step's time is from its start to the next step's
@@ -187,10 +200,19 @@ def _busy_share(records: list[dict], others: list[dict]) -> list[float]:
     return out
 
 
-def fit_trace(paths: list[str], *, since: float | None = None, until: float | None = None, threads: int = 0,
-              model: str | None = None, source: str = "", probes: list[list[float]] | None = None,
-              windows: list[list[float]] | None = None, beside: list[str] | None = None,
-              log=print) -> ProfileLatency:
+def fit_trace(
+    paths: list[str],
+    *,
+    since: float | None = None,
+    until: float | None = None,
+    threads: int = 0,
+    model: str | None = None,
+    source: str = "",
+    probes: list[list[float]] | None = None,
+    windows: list[list[float]] | None = None,
+    beside: list[str] | None = None,
+    log=print,
+) -> ProfileLatency:
     """A profile from step traces (engine/step_trace.py), steps started in [since, until] (or in
     any of `windows`); with `drive_grid`'s probes, the request round trip too (`request_rtt_s`).
 
@@ -209,26 +231,36 @@ def fit_trace(paths: list[str], *, since: float | None = None, until: float | No
             if beside:
                 shares = [_busy_share(records, read(p, lo, hi)) for p in beside]
                 busiest = [max(s) for s in zip(*shares)]
-                keep = [share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= ENGINE_TILE_MAX_ROWS
-                        for r, share in zip(records, busiest)]
+                keep = [
+                    share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= ENGINE_TILE_MAX_ROWS
+                    for r, share in zip(records, busiest)
+                ]
                 samples += [x for x, k in zip(_samples_by_record(records), keep) if k and x is not None]
             else:
                 samples += trace_samples(records)
     if len(samples) < 8:
         raise ValueError(f"{', '.join(paths)}: {len(samples)} traced steps in the window; a fit needs at least 8")
     layers, kv_bytes = _model_shape(model)
-    prof = ProfileLatency.fit(samples, model_layers=layers, kv_bytes_per_token_=kv_bytes, threads=threads,
-                              row_tile=ENGINE_ROW_TILE, tile_max_rows=ENGINE_TILE_MAX_ROWS,
-                              source=source or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, "
-                                                f"{time.strftime('%Y-%m-%d %H:%M')}")
+    prof = ProfileLatency.fit(
+        samples,
+        model_layers=layers,
+        kv_bytes_per_token_=kv_bytes,
+        threads=threads,
+        row_tile=ENGINE_ROW_TILE,
+        tile_max_rows=ENGINE_TILE_MAX_ROWS,
+        source=source
+        or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, {time.strftime('%Y-%m-%d %H:%M')}",
+    )
     if probes:  # the front engine's trace (the first path) holds the probes' steps
         prof.request_rtt_s = request_rtt(read(paths[0]), probes)
     # the pool `pdserve serve` allocates by default (--kv-cache-memory-bytes 1 GiB, blocks of 16)
     prof.block_size = 16
     prof.num_blocks = int(DEFAULT_KV_CACHE_BYTES // (kv_bytes * prof.block_size)) if kv_bytes else 0
-    log(f"fitted on {len(samples)} served steps: "
+    log(
+        f"fitted on {len(samples)} served steps: "
         + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef))
-        + f"; request round trip {1000 * prof.request_rtt_s:.1f} ms")
+        + f"; request round trip {1000 * prof.request_rtt_s:.1f} ms"
+    )
     return prof
 
 
@@ -269,8 +301,14 @@ class _Client:
 
         req = Request(self.tokens.random_ids(self.rng, prompt_tokens), prompt_tokens, max_tokens)
         # t0 = 0: start_s is then the send time on the clock the step traces use (CLOCK_MONOTONIC)
-        await send(client, self.url, request_body(req, self.model, "/v1/completions", ignore_eos=True,
-                                                  temperature=0.0), out, 0.0, chat=False)
+        await send(
+            client,
+            self.url,
+            request_body(req, self.model, "/v1/completions", ignore_eos=True, temperature=0.0),
+            out,
+            0.0,
+            chat=False,
+        )
 
     async def request(self, client, prompt_tokens: int, max_tokens: int):
         from pdserve.bench.client import RequestOutput
@@ -289,8 +327,7 @@ class _Client:
         from pdserve.bench.client import RequestOutput
 
         outs = [RequestOutput(prompt_len=background_prompt) for _ in range(batch)]
-        tasks = [asyncio.create_task(self._send(client, background_prompt, SERVED_BACKGROUND_TOKENS, o))
-                 for o in outs]
+        tasks = [asyncio.create_task(self._send(client, background_prompt, SERVED_BACKGROUND_TOKENS, o)) for o in outs]
         while not all(o.itl_s or o.error for o in outs) and not all(t.done() for t in tasks):
             await asyncio.sleep(0.005)  # every stream has its second token: the batch is decoding
         await self.request(client, prompt_tokens, 1)
@@ -358,8 +395,10 @@ async def drive_grid(url: str, tokens, log=print, background_streams: int = 0) -
         for batch, ctx in DECODE_GRID:
             await c.batch(client, ctx, SERVED_DECODE_TOKENS, batch)
         await beside_background(joins())
-        log(f"served grid sent in {time.perf_counter() - t0:.1f} s"
-            + (f", prompts beside {background_streams} streams" if background_streams else ""))
+        log(
+            f"served grid sent in {time.perf_counter() - t0:.1f} s"
+            + (f", prompts beside {background_streams} streams" if background_streams else "")
+        )
     return probes
 
 
@@ -374,8 +413,9 @@ def request_rtt(records: list[dict], probes: list[list[float]]) -> float:
     return float(sorted(out)[len(out) // 2]) if out else 0.0
 
 
-def calibrate_served(url: str, trace_paths: list[str], *, threads: int = 0, model: str | None = None,
-                     log=print) -> ProfileLatency:
+def calibrate_served(
+    url: str, trace_paths: list[str], *, threads: int = 0, model: str | None = None, log=print
+) -> ProfileLatency:
     """Drive the grid through the server at `url`, whose engine(s) write `trace_paths`, and fit
     on the steps they traced meanwhile (the warm-up excluded)."""
     from pdserve.bench.tokens import TokenSource
@@ -388,8 +428,9 @@ def calibrate_served(url: str, trace_paths: list[str], *, threads: int = 0, mode
     return fit_trace(trace_paths, since=since, until=until, threads=threads, model=model, probes=probes, log=log)
 
 
-def serve_and_calibrate(threads: int, model: str | None = None, log=print,
-                        startup_timeout_s: float = 300.0) -> ProfileLatency:
+def serve_and_calibrate(
+    threads: int, model: str | None = None, log=print, startup_timeout_s: float = 300.0
+) -> ProfileLatency:
     """`pdserve sim --calibrate --served`: start `pdserve serve --mode collocated` on a free
     loopback port with a step trace, calibrate through it, stop it."""
     import httpx
@@ -399,9 +440,24 @@ def serve_and_calibrate(threads: int, model: str | None = None, log=print,
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "collocated", "--host", "127.0.0.1",
-               "--port", str(port), "--threads", str(threads), "--step-trace", trace, "--log-level", "warning"
-               ] + (["--model", model] if model else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--mode",
+            "collocated",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            str(threads),
+            "--step-trace",
+            trace,
+            "--log-level",
+            "warning",
+        ] + (["--model", model] if model else [])
         url = f"http://127.0.0.1:{port}"
         log("$ " + " ".join(cmd))
         proc = subprocess.Popen(cmd, start_new_session=True)
@@ -427,6 +483,8 @@ def serve_and_calibrate(threads: int, model: str | None = None, log=print,
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-        prof.source = (f"pdserve serve (served steps), {os.path.basename(model) if model else 'embedded SmolLM2'}, "
-                       f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}")
+        prof.source = (
+            f"pdserve serve (served steps), {os.path.basename(model) if model else 'embedded SmolLM2'}, "
+            f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}"
+        )
         return prof

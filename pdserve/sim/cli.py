@@ -3,6 +3,7 @@
 Exit status: 0 when at least one request completed (search: a configuration
 met the target), 1 otherwise, 2 for bad flags or a bad workload.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,21 @@ def add_arguments(p) -> None:
     g.add_argument("--prefill-tp", type=int, default=1)
     g.add_argument("--decode-tp", type=int, default=1)
     g.add_argument("--kv-transfer", default="layerwise", choices=["layerwise", "eager"])
-    g.add_argument("--network-gbps", type=float, default=400, help="KV network per GPU (100/200/400: the seeds' figures)")
+    g.add_argument(
+        "--network-gbps", type=float, default=400, help="KV network per GPU (100/200/400: the seeds' figures)"
+    )
     g.add_argument("--kv-bytes-per-s", type=float, default=None, help="KV link bandwidth, overrides --network-gbps")
     g.add_argument("--kv-transfer-latency-ms", type=float, default=0.0, help="fixed cost of each KV transfer")
     g.add_argument("--policy", default="cache_aware", choices=POLICIES, help="prefill placement (the router's)")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="early rejection: refuse predicted TTFT misses")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="early rejection: refuse predicted TPOT misses")
     g.add_argument("--kv-watermark", type=float, default=None, help="refuse long requests above this decode KV use")
-    g.add_argument("--client-rtt-ms", type=float, default=None,
-                   help="client <-> engine round trip per request (default: a served profile's own, else 0)")
+    g.add_argument(
+        "--client-rtt-ms",
+        type=float,
+        default=None,
+        help="client <-> engine round trip per request (default: a served profile's own, else 0)",
+    )
 
     g = p.add_argument_group("engine (each instance; vLLM's names)")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -62,17 +69,34 @@ def add_arguments(p) -> None:
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="share of peak memory bandwidth reached")
     g.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per iteration (roofline)")
     g.add_argument("--profile", default=None, metavar="FILE", help="fitted step times from `--calibrate` instead")
-    g.add_argument("--decode-profile", default=None, metavar="FILE",
-                   help="disagg: the decode pool's own profile (default: --profile for both pools)")
+    g.add_argument(
+        "--decode-profile",
+        default=None,
+        metavar="FILE",
+        help="disagg: the decode pool's own profile (default: --profile for both pools)",
+    )
     g.add_argument("--calibrate", action="store_true", help="measure our engine here, write --profile FILE, exit")
     g.add_argument("--threads", type=int, default=1, help="--calibrate: engine threads")
-    g.add_argument("--served", action="store_true",
-                   help="--calibrate through `pdserve serve` (steps timed inside the server, serving costs included)")
-    g.add_argument("--from-trace", nargs="+", default=None, metavar="FILE",
-                   help="--calibrate from step traces of served runs (`pdserve serve/worker --step-trace`)")
-    g.add_argument("--beside", nargs="+", default=None, metavar="FILE",
-                   help="--from-trace: step traces of the engines that serve alongside (a prefill worker's "
-                        "decode workers); only steps taken while they were busy are fitted")
+    g.add_argument(
+        "--served",
+        action="store_true",
+        help="--calibrate through `pdserve serve` (steps timed inside the server, serving costs included)",
+    )
+    g.add_argument(
+        "--from-trace",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="--calibrate from step traces of served runs (`pdserve serve/worker --step-trace`)",
+    )
+    g.add_argument(
+        "--beside",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="--from-trace: step traces of the engines that serve alongside (a prefill worker's "
+        "decode workers); only steps taken while they were busy are fitted",
+    )
 
     # the workload and result flags of `pdserve bench`, the very same definitions
     tmp = argparse.ArgumentParser(add_help=False)
@@ -107,9 +131,14 @@ def _requests(args) -> tuple[list[workload.SimRequest], dict[str, int]]:
     if args.dataset_name == "mooncake":
         if not args.dataset_path:
             raise ValueError("--dataset-name mooncake needs --dataset-path")
-        return workload.mooncake_trace(args.dataset_path, args.num_prompts, block_tokens=args.mooncake_block_tokens,
-                                       output_scale=args.mooncake_output_scale,
-                                       time_scale=args.mooncake_time_scale, skip_bad=args.skip_bad_lines), {}
+        return workload.mooncake_trace(
+            args.dataset_path,
+            args.num_prompts,
+            block_tokens=args.mooncake_block_tokens,
+            output_scale=args.mooncake_output_scale,
+            time_scale=args.mooncake_time_scale,
+            skip_bad=args.skip_bad_lines,
+        ), {}
     from pdserve.bench.tokens import TokenSource
 
     args.endpoint = "/v1/completions"
@@ -125,26 +154,52 @@ def _hardware(args) -> Hardware:
     dprof = ProfileLatency.load(args.decode_profile) if args.decode_profile else None
     if dprof is not None and prof is None:
         raise ValueError("--decode-profile needs --profile (the prefill pool's)")
-    return Hardware(args.model, args.gpu, args.dtype, args.kv_dtype, eff, args.step_overhead_ms / 1000, prof,
-                    args.num_gpu_blocks, dprof)
+    return Hardware(
+        args.model,
+        args.gpu,
+        args.dtype,
+        args.kv_dtype,
+        eff,
+        args.step_overhead_ms / 1000,
+        prof,
+        args.num_gpu_blocks,
+        dprof,
+    )
 
 
 def _layout(args) -> Layout:
-    return Layout(args.mode, args.num_instances, args.tp, args.num_prefill, args.num_decode, args.prefill_tp,
-                  args.decode_tp)
+    return Layout(
+        args.mode, args.num_instances, args.tp, args.num_prefill, args.num_decode, args.prefill_tp, args.decode_tp
+    )
 
 
 def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
     sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True, args.long_prefill_token_threshold)
     adm = AdmissionConfig(_s(args.slo_ttft_ms), _s(args.slo_tpot_ms), args.kv_watermark)
     hw = _hardware(args)
-    rtt_s = (args.client_rtt_ms / 1000 if args.client_rtt_ms is not None
-             else hw.profile.request_rtt_s if hw.profile is not None else 0.0)
-    return build(layout, hw, sched, block_size=args.block_size, client_rtt_s=rtt_s,
-                 enable_prefix_caching=args.enable_prefix_caching, network_gbps=args.network_gbps,
-                 kv_bytes_per_s=args.kv_bytes_per_s, layerwise=args.kv_transfer == "layerwise",
-                 transfer_latency_s=args.kv_transfer_latency_ms / 1000, policy=args.policy, admission=adm,
-                 max_concurrency=args.max_concurrency, tag_concurrency=tag_limits)
+    rtt_s = (
+        args.client_rtt_ms / 1000
+        if args.client_rtt_ms is not None
+        else hw.profile.request_rtt_s
+        if hw.profile is not None
+        else 0.0
+    )
+    return build(
+        layout,
+        hw,
+        sched,
+        block_size=args.block_size,
+        client_rtt_s=rtt_s,
+        enable_prefix_caching=args.enable_prefix_caching,
+        network_gbps=args.network_gbps,
+        kv_bytes_per_s=args.kv_bytes_per_s,
+        layerwise=args.kv_transfer == "layerwise",
+        transfer_latency_s=args.kv_transfer_latency_ms / 1000,
+        policy=args.policy,
+        admission=adm,
+        max_concurrency=args.max_concurrency,
+        tag_concurrency=tag_limits,
+    )
 
 
 def _s(ms):
@@ -155,8 +210,16 @@ def simulate(args, layout: Layout, requests, tag_limits, goodput, percentiles, n
     cluster = Cluster(cluster_config(args, layout, tag_limits))
     rate = math.inf if args.request_rate is None else args.request_rate
     use_trace = args.request_rate is None or args.dataset_name != "mooncake"
-    return cluster.run(requests, rate, args.burstiness, seed=args.seed, use_trace_times=use_trace, goodput=goodput,
-                       percentiles=percentiles, percentile_metrics=names)
+    return cluster.run(
+        requests,
+        rate,
+        args.burstiness,
+        seed=args.seed,
+        use_trace_times=use_trace,
+        goodput=goodput,
+        percentiles=percentiles,
+        percentile_metrics=names,
+    )
 
 
 def run(args) -> int:
@@ -177,17 +240,24 @@ def run(args) -> int:
     except (ValueError, OSError, ConfigError) as e:
         print(f"pdserve sim: {e}", file=sys.stderr)
         return 2
-    result = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "pdserve-sim", "model_id": args.model,
-              "dataset_name": args.scenario or ("workload-json" if args.workload_json else args.dataset_name),
-              "request_rate": "inf" if args.request_rate is None else args.request_rate,
-              "max_concurrency": args.max_concurrency, **result}
+    result = {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "backend": "pdserve-sim",
+        "model_id": args.model,
+        "dataset_name": args.scenario or ("workload-json" if args.workload_json else args.dataset_name),
+        "request_rate": "inf" if args.request_rate is None else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        **result,
+    }
     sim = result["sim"]
     if args.json:
         print(json.dumps(report._finite(result)))
     else:
         print(report.format_summary(result, names))
-        print(f"simulated {len(requests)} requests ({sim['simulated_s']:.1f} s of cluster time) in "
-              f"{sim['wall_s']:.2f} s: {sim['requests_per_wall_s']:.0f} requests simulated per second")
+        print(
+            f"simulated {len(requests)} requests ({sim['simulated_s']:.1f} s of cluster time) in "
+            f"{sim['wall_s']:.2f} s: {sim['requests_per_wall_s']:.0f} requests simulated per second"
+        )
     _save(args, result)
     return 0 if result["completed"] else 1
 
@@ -207,7 +277,7 @@ def _calibrate(args) -> int:
 
     path = args.profile or f"sim-profile-threads{args.threads}.json"
     model = None if args.model == "llama-3-70b" else args.model
-    log = (lambda m: print(m, file=sys.stderr))
+    log = lambda m: print(m, file=sys.stderr)
     try:
         if args.from_trace:
             prof = fit_trace(args.from_trace, threads=args.threads, model=model, beside=args.beside, log=log)

@@ -12,6 +12,7 @@ Clients follow pdserve bench: send times from pdserve/bench/arrivals.py,
 per-tag and global concurrency limits, and the metrics of
 pdserve/bench/metrics.py over the same `RequestOutput` records.
 """
+
 from __future__ import annotations
 
 import math
@@ -116,9 +117,17 @@ class Cluster:
             static = _cost_stats(pool.latency, cfg)
             for i in range(pool.count):
                 wid = f"{role}-{i}"
-                inst = SimInstance(wid, role, pool.latency, pool.scheduler, pool.num_blocks, cfg.block_size,
-                                   self.loop, enable_prefix_caching=cfg.enable_prefix_caching,
-                                   record_events=cfg.policy == "cache_aware" and role != "decode")
+                inst = SimInstance(
+                    wid,
+                    role,
+                    pool.latency,
+                    pool.scheduler,
+                    pool.num_blocks,
+                    cfg.block_size,
+                    self.loop,
+                    enable_prefix_caching=cfg.enable_prefix_caching,
+                    record_events=cfg.policy == "cache_aware" and role != "decode",
+                )
                 inst.on_prefilled, inst.on_finished, inst.on_step = self._prefilled, self._finished, self._stepped
                 if role == "prefill":
                     inst.on_chunk = self._chunk_sent
@@ -128,10 +137,19 @@ class Cluster:
                 self.registry.register(WorkerInfo(wid, f"sim://{wid}", role, stats={}))
 
     # ---- running a workload
-    def run(self, requests: list[SimRequest], request_rate: float = math.inf, burstiness: float = 1.0, *,
-            seed: int = 0, use_trace_times: bool = True, goodput: dict[str, float] | None = None,
-            percentiles=metrics.DEFAULT_PERCENTILES, percentile_metrics=metrics.METRICS,
-            send_until_s: float | None = None) -> dict:
+    def run(
+        self,
+        requests: list[SimRequest],
+        request_rate: float = math.inf,
+        burstiness: float = 1.0,
+        *,
+        seed: int = 0,
+        use_trace_times: bool = True,
+        goodput: dict[str, float] | None = None,
+        percentiles=metrics.DEFAULT_PERCENTILES,
+        percentile_metrics=metrics.METRICS,
+        send_until_s: float | None = None,
+    ) -> dict:
         """Simulate every request; the result has pdserve bench's fields plus a "sim" section.
 
         `send_until_s`, as `pdserve bench`'s: a request without its own arrival time
@@ -155,8 +173,9 @@ class Cluster:
         outs = [self.outputs[i] for i in sent]
         end = max((o.start_s + o.latency_s for o in outs if o.success), default=0.0)
         start = min(times) if times else 0.0
-        res = metrics.result(outs, end - start, percentiles=percentiles,
-                             percentile_metrics=percentile_metrics, goodput=goodput)
+        res = metrics.result(
+            outs, end - start, percentiles=percentiles, percentile_metrics=percentile_metrics, goodput=goodput
+        )
         if len(sent) < len(self.outputs):
             res.update(request_indices=sent, num_unsent=len(self.outputs) - len(sent))
         wall = time.perf_counter() - wall0
@@ -166,14 +185,25 @@ class Cluster:
     def _summary(self, n: int, wall_s: float) -> dict:
         insts = self.instances.values()
         span = self.loop.now or 1.0
-        return {"mode": self.cfg.mode, "gpus": self.cfg.gpus, "simulated_s": self.loop.now,
-                "wall_s": wall_s, "requests_per_wall_s": n / wall_s if wall_s > 0 else None,
-                "events": self.loop.num_events, "policy": self.cfg.policy,
-                "instances": {i.worker_id: {"steps": i.num_steps, "busy_pct": 100.0 * i.busy_s / span,
-                                            "preemptions": i.sched.num_preemptions,
-                                            "prefix_hit_pct": 100.0 * i.bm.stats.hit_rate}
-                              for i in insts},
-                "rejected": dict(self.admitter.rejected) if self.admitter else {}}
+        return {
+            "mode": self.cfg.mode,
+            "gpus": self.cfg.gpus,
+            "simulated_s": self.loop.now,
+            "wall_s": wall_s,
+            "requests_per_wall_s": n / wall_s if wall_s > 0 else None,
+            "events": self.loop.num_events,
+            "policy": self.cfg.policy,
+            "instances": {
+                i.worker_id: {
+                    "steps": i.num_steps,
+                    "busy_pct": 100.0 * i.busy_s / span,
+                    "preemptions": i.sched.num_preemptions,
+                    "prefix_hit_pct": 100.0 * i.bm.stats.hit_rate,
+                }
+                for i in insts
+            },
+            "rejected": dict(self.admitter.rejected) if self.admitter else {},
+        }
 
     # ---- clients
     def _arrive(self, r: SimRequest) -> None:
@@ -252,14 +282,21 @@ class Cluster:
         need = -(-(r.prompt_len + r.output_len) // self.cfg.block_size)
         smallest = min(p.num_blocks for p in self.cfg.pools.values())
         if need > smallest:
-            return self._fail(str(r.rid), timing, f"prompt + max_tokens needs {need} KV blocks; the pool holds "
-                                                  f"{smallest}")
+            return self._fail(
+                str(r.rid), timing, f"prompt + max_tokens needs {need} KV blocks; the pool holds {smallest}"
+            )
         for pool in self.cfg.pools.values():
             sc = pool.scheduler
-            if not sc.enable_chunked_prefill and r.prompt_len > sc.max_num_batched_tokens and \
-                    (self.cfg.mode == "collocated" or pool is self.cfg.pools.get("prefill")):
-                return self._fail(str(r.rid), timing, f"the prompt has {r.prompt_len} tokens, more than "
-                                                      f"max_num_batched_tokens with chunked prefill off")
+            if (
+                not sc.enable_chunked_prefill
+                and r.prompt_len > sc.max_num_batched_tokens
+                and (self.cfg.mode == "collocated" or pool is self.cfg.pools.get("prefill"))
+            ):
+                return self._fail(
+                    str(r.rid),
+                    timing,
+                    f"the prompt has {r.prompt_len} tokens, more than max_num_batched_tokens with chunked prefill off",
+                )
         self._refresh_stats()
         if self.admitter is not None:
             d = self.admitter.check(self.registry, self.placer, arr, r.output_len)
@@ -279,8 +316,9 @@ class Cluster:
     def _reserve_then_prefill(self, rid, prompt, hashes, params, timing, p_id, d_id) -> None:
         d = self.instances[d_id]
         pending = self._pending_d.setdefault(d_id, deque())
-        seq = None if pending or not self._room(d, len(prompt)) else d.reserve(rid, prompt, hashes, params,
-                                                                             self.loop.now)
+        seq = (
+            None if pending or not self._room(d, len(prompt)) else d.reserve(rid, prompt, hashes, params, self.loop.now)
+        )
         if seq is None:  # no room on that decode instance now: wait, in order, for room there
             pending.append((rid, prompt, hashes, params, timing, p_id, d_id))
             return
@@ -288,8 +326,9 @@ class Cluster:
 
     def _start_prefill(self, seq, rid, prompt, hashes, params, timing, p_id, d_id) -> None:
         p = self.instances[p_id]
-        pseq = Sequence(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
-                        arrival_time=self.loop.now)
+        pseq = Sequence(
+            rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0), arrival_time=self.loop.now
+        )
         self._handoffs[rid] = _Handoff(seq, d_id)
         p.add(pseq, Timing(timing.start_s), hashes)
 
@@ -376,12 +415,23 @@ def _cost_stats(lat: LatencyModel, cfg: ClusterConfig) -> dict:
     """What a worker reports about itself: D_prefill(L) and the decode step model, fitted by the
     router's own functions (conductor.fit_*) to what the latency model says, as workers calibrate."""
     lengths = [64, 256, 1024, 4096, 16384]
-    pre = conductor.fit_prefill_cost([(n, lat.step_s(StepShape(prefill_tokens=n, prefill_seqs=1,
-                                                                prefill_attention=n * (n + 1) / 2)))
-                                      for n in lengths])
-    dec = conductor.fit_decode_cost([(b, b * c, lat.step_s(StepShape(decode_seqs=b, decode_context=b * c)))
-                                     for b in (1, 8, 32, 128) for c in (256, 2048, 8192)])
-    return {"prefill_cost_s": [pre.a_s, pre.b_s_per_token, pre.c_s_per_token2],
-            "decode_cost_s": [dec.base_s, dec.per_seq_s, dec.per_kv_token_s],
-            "kv_bytes_per_token": lat.kv_bytes_per_token(), "num_layers": lat.layers(),
-            "kv_layerwise": cfg.transfer.layerwise if cfg.transfer else True}
+    pre = conductor.fit_prefill_cost(
+        [
+            (n, lat.step_s(StepShape(prefill_tokens=n, prefill_seqs=1, prefill_attention=n * (n + 1) / 2)))
+            for n in lengths
+        ]
+    )
+    dec = conductor.fit_decode_cost(
+        [
+            (b, b * c, lat.step_s(StepShape(decode_seqs=b, decode_context=b * c)))
+            for b in (1, 8, 32, 128)
+            for c in (256, 2048, 8192)
+        ]
+    )
+    return {
+        "prefill_cost_s": [pre.a_s, pre.b_s_per_token, pre.c_s_per_token2],
+        "decode_cost_s": [dec.base_s, dec.per_seq_s, dec.per_kv_token_s],
+        "kv_bytes_per_token": lat.kv_bytes_per_token(),
+        "num_layers": lat.layers(),
+        "kv_layerwise": cfg.transfer.layerwise if cfg.transfer else True,
+    }

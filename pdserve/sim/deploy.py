@@ -5,6 +5,7 @@ size the KV pool the planner's way (memory left after the weights, at the
 GPU memory utilisation, over KV bytes per token per GPU). Profile pools take
 the measured engine's pool unless told otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -39,8 +40,15 @@ class Hardware:
                 raise ValueError("a profile is measured on one engine: TP must be 1")
             blocks = self.num_blocks or (self.profile.num_blocks * self.profile.block_size // block_size) or 4096
             return PoolConfig(count, self.profile, blocks, 1, sched)
-        lat = roofline_for(resolve_model(self.model), resolve_gpu(self.gpu), tp, self.kv_dtype, self.dtype,
-                           self.efficiency, self.overhead_s)
+        lat = roofline_for(
+            resolve_model(self.model),
+            resolve_gpu(self.gpu),
+            tp,
+            self.kv_dtype,
+            self.dtype,
+            self.efficiency,
+            self.overhead_s,
+        )
         free = free_kv_bytes_per_gpu(lat.dep)
         if free <= 0:
             raise ValueError(f"{self.model} does not fit on {tp} x {self.gpu}: no memory left for KV")
@@ -56,9 +64,9 @@ class Layout:
     """How many instances of what: the thing `--search` varies."""
 
     mode: str
-    instances: int = 1      # collocated / chunked
+    instances: int = 1  # collocated / chunked
     tp: int = 1
-    prefill: int = 1        # disagg
+    prefill: int = 1  # disagg
     decode: int = 1
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -75,22 +83,51 @@ class Layout:
         return f"{self.instances}x{self.mode}(tp{self.tp})"
 
 
-def build(layout: Layout, hw: Hardware, sched: SchedulerConfig, *, block_size: int = 16,
-          enable_prefix_caching: bool = True, network_gbps: float = 400, kv_bytes_per_s: float | None = None,
-          layerwise: bool = True, transfer_latency_s: float = 0.0, policy: str = "cache_aware",
-          admission: AdmissionConfig | None = None, max_concurrency: int | None = None,
-          tag_concurrency: dict[str, int] | None = None, client_rtt_s: float = 0.0) -> ClusterConfig:
+def build(
+    layout: Layout,
+    hw: Hardware,
+    sched: SchedulerConfig,
+    *,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    network_gbps: float = 400,
+    kv_bytes_per_s: float | None = None,
+    layerwise: bool = True,
+    transfer_latency_s: float = 0.0,
+    policy: str = "cache_aware",
+    admission: AdmissionConfig | None = None,
+    max_concurrency: int | None = None,
+    tag_concurrency: dict[str, int] | None = None,
+    client_rtt_s: float = 0.0,
+) -> ClusterConfig:
     if layout.mode == "disagg":
         # a decode instance never prefills a long prompt: chunking changes nothing there
-        pools = {"prefill": hw.pool(layout.prefill, layout.prefill_tp, block_size, sched),
-                 "decode": (replace(hw, profile=hw.decode_profile) if hw.decode_profile else hw).pool(
-                     layout.decode, layout.decode_tp, block_size, sched)}
+        pools = {
+            "prefill": hw.pool(layout.prefill, layout.prefill_tp, block_size, sched),
+            "decode": (replace(hw, profile=hw.decode_profile) if hw.decode_profile else hw).pool(
+                layout.decode, layout.decode_tp, block_size, sched
+            ),
+        }
         # one NIC per GPU of the prefill instance, each sending its own KV shard
-        transfer = TransferModel(kv_bytes_per_s or network_bytes_per_s(network_gbps), layerwise,
-                                 links=1 if kv_bytes_per_s else layout.prefill_tp, latency_s=transfer_latency_s)
+        transfer = TransferModel(
+            kv_bytes_per_s or network_bytes_per_s(network_gbps),
+            layerwise,
+            links=1 if kv_bytes_per_s else layout.prefill_tp,
+            latency_s=transfer_latency_s,
+        )
     else:
         chunked = replace(sched, enable_chunked_prefill=layout.mode == "chunked")
         pools = {"both": hw.pool(layout.instances, layout.tp, block_size, chunked)}
         transfer = None
-    return ClusterConfig(layout.mode, pools, block_size, enable_prefix_caching, transfer, policy, admission,
-                         max_concurrency, dict(tag_concurrency or {}), client_rtt_s)
+    return ClusterConfig(
+        layout.mode,
+        pools,
+        block_size,
+        enable_prefix_caching,
+        transfer,
+        policy,
+        admission,
+        max_concurrency,
+        dict(tag_concurrency or {}),
+        client_rtt_s,
+    )

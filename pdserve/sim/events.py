@@ -3,6 +3,7 @@
 Ties run in the order they were scheduled (a counter breaks them), so a run
 is deterministic. Nothing here knows about requests or instances.
 """
+
 from __future__ import annotations
 
 import heapq

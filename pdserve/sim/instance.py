@@ -16,6 +16,7 @@ model) and cut short, at a step boundary, if new work arrives meanwhile.
 Generated tokens are not registered in the prefix cache: simulated outputs are
 placeholder ids that no later prompt can match.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -76,9 +77,20 @@ class SimInstance:
     `on_finished(inst, seq)`; `on_step(inst)` after every step (KV events, retries);
     `on_chunk(inst, seq, start, n, step_s)` for each prompt chunk computed."""
 
-    def __init__(self, worker_id: str, role: str, latency: LatencyModel, sched: SchedulerConfig, num_blocks: int,
-                 block_size: int, loop: EventLoop, *, enable_prefix_caching: bool = True, record_events: bool = False,
-                 ff_max_steps: int | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        latency: LatencyModel,
+        sched: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        loop: EventLoop,
+        *,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        ff_max_steps: int | None = None,
+    ):
         self.worker_id, self.role, self.latency, self.loop = worker_id, role, latency, loop
         self.bm = SimBlockManager(num_blocks, block_size, enable_prefix_caching, record_events)
         # generated tokens are placeholders: their blocks are not cached (see above)
@@ -102,8 +114,9 @@ class SimInstance:
         self.sched.add(seq)
         self.kick()
 
-    def reserve(self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams,
-                arrival_s: float) -> Sequence | None:
+    def reserve(
+        self, rid: str, prompt: list[int], hashes: list[int], params: SamplingParams, arrival_s: float
+    ) -> Sequence | None:
         """Decode role: blocks for a prompt whose KV another instance computes, keeping the
         prefix cached here (as LLMEngine.reserve_for_transfer). None when the pool is short."""
         self.bm.prime(rid, hashes)
@@ -167,8 +180,9 @@ class SimInstance:
             if seq.is_finished:
                 continue
             samples = before + n == seq.num_tokens  # as the model runner decides: its last token was computed
-            self.sched.update_from_output(SchedulerOutput([s]), [SampledToken(seq, OUTPUT_TOKEN)] if samples else (),
-                                          now)
+            self.sched.update_from_output(
+                SchedulerOutput([s]), [SampledToken(seq, OUTPUT_TOKEN)] if samples else (), now
+            )
             if before < seq.num_prompt_tokens and self.on_chunk is not None:
                 self.on_chunk(self, seq, before, n, dur)  # prefill role: this chunk's KV leaves layer by layer
             if samples:
@@ -201,8 +215,12 @@ class SimInstance:
     def _fast_forward(self) -> bool:
         sched, bm = self.sched, self.bm
         running = sched.running
-        if self.role == "prefill" or len(sched.waiting) or not running \
-                or len(running) > sched.config.max_num_batched_tokens:
+        if (
+            self.role == "prefill"
+            or len(sched.waiting)
+            or not running
+            or len(running) > sched.config.max_num_batched_tokens
+        ):
             return False
         k = self.ff_max_steps
         context0 = 0
@@ -272,6 +290,11 @@ class SimInstance:
     # ---- what the router sees (heartbeat stats)
     def stats(self) -> dict:
         bm = self.bm
-        return {"num_running": len(self.sched.running), "num_waiting": len(self.sched.waiting),
-                "kv_usage": bm.usage, "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                "kv_block_size": bm.block_size}
+        return {
+            "num_running": len(self.sched.running),
+            "num_waiting": len(self.sched.waiting),
+            "kv_usage": bm.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "kv_block_size": bm.block_size,
+        }

@@ -15,6 +15,7 @@ batch. Every model answers `step_s(shape)`; the simulator needs nothing else.
   the weights of a small decode batch), least squares over steps of our engine
   measured on this machine (`pdserve sim --calibrate`, see calibrate.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,14 @@ class StepShape:
             self.prefill_attention += chunk_attention(done, n)
 
     def features(self) -> list[float]:
-        return [1.0, float(self.prefill_tokens), float(self.decode_seqs), float(self.decode_context),
-                float(self.prefill_attention), 1.0 if self.prefill_tokens else 0.0]
+        return [
+            1.0,
+            float(self.prefill_tokens),
+            float(self.decode_seqs),
+            float(self.decode_context),
+            float(self.prefill_attention),
+            1.0 if self.prefill_tokens else 0.0,
+        ]
 
 
 def chunk_attention(ctx_before: int, n: int) -> float:
@@ -84,8 +91,9 @@ class LatencyModel:
 
     def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
         """k pure-decode steps of `batch` sequences, the context growing by `batch` a step."""
-        return np.array([self.step_s(StepShape(decode_seqs=batch, decode_context=context0 + i * batch))
-                         for i in range(k)])
+        return np.array(
+            [self.step_s(StepShape(decode_seqs=batch, decode_context=context0 + i * batch)) for i in range(k)]
+        )
 
     def layers(self) -> int:
         """Layers the KV is sent in (layer-wise transfer overlaps one layer with the next)."""
@@ -117,7 +125,9 @@ class RooflineLatency(LatencyModel):
             return 0.0
         w = self._weights.get(tokens)
         if w is None:  # memoised: an MoE's weight read depends on the token count
-            w = self._weights[tokens] = weight_bytes_read(self.dep.model, tokens, self.dep.weight_bytes_per_param) / self.dep.tp
+            w = self._weights[tokens] = (
+                weight_bytes_read(self.dep.model, tokens, self.dep.weight_bytes_per_param) / self.dep.tp
+            )
             self._comm[tokens] = tp_comm_time_s(self.dep, tokens) + pp_hop_time_s(self.dep, tokens)
         flops = self._linear_flops * tokens + self._attn_flops * (s.prefill_attention + s.decode_context)
         # KV read for decode context and for prompt chunks' earlier context; KV written for new tokens
@@ -157,8 +167,10 @@ class FittedLatency(LatencyModel):
         key = (s.prefill_tokens, s.decode_seqs, s.prefill_seqs)
         base = self._base.get(key)
         if base is None:  # memoised: all but the context-dependent attention terms
-            base = self._base[key] = perf.step_time(self.dep, s.prefill_tokens, 0.0, s.decode_seqs, 0.0,
-                                                    s.prefill_seqs).total_s + self.overhead_s
+            base = self._base[key] = (
+                perf.step_time(self.dep, s.prefill_tokens, 0.0, s.decode_seqs, 0.0, s.prefill_seqs).total_s
+                + self.overhead_s
+            )
         kv_read = s.decode_context + s.prefill_context
         extra = self._kv_fixed_s if kv_read and not s.decode_seqs else 0.0
         return base + extra + self._pair_s * s.prefill_attention + self._kv_token_s * kv_read
@@ -176,8 +188,16 @@ class FittedLatency(LatencyModel):
         return kv_bytes_per_token(self.dep.model, self.dep.kv_bytes_per_element)
 
 
-FEATURES = ("a_s", "b_s_per_prefill_token", "c_s_per_decode_seq", "d_s_per_context_token",
-            "e_s_per_attention_pair", "f_s_per_prefill_step", "g_s_per_weight_pass", "h_s_per_dense_step")
+FEATURES = (
+    "a_s",
+    "b_s_per_prefill_token",
+    "c_s_per_decode_seq",
+    "d_s_per_context_token",
+    "e_s_per_attention_pair",
+    "f_s_per_prefill_step",
+    "g_s_per_weight_pass",
+    "h_s_per_dense_step",
+)
 # f: a step with any prompt tokens takes another code path than a decode-only one (our CPU
 # engine: the layer-by-layer Python path instead of one C++ call per layer). With one intercept
 # for both, a 32-token prompt was predicted at 131 ms against 234 ms measured, and a prefill
@@ -238,13 +258,26 @@ class ProfileLatency(LatencyModel):
             return 0.0
         a, b, c, d, e, f, g, h = self._c
         rows = s.prefill_tokens + s.decode_seqs
-        return (a + b * s.prefill_tokens + c * s.decode_seqs + d * s.decode_context + e * s.prefill_attention
-                + (f if s.prefill_tokens else 0.0) + g * self.weight_passes(rows) + h * self.dense(rows))
+        return (
+            a
+            + b * s.prefill_tokens
+            + c * s.decode_seqs
+            + d * s.decode_context
+            + e * s.prefill_attention
+            + (f if s.prefill_tokens else 0.0)
+            + g * self.weight_passes(rows)
+            + h * self.dense(rows)
+        )
 
     def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
         a, _, c, d, _, _, g, h = self._c
-        return (a + c * batch + g * self.weight_passes(batch) + h * self.dense(batch)
-                + d * (context0 + batch * np.arange(k, dtype=np.float64)))
+        return (
+            a
+            + c * batch
+            + g * self.weight_passes(batch)
+            + h * self.dense(batch)
+            + d * (context0 + batch * np.arange(k, dtype=np.float64))
+        )
 
     def weight_passes(self, rows: int) -> int:
         """Passes of the tiled kernels over the weights in a step of `rows` rows (g's count)."""
@@ -275,7 +308,9 @@ class ProfileLatency(LatencyModel):
         Rows are weighted by 1/predicted, refitted a few times (iteratively reweighted): weighting
         by 1/measured instead favours the steps that ran fast, and on a machine whose steps
         vary by +-10% that priced served steps 6% low on average."""
-        shape = cls(coef=[0.0] * len(FEATURES), row_tile=kw.get("row_tile", 0), tile_max_rows=kw.get("tile_max_rows", 0))
+        shape = cls(
+            coef=[0.0] * len(FEATURES), row_tile=kw.get("row_tile", 0), tile_max_rows=kw.get("tile_max_rows", 0)
+        )
         x0 = np.array([shape.features(s) for s, _ in samples])
         y0 = np.array([t for _, t in samples])
         scale = y0
@@ -289,12 +324,21 @@ class ProfileLatency(LatencyModel):
         return cls(coef=coef.tolist(), samples=rows, **kw)
 
     def save(self, path: str) -> None:
-        d = {"kind": "pdserve-sim-profile", "features": list(FEATURES), "coef": self._c,
-             "model_layers": self.model_layers, "kv_bytes_per_token": self.kv_bytes_per_token_,
-             "threads": self.threads, "source": self.source, "num_blocks": self.num_blocks,
-             "block_size": self.block_size, "row_tile": self.row_tile, "tile_max_rows": self.tile_max_rows,
-             "request_rtt_s": self.request_rtt_s,
-             "samples": self.samples}
+        d = {
+            "kind": "pdserve-sim-profile",
+            "features": list(FEATURES),
+            "coef": self._c,
+            "model_layers": self.model_layers,
+            "kv_bytes_per_token": self.kv_bytes_per_token_,
+            "threads": self.threads,
+            "source": self.source,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "row_tile": self.row_tile,
+            "tile_max_rows": self.tile_max_rows,
+            "request_rtt_s": self.request_rtt_s,
+            "samples": self.samples,
+        }
         with open(path, "w") as f:
             json.dump(d, f, indent=1)
 
@@ -304,24 +348,46 @@ class ProfileLatency(LatencyModel):
             d = json.load(f)
         if d.get("kind") != "pdserve-sim-profile":
             raise ValueError(f"{path}: not a profile written by `pdserve sim --calibrate`")
-        return cls(coef=d["coef"], model_layers=d["model_layers"], kv_bytes_per_token_=d["kv_bytes_per_token"],
-                   threads=d.get("threads", 0), source=d.get("source", path), samples=d.get("samples", []),
-                   num_blocks=d.get("num_blocks", 0), block_size=d.get("block_size", 16),
-                   row_tile=d.get("row_tile", 0), tile_max_rows=d.get("tile_max_rows", 0),
-                   request_rtt_s=d.get("request_rtt_s", 0.0))
+        return cls(
+            coef=d["coef"],
+            model_layers=d["model_layers"],
+            kv_bytes_per_token_=d["kv_bytes_per_token"],
+            threads=d.get("threads", 0),
+            source=d.get("source", path),
+            samples=d.get("samples", []),
+            num_blocks=d.get("num_blocks", 0),
+            block_size=d.get("block_size", 16),
+            row_tile=d.get("row_tile", 0),
+            tile_max_rows=d.get("tile_max_rows", 0),
+            request_rtt_s=d.get("request_rtt_s", 0.0),
+        )
 
 
-def roofline_for(model: ModelShape, gpu, tp: int = 1, kv_dtype: str = "bf16", dtype: str = "bf16",
-                 efficiency: tuple[float, float] | None = None,
-                 overhead_s: float = 0.0) -> FittedLatency | RooflineLatency:
+def roofline_for(
+    model: ModelShape,
+    gpu,
+    tp: int = 1,
+    kv_dtype: str = "bf16",
+    dtype: str = "bf16",
+    efficiency: tuple[float, float] | None = None,
+    overhead_s: float = 0.0,
+) -> FittedLatency | RooflineLatency:
     """The latency model of one instance: the fitted model by default; the roofline
     derated by `efficiency` when one is given ((1, 1): the pure lower bound), and for
     accelerators the fitted model does not describe."""
     if efficiency is None and perf.has_fit(gpu.name):
         return FittedLatency(Deployment(model, gpu, tp=tp, dtype=dtype, kv_dtype=kv_dtype), overhead_s)
     ce, be = efficiency or EFFICIENCY.get(gpu.name, DEFAULT_EFFICIENCY)
-    dep = Deployment(model, gpu, tp=tp, dtype=dtype, kv_dtype=kv_dtype, compute_efficiency=ce,
-                     bandwidth_efficiency=be, latency_model="roofline")
+    dep = Deployment(
+        model,
+        gpu,
+        tp=tp,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        compute_efficiency=ce,
+        bandwidth_efficiency=be,
+        latency_model="roofline",
+    )
     return RooflineLatency(dep, overhead_s)
 
 

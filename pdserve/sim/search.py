@@ -8,6 +8,7 @@ pool, so for each prefill count the smallest decode count that passes is
 found by bisection, and prefill counts stop once they alone cost more GPUs
 than the best layout found. Every simulated layout is printed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -40,8 +41,18 @@ class _Searcher:
         good = res.get("request_goodput") or 0.0
         passed = att >= self.target
         self.seen[key] = passed
-        self.rows.append((key, layout.gpus, att, good, good / layout.gpus, res.get("p99_ttft_ms"),
-                          res.get("p99_tpot_ms"), "yes" if passed else ""))
+        self.rows.append(
+            (
+                key,
+                layout.gpus,
+                att,
+                good,
+                good / layout.gpus,
+                res.get("p99_ttft_ms"),
+                res.get("p99_tpot_ms"),
+                "yes" if passed else "",
+            )
+        )
         print(f"  tried {key}: {layout.gpus} GPUs, SLO attainment {att:.1f}%", file=sys.stderr)
         if passed:
             cand = (layout.gpus, -good, key, layout)
@@ -60,10 +71,10 @@ class _Searcher:
         p = 1
         while p * ptp + dtp <= self.budget():
             hi = (self.budget() - p * ptp) // dtp
-            d = _smallest(lambda k: self.ok(Layout("disagg", prefill=p, decode=k,  # noqa: B023 (called here)
-                                                   prefill_tp=ptp, decode_tp=dtp)), 1, hi)
-            if d == 1 and self.seen.get(Layout("disagg", prefill=p, decode=1, prefill_tp=ptp,
-                                               decode_tp=dtp).label()):
+            d = _smallest(
+                lambda k, p=p: self.ok(Layout("disagg", prefill=p, decode=k, prefill_tp=ptp, decode_tp=dtp)), 1, hi
+            )
+            if d == 1 and self.seen.get(Layout("disagg", prefill=p, decode=1, prefill_tp=ptp, decode_tp=dtp).label()):
                 break  # more prefill cannot be cheaper
             p += 1
 
@@ -88,8 +99,12 @@ def search(args, requests, tag_limits, goodput, percentiles, names) -> int:
         raise ValueError("--search needs SLOs: --goodput ttft:MS tpot:MS")
     tps = [int(t) for t in args.search_tp.split(",") if t.strip()]
     modes = [m.strip() for m in args.search_modes.split(",") if m.strip()]
-    s = _Searcher(args, lambda lay: simulate(args, lay, requests, tag_limits, goodput, percentiles, names),
-                  args.search_target_pct, args.search_max_gpus)
+    s = _Searcher(
+        args,
+        lambda lay: simulate(args, lay, requests, tag_limits, goodput, percentiles, names),
+        args.search_target_pct,
+        args.search_max_gpus,
+    )
     try:
         for tp in tps:
             for mode in modes:
@@ -112,7 +127,15 @@ def search(args, requests, tag_limits, goodput, percentiles, names) -> int:
 def format_table(rows: list[tuple]) -> str:
     out = [" | ".join(COLUMNS), " | ".join("---" for _ in COLUMNS)]
     for r in sorted(rows, key=lambda r: (r[1], r[0])):
-        cells = [r[0], str(r[1]), f"{r[2]:.1f}", f"{r[3]:.2f}", f"{r[4]:.3f}",
-                 "n/a" if r[5] is None else f"{r[5]:.0f}", "n/a" if r[6] is None else f"{r[6]:.1f}", r[7]]
+        cells = [
+            r[0],
+            str(r[1]),
+            f"{r[2]:.1f}",
+            f"{r[3]:.2f}",
+            f"{r[4]:.3f}",
+            "n/a" if r[5] is None else f"{r[5]:.0f}",
+            "n/a" if r[6] is None else f"{r[6]:.1f}",
+            r[7],
+        ]
         out.append(" | ".join(cells))
     return "\n".join(out)

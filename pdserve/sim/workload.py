@@ -18,6 +18,7 @@ the real chained hash (pdserve/kv/hashing.py); for Mooncake prompts they are
 memoised per (parent, hash id), so a prefix shared by a thousand requests is
 hashed once.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ class SimRequest:
     arrival_s: float | None = None  # None: the arrival process decides
     tag: str = "default"
     token_ids: list[int] | None = None  # the prompt, when built up front
-    hash_ids: list[int] | None = None   # Mooncake: the prompt is built from these on demand
+    hash_ids: list[int] | None = None  # Mooncake: the prompt is built from these on demand
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     def prompt_ids(self) -> list[int]:
@@ -58,7 +59,7 @@ class SimRequest:
         """The prompt as int32: what the router hashes. hash_block hashes int32 bytes, so the
         hashes are those of the list, without converting every block slice again."""
         if self.token_ids is None and self.hash_ids and len(self.hash_ids) * self.block_tokens >= self.prompt_len:
-            return np.repeat(np.asarray(self.hash_ids, dtype=np.int32), self.block_tokens)[:self.prompt_len]
+            return np.repeat(np.asarray(self.hash_ids, dtype=np.int32), self.block_tokens)[: self.prompt_len]
         return np.asarray(ids, dtype=np.int32)
 
 
@@ -115,8 +116,15 @@ def from_bench(requests) -> list[SimRequest]:
     return out
 
 
-def mooncake_trace(path: str, num_prompts: int | None = None, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                   output_scale: float = 1.0, time_scale: float = 1.0, skip_bad: bool = False) -> list[SimRequest]:
+def mooncake_trace(
+    path: str,
+    num_prompts: int | None = None,
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    output_scale: float = 1.0,
+    time_scale: float = 1.0,
+    skip_bad: bool = False,
+) -> list[SimRequest]:
     """A Mooncake trace, lengths and clock scaled as `pdserve bench --dataset-name mooncake` scales them."""
     out: list[SimRequest] = []
     t0 = None
@@ -125,9 +133,16 @@ def mooncake_trace(path: str, num_prompts: int | None = None, *, block_tokens: i
             break
         n_in = max(1, round(rec["input_length"] * block_tokens / MOONCAKE_BLOCK_TOKENS))
         t0 = rec["timestamp"] if t0 is None else t0
-        out.append(SimRequest(len(out), n_in, max(1, round(rec["output_length"] * output_scale)),
-                              (rec["timestamp"] - t0) / 1000 * time_scale, hash_ids=list(rec.get("hash_ids", [])),
-                              block_tokens=block_tokens))
+        out.append(
+            SimRequest(
+                len(out),
+                n_in,
+                max(1, round(rec["output_length"] * output_scale)),
+                (rec["timestamp"] - t0) / 1000 * time_scale,
+                hash_ids=list(rec.get("hash_ids", [])),
+                block_tokens=block_tokens,
+            )
+        )
     return out
 
 
@@ -149,8 +164,11 @@ def from_workload_json(path: str) -> tuple[list[SimRequest], dict]:
         ids = r.get("prompt_token_ids") or [-1 - i] * n_in
         arrival = r.get("arrival_s", r.get("start_s"))
         tag = r.get("tag", r.get("kind", "default"))  # interference.py calls it "kind"
-        out.append(SimRequest(i, n_in, n_out, None if arrival is None else float(arrival), tag,
-                              token_ids=[int(t) for t in ids]))
+        out.append(
+            SimRequest(
+                i, n_in, n_out, None if arrival is None else float(arrival), tag, token_ids=[int(t) for t in ids]
+            )
+        )
     return out, (doc if isinstance(doc, dict) else {})
 
 

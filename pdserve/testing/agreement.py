@@ -15,6 +15,7 @@ position, names its greedy token given the engine's history. Reported:
 Used by `benchmarks/agreement.py` and `tests/engine/test_bf16_agreement.py`;
 needs the `transformers` test extra.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,11 +24,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-PARITY_TEXT = ("The history of computing is a story of people building tools to think faster. "
-               "Charles Babbage designed engines of brass; Ada Lovelace saw that they could compose music. "
-               "Later, vacuum tubes gave way to transistors, and transistors to integrated circuits. ")
-SHORT_PROMPTS = ["Hi there, how are you?", "What is the capital of France? Answer in one sentence.",
-                 "List three primary colours:", "def fibonacci(n):\n    "]
+PARITY_TEXT = (
+    "The history of computing is a story of people building tools to think faster. "
+    "Charles Babbage designed engines of brass; Ada Lovelace saw that they could compose music. "
+    "Later, vacuum tubes gave way to transistors, and transistors to integrated circuits. "
+)
+SHORT_PROMPTS = [
+    "Hi there, how are you?",
+    "What is the capital of France? Answer in one sentence.",
+    "List three primary colours:",
+    "def fibonacci(n):\n    ",
+]
 
 
 def parity_prompts(tok, long_lengths=(120, 400, 900, 1500)) -> list[list[int]]:
@@ -68,12 +75,16 @@ class Agreement:
 
     def summary(self) -> dict:
         bad = self.split_gaps
-        return {"steps": self.steps, "top1": round(self.top1, 4),
-                "mean_logprob_gap": round(statistics.fmean(self.gaps), 4) if self.gaps else 0.0,
-                "disagreements": len(bad), "exact_ties": sum(g == 0 for g in bad),
-                "median_gap_at_disagreements": round(statistics.median(bad), 4) if bad else 0.0,
-                "max_gap": round(max(bad), 4) if bad else 0.0,
-                "median_first_split": statistics.median(self.first_split) if self.first_split else 0}
+        return {
+            "steps": self.steps,
+            "top1": round(self.top1, 4),
+            "mean_logprob_gap": round(statistics.fmean(self.gaps), 4) if self.gaps else 0.0,
+            "disagreements": len(bad),
+            "exact_ties": sum(g == 0 for g in bad),
+            "median_gap_at_disagreements": round(statistics.median(bad), 4) if bad else 0.0,
+            "max_gap": round(max(bad), 4) if bad else 0.0,
+            "median_first_split": statistics.median(self.first_split) if self.first_split else 0,
+        }
 
 
 def engine_outputs(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -90,7 +101,7 @@ def measure(reference, prompts: list[list[int]], outputs: list[list[int]]) -> Ag
     for p, out in zip(prompts, outputs):
         ids = torch.tensor([list(p) + list(out)])
         logits = reference(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-        lp = torch.log_softmax(logits[len(p) - 1:len(p) - 1 + len(out)], dim=-1)
+        lp = torch.log_softmax(logits[len(p) - 1 : len(p) - 1 + len(out)], dim=-1)
         chosen = torch.tensor(out)
         top = lp.argmax(-1)
         gaps = (lp.max(-1).values - lp.gather(-1, chosen[:, None])[:, 0]).clamp_min(0)

@@ -3,6 +3,7 @@ worker each on its own network stack, started by hand as an operator would on th
 
 Used by the multi-host tests and `benchmarks/multihost.py`.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,21 +24,56 @@ class HostDeployment:
     """`router_host` runs the router; `prefill_hosts` / `decode_hosts` one worker each.
     Every process is stopped by `stop()` (the namespaces' own cleanup kills leftovers)."""
 
-    def __init__(self, router_host: Host, prefill_hosts: list[Host], decode_hosts: list[Host],
-                 model: str | None = None, worker_args=(), router_args=(), timeout_s: float = 180):
+    def __init__(
+        self,
+        router_host: Host,
+        prefill_hosts: list[Host],
+        decode_hosts: list[Host],
+        model: str | None = None,
+        worker_args=(),
+        router_args=(),
+        timeout_s: float = 180,
+    ):
         self.token = auth.new_token()
         self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10)
         self.env = {**os.environ, auth.TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
         self.url = f"http://{router_host.address}:{ROUTER_PORT}"
         self.procs: list[tuple[str, subprocess.Popen, object]] = []
         model_args = ["--model", model] if model else []
-        self._start("router", router_host, "router", "--host", router_host.address, "--port", str(ROUTER_PORT),
-                    "--worker-timeout-s", "3", *model_args, *router_args)
+        self._start(
+            "router",
+            router_host,
+            "router",
+            "--host",
+            router_host.address,
+            "--port",
+            str(ROUTER_PORT),
+            "--worker-timeout-s",
+            "3",
+            *model_args,
+            *router_args,
+        )
         for role, hosts in (("prefill", prefill_hosts), ("decode", decode_hosts)):
             for i, h in enumerate(hosts):
-                self._start(f"{role}{i}", h, "worker", "--role", role, "--router", self.url, "--host", h.address,
-                            "--port", "0", "--worker-id", f"{role}{i}", "--threads", "1",
-                            *model_args, *worker_args)
+                self._start(
+                    f"{role}{i}",
+                    h,
+                    "worker",
+                    "--role",
+                    role,
+                    "--router",
+                    self.url,
+                    "--host",
+                    h.address,
+                    "--port",
+                    "0",
+                    "--worker-id",
+                    f"{role}{i}",
+                    "--threads",
+                    "1",
+                    *model_args,
+                    *worker_args,
+                )
         try:
             self.wait_workers(len(prefill_hosts), len(decode_hosts), timeout_s)
         except BaseException:
@@ -46,8 +82,7 @@ class HostDeployment:
 
     def _start(self, name: str, host: Host, *args: str) -> None:
         log = tempfile.TemporaryFile()
-        p = host.popen([sys.executable, "-m", "pdserve.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                       env=self.env)
+        p = host.popen([sys.executable, "-m", "pdserve.cli", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
         self.procs.append((name, p, log))
 
     def log(self, name: str) -> str:
@@ -74,8 +109,9 @@ class HostDeployment:
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
             time.sleep(0.3)
-        raise TimeoutError("workers did not register:\n" + "\n".join(f"--- {n}\n{self.log(n)}"
-                                                                      for n, _, _ in self.procs))
+        raise TimeoutError(
+            "workers did not register:\n" + "\n".join(f"--- {n}\n{self.log(n)}" for n, _, _ in self.procs)
+        )
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -103,18 +139,34 @@ class HostDeployment:
 class RayDeployment:
     """`pdserve serve --ray` driven from the head host of a `RayCluster`; the router on the head."""
 
-    def __init__(self, cluster, model: str | None = None, serve_args=(), timeout_s: float = 240,
-                 served_model_name: str = "model"):
+    def __init__(
+        self, cluster, model: str | None = None, serve_args=(), timeout_s: float = 240, served_model_name: str = "model"
+    ):
         self.token = auth.new_token()
         self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10)
         head = cluster.hosts[0]
         self.url = f"http://{head.address}:{ROUTER_PORT}"
         self._log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--ray", "--ray-address", cluster.head,
-               "--port", str(ROUTER_PORT), "--served-model-name", served_model_name, "--worker-timeout-s", "3",
-               *(["--model", model] if model else []), *serve_args]
-        self.proc = head.popen(cmd, env={**cluster.env, auth.TOKEN_ENV: self.token}, stdout=self._log,
-                               stderr=subprocess.STDOUT)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--ray",
+            "--ray-address",
+            cluster.head,
+            "--port",
+            str(ROUTER_PORT),
+            "--served-model-name",
+            served_model_name,
+            "--worker-timeout-s",
+            "3",
+            *(["--model", model] if model else []),
+            *serve_args,
+        ]
+        self.proc = head.popen(
+            cmd, env={**cluster.env, auth.TOKEN_ENV: self.token}, stdout=self._log, stderr=subprocess.STDOUT
+        )
         try:
             self.wait_alive({"prefill-0", "decode-1"}, timeout_s)
         except BaseException:
@@ -127,8 +179,9 @@ class RayDeployment:
         return self._log.read().decode(errors="replace")[-4000:]
 
     def alive(self) -> dict:
-        return {w["worker_id"]: w for w in self.http.get(self.url + "/internal/workers").json()["workers"]
-                if w["alive"]}
+        return {
+            w["worker_id"]: w for w in self.http.get(self.url + "/internal/workers").json()["workers"] if w["alive"]
+        }
 
     def wait_alive(self, worker_ids: set[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

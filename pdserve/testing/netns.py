@@ -9,6 +9,7 @@ leaves the machine. Needs root (CAP_NET_ADMIN) and `ip` from iproute2.
     with Hosts(3) as hosts:
         hosts[0].popen(["python", "-m", "pdserve.cli", "router", "--host", hosts[0].address, ...])
 """
+
 from __future__ import annotations
 
 import os

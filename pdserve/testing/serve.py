@@ -1,6 +1,7 @@
 """`pdserve serve` as a child process, for benchmarks and tests: a free loopback port,
 its own cluster secret (so the caller may read /internal/*), ready when /health says so
 (and, if asked, when enough workers are alive), stopped with SIGTERM then SIGKILL."""
+
 from __future__ import annotations
 
 import os
@@ -25,15 +26,25 @@ class Serve:
         token = auth.new_token()  # our own cluster secret, so that we may read /internal/workers
         self.env = {**os.environ, auth.TOKEN_ENV: token}
         self.http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=10, trust_env=False)
-        self.cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(self.port),
-                    "--log-level", "warning", *serve_args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *serve_args,
+        ]
         self.wait_workers, self.startup_timeout_s = wait_workers, startup_timeout_s
         self.log = tempfile.TemporaryFile()
         self.proc = None
 
     def __enter__(self) -> Serve:
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         try:
             self._wait_ready()
         except BaseException:

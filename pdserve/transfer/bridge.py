@@ -8,6 +8,7 @@ Eager: nothing moves until the whole prompt is prefilled, then every layer
 goes at once, and TTFT waits for all of it (the baseline; kept to measure
 the difference).
 """
+
 from __future__ import annotations
 
 from pdserve.kv.slots import slot_mapping

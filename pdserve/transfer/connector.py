@@ -16,6 +16,7 @@ raw tensor bytes, received straight into a staging buffer; never pickle),
 `shm` (one host: the decode worker's cache lives in shared memory and the
 prefill worker writes into the reserved slots directly; only a notice travels).
 """
+
 from __future__ import annotations
 
 import abc
@@ -69,8 +70,7 @@ class KVSender(abc.ABC):
         """Open a transfer; layers follow with `save_layer`."""
 
     @abc.abstractmethod
-    def save_layer(self, transfer_id: str, layer: int, token_start: int,
-                   k: torch.Tensor, v: torch.Tensor) -> None:
+    def save_layer(self, transfer_id: str, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Queue K and V of tokens [token_start, token_start + n) of one layer; returns at once.
 
         The tensors must not be written afterwards (pass copies of the cache)."""

@@ -25,6 +25,7 @@ Flow (control messages are the TCP frames of `wire`, JSON headers, never pickle)
 One-sided writes cannot be refused: like the shared-memory push, they rely on
 the decode worker keeping the reserved blocks until its lease expires.
 """
+
 from __future__ import annotations
 
 import collections
@@ -87,8 +88,9 @@ def make_agent(prefix: str, progress_delay_us: int = PROGRESS_DELAY_US):
     # STRICT: the engine thread posts WRITEs while the sender thread polls and releases
     # them; without it (the default when no listener thread runs) the agent is not
     # thread-safe and crashes the process.
-    config = nixl_agent_config(enable_prog_thread=True, backends=["UCX"],
-                               sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    config = nixl_agent_config(
+        enable_prog_thread=True, backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
     with _agent_lock, _progress_delay(progress_delay_us):
         return nixl_agent(name, config)
 
@@ -141,11 +143,13 @@ class NixlKVReceiver(KVReceiverServer):
     def _on_frame(self, h: dict, payload):
         if h.get("op") == "nixl_md":
             k0 = self.kv_caches[0][0]
-            header = {"op": "nixl_md", "agent": self.agent.name,
-                      "dtype": str(k0.dtype).removeprefix("torch."),
-                      "row_shape": list(k0.shape[-2:]),
-                      "layers": [[k.data_ptr(), v.data_ptr(), k.numel() * k.element_size()]
-                                 for k, v in self.kv_caches]}
+            header = {
+                "op": "nixl_md",
+                "agent": self.agent.name,
+                "dtype": str(k0.dtype).removeprefix("torch."),
+                "row_shape": list(k0.shape[-2:]),
+                "layers": [[k.data_ptr(), v.data_ptr(), k.numel() * k.element_size()] for k, v in self.kv_caches],
+            }
             return header, [torch.frombuffer(bytearray(self._metadata), dtype=torch.uint8)]
         return super()._on_frame(h, payload)
 
@@ -185,8 +189,14 @@ class _Xfer:
 class NixlKVSender(TcpKVSender):
     """Push through NIXL WRITE; notices, `done` and acknowledgements travel as TCP frames."""
 
-    def __init__(self, retry_window_s: float = 5.0, xfer_timeout_s: float = 30.0,
-                 writes_in_flight: int = WRITES_IN_FLIGHT, *, secret: bytes):
+    def __init__(
+        self,
+        retry_window_s: float = 5.0,
+        xfer_timeout_s: float = 30.0,
+        writes_in_flight: int = WRITES_IN_FLIGHT,
+        *,
+        secret: bytes,
+    ):
         super().__init__("none", retry_window_s, secret=secret)
         self.agent = make_agent("pdserve-kv-tx")
         self.xfer_timeout_s = xfer_timeout_s
@@ -300,8 +310,11 @@ class NixlKVSender(TcpKVSender):
         x = _Xfer(None, "ERR", len(batch))
         try:
             x.handle = self.agent.initialize_xfer(
-                "WRITE", self.agent.get_xfer_descs([d for w in batch for d in w.local], "DRAM"),
-                self.agent.get_xfer_descs([d for w in batch for d in w.remote], "DRAM"), batch[0].agent)
+                "WRITE",
+                self.agent.get_xfer_descs([d for w in batch for d in w.local], "DRAM"),
+                self.agent.get_xfer_descs([d for w in batch for d in w.remote], "DRAM"),
+                batch[0].agent,
+            )
             x.state = self.agent.transfer(x.handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own errors; the frames fall back to TCP
             log.warning("NIXL could not post a WRITE: %s", e)

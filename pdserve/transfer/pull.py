@@ -11,6 +11,7 @@ Only a peer that passed the cluster handshake may pull, and only a transfer
 this worker has begun (or begins within `wait_for_begin_s`); its request and
 acknowledgement frames carry no payload.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,16 @@ log = logging.getLogger("pdserve.transfer")
 
 
 class PullKVExporter(KVSender):
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, wire_mode: str = "none",
-                 wait_for_begin_s: float = 10.0, lease_s: float = 120.0, *, secret: bytes):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        wire_mode: str = "none",
+        wait_for_begin_s: float = 10.0,
+        lease_s: float = 120.0,
+        *,
+        secret: bytes,
+    ):
         self.wire_mode = wire_mode
         self.wait_for_begin_s = wait_for_begin_s
         self.lease_s = lease_s

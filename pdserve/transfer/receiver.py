@@ -8,6 +8,7 @@ through a small fixed buffer and dropped: it can never land in blocks someone
 else owns now, nor make us allocate its size. A layer frame must carry exactly
 the K and V of its tokens; any other frame carries no payload.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,15 @@ class _Expected:
 
 
 class KVReceiverServer(KVReceiver):
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], host: str = "127.0.0.1",
-                 port: int = 0, scheme: str = "tcp", *, secret: bytes):
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        scheme: str = "tcp",
+        *,
+        secret: bytes,
+    ):
         self.kv_caches = kv_caches
         self.secret = wire.require_secret(secret)
         self._lock = threading.Lock()
@@ -196,8 +204,9 @@ class KVReceiverServer(KVReceiver):
             self._fail(tid, f"sender aborted: {h.get('reason', '')}")
             return None
         if e is None or e.error:
-            return {"op": "ack", "tid": tid, "ok": False, "error": "transfer not expected here"} \
-                if op == "done" else None
+            return (
+                {"op": "ack", "tid": tid, "ok": False, "error": "transfer not expected here"} if op == "done" else None
+            )
         if op == "layer":
             if "layers" in h:  # an in-place notice naming several landed layers
                 if not h.get("inplace") or not isinstance(h["layers"], list):
@@ -254,10 +263,10 @@ class KVReceiverServer(KVReceiver):
         row = tuple(k_cache.shape[-2:])
         runs = e.runs.get((lo, n))
         if runs is None:  # every layer of a chunk lands in the same slots: split them once
-            runs = e.runs[(lo, n)] = wire.slot_runs(e.slots[lo:lo + n])
+            runs = e.runs[(lo, n)] = wire.slot_runs(e.slots[lo : lo + n])
         if not wire.few_runs(runs, n):
             return None
-        return [c.view(-1, *row)[first:first + m] for c in (k_cache, v_cache) for _, first, m in runs]
+        return [c.view(-1, *row)[first : first + m] for c in (k_cache, v_cache) for _, first, m in runs]
 
     def _land_layer(self, e: _Expected, h: dict, payload) -> None:
         layer, start, n, lo = self._check_range(e, h)
@@ -268,7 +277,7 @@ class KVReceiverServer(KVReceiver):
             shape = (n,) + tuple(k_cache.shape[-2:])
             k, off = wire.decode(payload, h, shape, 0)
             v, _ = wire.decode(payload, h, shape, off)
-            slots = e.slots[lo:lo + n]
+            slots = e.slots[lo : lo + n]
             wire.copy_into_slots(k_cache.view(-1, *shape[1:]), slots, k)
             wire.copy_into_slots(v_cache.view(-1, *shape[1:]), slots, v)
         self._mark_landed(e, h)

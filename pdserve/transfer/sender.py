@@ -9,6 +9,7 @@ that sends it a bad frame) is healed by reconnecting and resending; the
 receiver ignores what it already holds. Every connection opens with the
 cluster handshake (`pdserve.auth.kv_connect`) before a byte of KV goes out.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,11 +77,12 @@ def _host_port(address: str) -> tuple[str, int]:
 # A transfer whose connection breaks more often than this fails (its decode worker
 # recomputes): a receiver that refuses a frame refuses it again when it is resent.
 MAX_LOST_CONNECTIONS = 3
+
+
 class TcpKVSender(KVSender):
     """Push: connect to the decode worker's receiver and send frames."""
 
-    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0, lease_s: float = 120.0, *,
-                 secret: bytes):
+    def __init__(self, wire_mode: str = "none", retry_window_s: float = 5.0, lease_s: float = 120.0, *, secret: bytes):
         if wire_mode not in wire.WIRE_MODES:
             raise ValueError(f"wire mode must be one of {wire.WIRE_MODES}")
         self.secret = wire.require_secret(secret)
@@ -165,8 +167,7 @@ class TcpKVSender(KVSender):
                 try:
                     t, header, payload = item
                     # frames of a transfer already settled, failed or dropped are moot; its abort is not
-                    live = (self._transfers.get(t.dest.transfer_id) is t and t.error is None
-                            or header["op"] == "abort")
+                    live = self._transfers.get(t.dest.transfer_id) is t and t.error is None or header["op"] == "abort"
                     if live and t.dest.address is not None:
                         self._send_with_retry(t, header, payload)
                 finally:
@@ -409,8 +410,15 @@ def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[tor
 class AutoKVSender(KVSender):
     """Shared memory when the destination's cache files are visible from here, TCP otherwise."""
 
-    def __init__(self, wire_mode: str = "none", allow_shm: bool = True, retry_window_s: float = 5.0,
-                 exporter=None, *, secret: bytes):
+    def __init__(
+        self,
+        wire_mode: str = "none",
+        allow_shm: bool = True,
+        retry_window_s: float = 5.0,
+        exporter=None,
+        *,
+        secret: bytes,
+    ):
         self.secret = wire.require_secret(secret)
         self.tcp = TcpKVSender(wire_mode, retry_window_s, secret=secret)
         self.shm = ShmKVSender(retry_window_s, secret=secret) if allow_shm else None

@@ -13,6 +13,7 @@ a layer frame's payload must be exactly the K and V of its tokens
 (`layer_frame_bytes`), so a header cannot make a reader allocate more than the
 transfer it names can hold.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ MAX_FRAME_BYTES = 1 << 31
 # the accept loop waits for a free one (a legitimate handshake takes one round trip).
 MAX_PENDING_HANDSHAKES = 64
 _DISCARD_CHUNK = 1 << 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 WIRE_MODES = ("none", "int8", "fp8")
 
 
@@ -217,6 +223,7 @@ def layer_frame_bytes(header: dict, n: int, row: tuple[int, int]) -> int:
 
 # ---------------------------------------------------------------- slots
 
+
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     """Split flat slot ids into runs of consecutive slots: (offset in `slots`, first slot, length).
 
@@ -238,8 +245,9 @@ def few_runs(runs: list, n: int) -> bool:
     return len(runs) <= max(4, n // 8)
 
 
-def copy_into_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                    runs: list[tuple[int, int, int]] | None = None) -> None:
+def copy_into_slots(
+    cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, runs: list[tuple[int, int, int]] | None = None
+) -> None:
     """cache[slots] = x along dim 0 of `cache` ([num_slots, ...]), run by run when
     the slots form few runs (contiguous copies), else one scatter. `runs`, when the
     caller has them (the same slots for every layer), saves recomputing them."""
@@ -247,12 +255,13 @@ def copy_into_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     if few_runs(runs, slots.numel()):
         x = x.to(cache.dtype)
         for off, first, n in runs:
-            cache[first:first + n].copy_(x[off:off + n])
+            cache[first : first + n].copy_(x[off : off + n])
     else:
         cache.index_copy_(0, slots, x.to(cache.dtype))
 
 
 # ---------------------------------------------------------------- compression
+
 
 def encode(x: torch.Tensor, mode: str) -> tuple[list[torch.Tensor], dict]:
     """[n, heads, dim] -> tensors to send and the header fields to decode them."""
@@ -281,14 +290,14 @@ def decode(raw: torch.Tensor, header: dict, shape: tuple[int, ...], offset: int)
     size = n * torch.empty(0, dtype=dtype).element_size()
     if offset + size > raw.numel():
         raise FrameError("frame payload shorter than its header says")
-    x = raw[offset:offset + size].view(dtype).view(shape)
+    x = raw[offset : offset + size].view(dtype).view(shape)
     offset += size
     if header.get("scaled"):
         scale_shape = shape[:-1] + (1,)
         ssize = n // shape[-1] * 4
         if offset + ssize > raw.numel():
             raise FrameError("frame payload shorter than its header says")
-        scale = raw[offset:offset + ssize].view(torch.float32).view(scale_shape)
+        scale = raw[offset : offset + ssize].view(torch.float32).view(scale_shape)
         offset += ssize
         x = x.float() * scale
     return x, offset

@@ -18,6 +18,7 @@ over the KV bridge (pdserve/transfer).
 Every route needs a request signed with the cluster secret (pdserve/auth.py);
 leases and waits the caller asks for are capped by `max_lease_s`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,11 +81,16 @@ def output_event(out) -> dict:
     """One engine RequestOutput's new part: the fields of an OutputEvent or FirstTokenEvent
     (what the router turns back into an output)."""
     c = out.outputs[0]
-    new_lp = c.logprobs[-len(out.new_token_ids):] if c.logprobs and out.new_token_ids else None
-    return {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-            "logprobs": [{str(k): v for k, v in e.items()} for e in new_lp] if new_lp else None,
-            "num_prompt_tokens": len(out.prompt_token_ids)}
+    new_lp = c.logprobs[-len(out.new_token_ids) :] if c.logprobs and out.new_token_ids else None
+    return {
+        "token_ids": out.new_token_ids,
+        "text": out.new_text,
+        "finished": out.finished,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "logprobs": [{str(k): v for k, v in e.items()} for e in new_lp] if new_lp else None,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+    }
 
 
 def _reservation_gone(rid: str) -> APIError:
@@ -93,8 +99,15 @@ def _reservation_gone(rid: str) -> APIError:
 
 
 class WorkerApi:
-    def __init__(self, engine: AsyncEngine, role: str, sender=None, receiver=None,
-                 save_timeout_s: float = 30.0, max_lease_s: float = 600.0):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        role: str,
+        sender=None,
+        receiver=None,
+        save_timeout_s: float = 30.0,
+        max_lease_s: float = 600.0,
+    ):
         self.engine = engine
         self.role = role
         self.sender = sender  # KVSender (prefill / both)
@@ -113,8 +126,9 @@ class WorkerApi:
         params = dataclasses.replace(_params(b.params), max_tokens=1, min_tokens=0)
         if self._faults:
             await self._faults.before_prefill()
-        group = self.engine.submit([EngineInput(b.prompt_token_ids, params, kv_destination=dest)],
-                                   request_id=b.request_id)
+        group = self.engine.submit(
+            [EngineInput(b.prompt_token_ids, params, kv_destination=dest)], request_id=b.request_id
+        )
         await group.accepted()
 
         async def stream():
@@ -139,9 +153,14 @@ class WorkerApi:
             bridge = self.engine.engine.bridge if self.engine.engine is not None else None
             layers = bridge.num_layers if bridge is not None and bridge.layerwise else 1
             exposed_bytes = st.bytes / layers
-            return SavedEvent(ok=True, bytes=st.bytes, retries=st.retries, seconds=st.finished_s - st.started_s,
-                              exposed_s=max(0.0, st.finished_s - computed_s) if st.finished_s else None,
-                              exposed_bytes=exposed_bytes)
+            return SavedEvent(
+                ok=True,
+                bytes=st.bytes,
+                retries=st.retries,
+                seconds=st.finished_s - st.started_s,
+                exposed_s=max(0.0, st.finished_s - computed_s) if st.finished_s else None,
+                exposed_bytes=exposed_bytes,
+            )
         except KVTransferError as e:
             return SavedEvent(ok=False, error=str(e))
 
@@ -155,13 +174,13 @@ class WorkerApi:
         # transfers already admitted go first), then 503
         wait_s = min(b.wait_s, MAX_RESERVE_WAIT_S)
         try:
-            dest = await self.engine.reserve_for_transfer(rid, b.prompt_token_ids, params, self.receiver,
-                                                          deadline_s=deadline_s, wait_s=wait_s)
+            dest = await self.engine.reserve_for_transfer(
+                rid, b.prompt_token_ids, params, self.receiver, deadline_s=deadline_s, wait_s=wait_s
+            )
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         if dest is None:
-            raise APIError(503, "no free KV blocks for this prompt now", code="kv_full",
-                           headers={"Retry-After": "1"})
+            raise APIError(503, "no free KV blocks for this prompt now", code="kv_full", headers={"Retry-After": "1"})
         return ReserveResponse(kv_destination=KVDestinationBody(**dest.to_json()))
 
     async def pull(self, b: PullRequest) -> PullResponse:
@@ -310,8 +329,13 @@ class WorkerApi:
         return FaultResponse(armed=armed)
 
     async def state(self) -> StateResponse:
-        return StateResponse(role=self.role, ready=self.engine.engine is not None, failure=self.engine.failure,
-                             stats=dict(self.engine.stats or {}), time=time.time())
+        return StateResponse(
+            role=self.role,
+            ready=self.engine.engine is not None,
+            failure=self.engine.failure,
+            stats=dict(self.engine.stats or {}),
+            time=time.time(),
+        )
 
 
 def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown=None) -> FastAPI:
@@ -334,11 +358,18 @@ def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown
     install_handlers(app)
     api.verifier = auth.Verifier(secret)
     app.add_middleware(auth.InternalAuth, verifier=api.verifier)
-    for path, fn, method in (("/internal/prefill", api.prefill, "POST"), ("/internal/reserve", api.reserve, "POST"),
-                             ("/internal/decode", api.decode, "POST"), ("/internal/generate", api.generate, "POST"),
-                             ("/internal/pull", api.pull, "POST"), ("/internal/kv_failed", api.kv_failed, "POST"),
-                             ("/internal/abort", api.abort, "POST"), ("/internal/state", api.state, "GET"),
-                             ("/internal/drain", api.drain, "POST"), ("/internal/fault", api.fault, "POST")):
+    for path, fn, method in (
+        ("/internal/prefill", api.prefill, "POST"),
+        ("/internal/reserve", api.reserve, "POST"),
+        ("/internal/decode", api.decode, "POST"),
+        ("/internal/generate", api.generate, "POST"),
+        ("/internal/pull", api.pull, "POST"),
+        ("/internal/kv_failed", api.kv_failed, "POST"),
+        ("/internal/abort", api.abort, "POST"),
+        ("/internal/state", api.state, "GET"),
+        ("/internal/drain", api.drain, "POST"),
+        ("/internal/fault", api.fault, "POST"),
+    ):
         app.add_api_route(path, fn, methods=[method])
     return app
 

@@ -3,6 +3,7 @@
 Workers are plain processes: any scheduler (a shell, Kubernetes, Slurm) can
 start them anywhere the router and the other workers can reach.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ log = logging.getLogger("pdserve.worker")
 class WorkerState:
     """What the worker learns about its engine once it is built (on the engine thread)
     and at start-up calibration, for its heartbeats."""
+
     steps: DecodeStepRecorder | None = None  # live step times: rescale the cost models
     static_stats: dict = field(default_factory=dict)  # heartbeat stats fixed by the engine's shape
     calibration: dict = field(default_factory=dict)  # prefill start-up calibration (heartbeat stats)
@@ -58,30 +60,58 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=0, help="control API port (0: any free port)")
     p.add_argument("--advertise-host", default=None, help="address others use to reach this worker")
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--kv-transport", choices=["auto", "tcp", "nixl"], default="auto",
-                   help="auto: shared memory when the decode worker is on this host, else TCP; "
-                        "nixl: the decode worker's cache is a NIXL WRITE target (needs nixl-cu12), "
-                        "prefill workers write into it one-sided")
-    p.add_argument("--kv-layerwise", action=argparse.BooleanOptionalAction, default=True,
-                   help="send each layer's KV as soon as it is computed (--no-kv-layerwise: eager)")
+    p.add_argument(
+        "--kv-transport",
+        choices=["auto", "tcp", "nixl"],
+        default="auto",
+        help="auto: shared memory when the decode worker is on this host, else TCP; "
+        "nixl: the decode worker's cache is a NIXL WRITE target (needs nixl-cu12), "
+        "prefill workers write into it one-sided",
+    )
+    p.add_argument(
+        "--kv-layerwise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each layer's KV as soon as it is computed (--no-kv-layerwise: eager)",
+    )
     p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none", help="KV compression on the wire")
-    p.add_argument("--kv-shm-dir", default="/dev/shm",
-                   help="decode side: directory for the shared KV cache ('' to disable)")
+    p.add_argument(
+        "--kv-shm-dir", default="/dev/shm", help="decode side: directory for the shared KV cache ('' to disable)"
+    )
     p.add_argument("--cpu-cores", default=None, help="pin this process to these cores, e.g. 0 or 0,1")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the cost models at start-up for the router's placement and admission: "
-                        "D_prefill(L) on prefill roles, decode step time vs batch and context on decode roles")
-    p.add_argument("--step-trace", default=None, metavar="FILE",
-                   help="append one JSON line per engine step (timing and batch shape), for the simulator")
-    p.add_argument("--max-kv-lease-s", type=float, default=600.0,
-                   help="cap on the lease of a KV reservation and on a decode's wait for its KV, whatever "
-                        "the router asks (blocks reserved for KV that never comes are freed by then)")
-    p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="sequences that may wait in this worker's engine before new ones get 429")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM; the router stops "
-                        "placing new ones here at once")
+    p.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the cost models at start-up for the router's placement and admission: "
+        "D_prefill(L) on prefill roles, decode step time vs batch and context on decode roles",
+    )
+    p.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per engine step (timing and batch shape), for the simulator",
+    )
+    p.add_argument(
+        "--max-kv-lease-s",
+        type=float,
+        default=600.0,
+        help="cap on the lease of a KV reservation and on a decode's wait for its KV, whatever "
+        "the router asks (blocks reserved for KV that never comes are freed by then)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="sequences that may wait in this worker's engine before new ones get 429",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM; the router stops placing new ones here at once",
+    )
     from pdserve.router.cli import add_cluster_token_argument
 
     add_cluster_token_argument(p)
@@ -106,8 +136,9 @@ def run(args) -> int:
     async def tell_router():  # a beat now says we drain: no new work comes here
         beat_now.set()
 
-    server = serving.make_server(app, args.host, port, api.engine, args.shutdown_timeout, on_drain=tell_router,
-                                 log_level="warning")
+    server = serving.make_server(
+        app, args.host, port, api.engine, args.shutdown_timeout, on_drain=tell_router, log_level="warning"
+    )
     api.start_drain = server.start_drain  # /internal/drain: the router retires this worker
     server.run()
     return 0 if server.started else 1
@@ -137,21 +168,28 @@ def build(args, port: int):
 
         if not nixl_available():
             raise SystemExit("--kv-transport nixl: NIXL is not importable (pip install --no-deps nixl-cu12==1.5.1)")
-    if (role in ("decode", "both") and args.kv_transport != "nixl" and args.kv_shm_dir
-            and os.path.isdir(args.kv_shm_dir)):
+    if (
+        role in ("decode", "both")
+        and args.kv_transport != "nixl"
+        and args.kv_shm_dir
+        and os.path.isdir(args.kv_shm_dir)
+    ):
         kw["kv_cache_shm_dir"] = args.kv_shm_dir
     sender = None
     if role != "decode":
         from pdserve.transfer.pull import PullKVExporter
 
         exporter = PullKVExporter(host=args.host, wire_mode=args.kv_wire, secret=secret)
-        sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter,
-                              secret=secret)
+        sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter, secret=secret)
     state = WorkerState()
 
     def make_engine():
-        engine = LLMEngine(EngineConfig.from_kwargs(model=args.model, **kw), kv_secret=secret,
-                           kv_sender=sender, kv_layerwise=args.kv_layerwise)
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(model=args.model, **kw),
+            kv_secret=secret,
+            kv_sender=sender,
+            kv_layerwise=args.kv_layerwise,
+        )
         # the router's prefix index follows these; without a router nobody drains them
         engine.block_manager.record_events = bool(args.router)
         if role != "prefill":
@@ -160,16 +198,28 @@ def build(args, port: int):
 
                 api.receiver = NixlKVReceiver(engine.runner.kv_caches, host=args.host, secret=secret)
             else:
-                api.receiver = KVReceiverServer(engine.runner.kv_caches, host=args.host, secret=secret,
-                                                scheme="shm" if engine.runner.kv_shm_paths else "tcp")
+                api.receiver = KVReceiverServer(
+                    engine.runner.kv_caches,
+                    host=args.host,
+                    secret=secret,
+                    scheme="shm" if engine.runner.kv_shm_paths else "tcp",
+                )
         state.steps = DecodeStepRecorder(engine)
-        state.static_stats = {"kv_bytes_per_token": engine.runner.kv_cache_bytes // max(
-            1, engine.runner.num_blocks * engine.runner.block_size), "num_layers": engine.model_config.num_hidden_layers,
-            "kv_layerwise": bool(args.kv_layerwise), "max_num_seqs": engine.config.scheduler.max_num_seqs}
+        state.static_stats = {
+            "kv_bytes_per_token": engine.runner.kv_cache_bytes
+            // max(1, engine.runner.num_blocks * engine.runner.block_size),
+            "num_layers": engine.model_config.num_hidden_layers,
+            "kv_layerwise": bool(args.kv_layerwise),
+            "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        }
         return engine
 
-    engine = AsyncEngine(make_engine, ServerMetrics, max_waiting_requests=args.max_waiting_requests,
-                         step_trace=open_step_trace(args.step_trace))
+    engine = AsyncEngine(
+        make_engine,
+        ServerMetrics,
+        max_waiting_requests=args.max_waiting_requests,
+        step_trace=open_step_trace(args.step_trace),
+    )
     api = WorkerApi(engine, role, sender=sender, max_lease_s=args.max_kv_lease_s)
     beat_now = asyncio.Event()
 
@@ -209,8 +259,9 @@ def advertised(address: str, host: str) -> str:
     return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
 
 
-async def _register_loop(args, worker_id, url, role, api, state: WorkerState, secret: bytes, beat_now: asyncio.Event,
-                         host: str) -> None:
+async def _register_loop(
+    args, worker_id, url, role, api, state: WorkerState, secret: bytes, beat_now: asyncio.Event, host: str
+) -> None:
     import httpx
     from pydantic import ValidationError
 
@@ -233,11 +284,19 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
                 if not registered:
                     recv = api.receiver
                     exporter = api.sender.exporter if api.sender is not None else None
-                    await _post(client, "/internal/register", RegisterRequest(
-                        worker_id=worker_id, url=url, role=role,
-                        kv_address=advertised(recv.address, host) if recv else "",
-                        kv_export_address=advertised(exporter.address, host) if exporter else "",
-                        host=socket.gethostname(), restarts=restarts).wire())
+                    await _post(
+                        client,
+                        "/internal/register",
+                        RegisterRequest(
+                            worker_id=worker_id,
+                            url=url,
+                            role=role,
+                            kv_address=advertised(recv.address, host) if recv else "",
+                            kv_export_address=advertised(exporter.address, host) if exporter else "",
+                            host=socket.gethostname(),
+                            restarts=restarts,
+                        ).wire(),
+                    )
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
                 # The engine thread answers between steps; one long prefill step (seconds on a
@@ -245,16 +304,19 @@ async def _register_loop(args, worker_id, url, role, api, state: WorkerState, se
                 # out on time with the last stats, and the KV events follow with a later beat:
                 # the call stays pending (its events are numbered only once they are sent).
                 if pending is None:
-                    pending = asyncio.ensure_future(api.engine.heartbeat_snapshot(kv_pub.want_snapshot,
-                                                                                  state.steps))
+                    pending = asyncio.ensure_future(api.engine.heartbeat_snapshot(kv_pub.want_snapshot, state.steps))
                 await asyncio.wait({pending}, timeout=args.heartbeat_s / 2)
                 body = HeartbeatRequest(worker_id=worker_id)
                 if pending.done():
                     snap, pending = pending.result(), None
                     last_live = state.live_stats(snap)
                     body.kv_events = KVEventsBody.model_validate(kv_pub.payload(snap.kv_events, snap.cached_hashes))
-                body.stats = {**(api.engine.stats or {}), **state.calibration, **last_live,
-                              "draining": api.engine.draining}
+                body.stats = {
+                    **(api.engine.stats or {}),
+                    **state.calibration,
+                    **last_live,
+                    "draining": api.engine.draining,
+                }
                 r = await client.post("/internal/heartbeat", json=body.wire())
                 if r.status_code == 401:
                     log.error("the router refused our cluster token: %s", r.text)

@@ -6,6 +6,7 @@ id per start, whose cache starts empty). Events lost with a failed heartbeat
 leave a gap the router notices; it then answers `"kv_snapshot": true` and the
 next heartbeat carries every cached hash. JSON only.
 """
+
 from __future__ import annotations
 
 import uuid

@@ -1,4 +1,5 @@
 """A real `pdserve serve` on the tiny model, on a free loopback port, always stopped."""
+
 import os
 import signal
 import subprocess
@@ -10,8 +11,20 @@ import pytest
 from pdserve.ports import free_port, health_is, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_FLAGS = ["--dtype", "float32", "--threads", "1", "--block-size", "4", "--num-gpu-blocks", "1024",
-              "--max-num-seqs", "32", "--max-num-batched-tokens", "256"]
+TINY_FLAGS = [
+    "--dtype",
+    "float32",
+    "--threads",
+    "1",
+    "--block-size",
+    "4",
+    "--num-gpu-blocks",
+    "1024",
+    "--max-num-seqs",
+    "32",
+    "--max-num-batched-tokens",
+    "256",
+]
 
 
 class Server:
@@ -19,8 +32,24 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", mode, "--host", "127.0.0.1",
-               "--port", str(self.port), "--model", model_dir, "--served-model-name", "tiny", *TINY_FLAGS, *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--mode",
+            mode,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            model_dir,
+            "--served-model-name",
+            "tiny",
+            *TINY_FLAGS,
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_ready(timeout_s)

@@ -1,4 +1,5 @@
 """`pdserve bench` against a real `pdserve serve` (tiny model): results, workloads and bad input."""
+
 import json
 import os
 import threading
@@ -14,10 +15,22 @@ from pdserve.cli import main
 from tests.bench.conftest import Server, free_port
 from tests.data import MOONCAKE_SAMPLE
 
-VLLM_FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-               "request_goodput", "output_throughput", "total_token_throughput", "input_lens", "output_lens", "ttfts",
-               "itls", "errors"] + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                                    for s in ("mean", "median", "std", "p90", "p99")]
+VLLM_FIELDS = [
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "errors",
+] + [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p90", "p99")]
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +40,45 @@ def tokens(tiny_model_dir):
 
 def _prefix_cache_hits(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=5, trust_env=False).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:prefix_cache_hits") and "_created" not in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve:prefix_cache_hits") and "_created" not in line
+    )
 
 
 @pytest.mark.integration
 def test_cli_random_run_writes_json_and_plots(bench_server, tiny_model_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rc = main(["bench", "--base-url", bench_server.url, "--tokenizer", tiny_model_dir, "--num-prompts", "12",
-               "--random-input-len", "24", "--random-output-len", "8", "--ignore-eos", "--request-rate", "40",
-               "--max-concurrency", "4", "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm",
-               "--result-dir", str(tmp_path), "--result-filename", "r.json", "--plot"])
+    rc = main(
+        [
+            "bench",
+            "--base-url",
+            bench_server.url,
+            "--tokenizer",
+            tiny_model_dir,
+            "--num-prompts",
+            "12",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "8",
+            "--ignore-eos",
+            "--request-rate",
+            "40",
+            "--max-concurrency",
+            "4",
+            "--goodput",
+            "ttft:60000",
+            "tpot:60000",
+            "--disable-tqdm",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+            "--plot",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "Serving Benchmark Result" in out and "P99 ITL (ms):" in out
@@ -66,11 +107,25 @@ def test_chat_endpoint_with_text_prompts(bench_server, tokens):
 
 @pytest.mark.integration
 def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, tokens):
-    cfg = datasets.MixedConfig(num_chats=10, chat_input_len=12, chat_output_len=12, chat_streams=3,
-                               long_input_len=300, long_output_len=2, burst_size=1, num_bursts=2,
-                               burst_interval_s=0.2, first_burst_s=0.1)
-    r = run_benchmark(datasets.mixed(cfg, tokens), bench_server.url, tag_concurrency=cfg.tag_concurrency(),
-                      ignore_eos=True, goodput={"tpot": 60000})
+    cfg = datasets.MixedConfig(
+        num_chats=10,
+        chat_input_len=12,
+        chat_output_len=12,
+        chat_streams=3,
+        long_input_len=300,
+        long_output_len=2,
+        burst_size=1,
+        num_bursts=2,
+        burst_interval_s=0.2,
+        first_burst_s=0.1,
+    )
+    r = run_benchmark(
+        datasets.mixed(cfg, tokens),
+        bench_server.url,
+        tag_concurrency=cfg.tag_concurrency(),
+        ignore_eos=True,
+        goodput={"tpot": 60000},
+    )
     assert r["completed"] == 12 and set(r["by_tag"]) == {"chat", "long"}
     assert r["by_tag"]["chat"]["completed"] == 10 and r["by_tag"]["long"]["completed"] == 2
     assert r["by_tag"]["chat"]["max_concurrent_requests"] <= 3
@@ -86,11 +141,18 @@ def test_mixed_workload_limits_chat_streams_and_keeps_burst_times(bench_server, 
 def test_closed_loop_runs_for_a_duration_not_a_count(bench_server, tokens):
     """send_until_s: chat users stop sending after it; the unsent are left out and the arrays
     say which requests they describe (the bursts, which have their own times, still go)."""
-    cfg = datasets.MixedConfig(num_chats=500, chat_input_len=12, chat_output_len=12, chat_streams=2,
-                               long_input_len=50, long_output_len=2, num_bursts=1, first_burst_s=0.3)
+    cfg = datasets.MixedConfig(
+        num_chats=500,
+        chat_input_len=12,
+        chat_output_len=12,
+        chat_streams=2,
+        long_input_len=50,
+        long_output_len=2,
+        num_bursts=1,
+        first_burst_s=0.3,
+    )
     reqs = datasets.mixed(cfg, tokens)
-    r = run_benchmark(reqs, bench_server.url, tag_concurrency=cfg.tag_concurrency(), ignore_eos=True,
-                      send_until_s=0.6)
+    r = run_benchmark(reqs, bench_server.url, tag_concurrency=cfg.tag_concurrency(), ignore_eos=True, send_until_s=0.6)
     assert r["failed"] == 0 and 0 < r["num_unsent"] < 500
     assert len(r["request_indices"]) == r["completed"] == len(r["ttfts"]) == 500 + 1 - r["num_unsent"]
     assert [reqs[i].tag for i in r["request_indices"]] == r["tags"] and r["tags"].count("long") == 1
@@ -144,10 +206,14 @@ def test_api_key_and_server_going_away_mid_run(tiny_model_dir, tokens):
         reqs = datasets.random(16, 8, 400, tokens, seed=2)
         with pytest.raises(BenchError, match="wants an API key"):
             run_benchmark(reqs, server.url)
-        t = threading.Thread(target=lambda: result.update(run_benchmark(
-            reqs, server.url, api_key="k", ignore_eos=True, max_concurrency=2, state=state)))
+        t = threading.Thread(
+            target=lambda: result.update(
+                run_benchmark(reqs, server.url, api_key="k", ignore_eos=True, max_concurrency=2, state=state)
+            )
+        )
         t.start()
         deadline = time.monotonic() + 60
+
         def streaming() -> bool:  # a request is in flight, mid-stream, when the server goes
             return any(o.ttft_s > 0 and not o.success and not o.error for o in state.outputs)
 
@@ -162,8 +228,14 @@ def test_api_key_and_server_going_away_mid_run(tiny_model_dir, tokens):
     assert result["completed"] + result["failed"] == 16
     errors = " | ".join(result["error_counts"])
     # in flight: the server's error event or a cut connection, depending on how it shuts down
-    assert any(m in errors for m in ("error event mid-stream", "connection to the server broke",
-                                     "closed the connection before the response ended")), errors
+    assert any(
+        m in errors
+        for m in (
+            "error event mid-stream",
+            "connection to the server broke",
+            "closed the connection before the response ended",
+        )
+    ), errors
     assert "cannot connect" in errors or "HTTP 503" in errors, errors  # the ones sent after
     assert all(n == 400 for n, e in zip(result["output_lens"], result["errors"]) if not e)
 
@@ -173,10 +245,19 @@ def test_mixed_against_disaggregated_serving(tiny_model_dir, tokens):
     """The interference experiment's case (c): the same client against router + 1 prefill + 1 decode worker."""
     server = Server(tiny_model_dir, "--prefill", "1", "--decode", "1", mode="disaggregated")
     try:
-        cfg = datasets.MixedConfig(num_chats=6, chat_input_len=12, chat_output_len=8, chat_streams=3,
-                                   long_input_len=300, long_output_len=2, num_bursts=1, first_burst_s=0.05)
-        r = run_benchmark(datasets.mixed(cfg, tokens), server.url, tag_concurrency=cfg.tag_concurrency(),
-                          ignore_eos=True)
+        cfg = datasets.MixedConfig(
+            num_chats=6,
+            chat_input_len=12,
+            chat_output_len=8,
+            chat_streams=3,
+            long_input_len=300,
+            long_output_len=2,
+            num_bursts=1,
+            first_burst_s=0.05,
+        )
+        r = run_benchmark(
+            datasets.mixed(cfg, tokens), server.url, tag_concurrency=cfg.tag_concurrency(), ignore_eos=True
+        )
     finally:
         server.stop()
     assert (r["completed"], r["failed"]) == (7, 0), r["error_counts"]

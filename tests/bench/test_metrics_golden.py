@@ -1,4 +1,5 @@
 """Golden test of the metric arithmetic: SSE lines with hand-made arrival times, worked out by hand."""
+
 import json
 
 import pytest
@@ -31,13 +32,30 @@ def _replay(lines_at, start, chat=False, prompt_len=0, tag="default"):
 
 def _three_requests():
     # A: sent at 0; output chunks at 0.10, 0.15, 0.25, 0.30; usage says 4 tokens, 10 prompt tokens.
-    a = _replay([(0.10, _text("a")), (0.15, _text("b")), (0.25, ""), (0.25, _text("c")),
-                 (0.30, _text("d", "length")), (0.31, _usage(10, 4)), (0.31, "data: [DONE]")], 0.0)
+    a = _replay(
+        [
+            (0.10, _text("a")),
+            (0.15, _text("b")),
+            (0.25, ""),
+            (0.25, _text("c")),
+            (0.30, _text("d", "length")),
+            (0.31, _usage(10, 4)),
+            (0.31, "data: [DONE]"),
+        ],
+        0.0,
+    )
     # B (chat): sent at 0.5; the role chunk at 0.51 is not a token; content at 0.70 and 0.80.
-    b = _replay([(0.51, _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
-                 (0.70, _sse({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})),
-                 (0.80, _sse({"choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": "stop"}]})),
-                 (0.80, _usage(20, 2))], 0.5, chat=True, tag="chat")
+    b = _replay(
+        [
+            (0.51, _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
+            (0.70, _sse({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})),
+            (0.80, _sse({"choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": "stop"}]})),
+            (0.80, _usage(20, 2)),
+        ],
+        0.5,
+        chat=True,
+        tag="chat",
+    )
     c = RequestOutput(prompt_len=99, error="HTTP 500: boom")  # failed: counted, never averaged
     return [a, b, c]
 
@@ -54,8 +72,7 @@ def test_stream_timing_by_hand():
 
 def test_summary_by_hand():
     outs = _three_requests()
-    r = metrics.result(outs, duration_s=1.0, percentiles=[50, 90, 99, 99.9],
-                       goodput={"ttft": 150, "tpot": 90})
+    r = metrics.result(outs, duration_s=1.0, percentiles=[50, 90, 99, 99.9], goodput={"ttft": 150, "tpot": 90})
     assert (r["completed"], r["failed"]) == (2, 1)
     assert (r["total_input_tokens"], r["total_output_tokens"]) == (30, 6)  # the failed prompt is not counted
     assert r["request_throughput"] == pytest.approx(2.0)
@@ -98,10 +115,13 @@ def test_without_usage_output_tokens_are_output_chunks():
     assert out.output_tokens == 3 and not out.usage_reported
 
 
-@pytest.mark.parametrize("lines, message", [
-    ([_text("a"), _sse({"error": {"message": "the server shut down", "type": "x"}})], "the server shut down"),
-    (["data: [DONE]"], "without any output"),
-])
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([_text("a"), _sse({"error": {"message": "the server shut down", "type": "x"}})], "the server shut down"),
+        (["data: [DONE]"], "without any output"),
+    ],
+)
 def test_stream_errors(lines, message):
     from pdserve.bench.client import _StreamError
 

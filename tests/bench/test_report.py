@@ -1,4 +1,5 @@
 """The table, the JSON file, the plots and an interrupted run's result, from hand-made outputs."""
+
 import json
 import math
 
@@ -12,12 +13,20 @@ from pdserve.bench.runner import Progress, RunState, finish
 def _outputs():
     outs = []
     for i in range(6):
-        o = RequestOutput(prompt_len=10, output_tokens=5, success=True, ttft_s=0.05 + 0.01 * i,
-                          itl_s=[0.02, 0.02, 0.5 if i == 2 else 0.02, 0.02], start_s=0.1 * i, tag="chat")
+        o = RequestOutput(
+            prompt_len=10,
+            output_tokens=5,
+            success=True,
+            ttft_s=0.05 + 0.01 * i,
+            itl_s=[0.02, 0.02, 0.5 if i == 2 else 0.02, 0.02],
+            start_s=0.1 * i,
+            tag="chat",
+        )
         o.latency_s = o.ttft_s + sum(o.itl_s)
         outs.append(o)
-    outs.append(RequestOutput(prompt_len=400, output_tokens=1, success=True, ttft_s=0.4, latency_s=0.4, start_s=0.2,
-                              tag="long"))
+    outs.append(
+        RequestOutput(prompt_len=400, output_tokens=1, success=True, ttft_s=0.4, latency_s=0.4, start_s=0.2, tag="long")
+    )
     outs.append(RequestOutput(prompt_len=400, error="HTTP 400: too long", tag="long", start_s=0.3))
     return outs
 
@@ -32,8 +41,10 @@ def test_summary_table_and_json(tmp_path):
     path = report.save_json(r, str(tmp_path / "sub" / "r.json"))
     back = json.loads(open(path).read())
     assert back["request_rate"] == "inf" and back["completed"] == 7 and back["by_tag"]["long"]["failed"] == 1
-    assert report.default_filename({"model_id": "/m/smollm/", "request_rate": 2.0, "max_concurrency": 4},
-                                   "mixed", "D") == "pdserve-mixed-2.0qps-concurrency4-smollm-D.json"
+    assert (
+        report.default_filename({"model_id": "/m/smollm/", "request_rate": 2.0, "max_concurrency": 4}, "mixed", "D")
+        == "pdserve-mixed-2.0qps-concurrency4-smollm-D.json"
+    )
 
 
 def test_plots_are_pngs(tmp_path):
@@ -61,9 +72,11 @@ def test_plain_progress_line(capsys, monkeypatch):
     import builtins
 
     real_import = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__",
-                        lambda name, *a, **k: (_ for _ in ()).throw(ImportError()) if name == "tqdm"
-                        else real_import(name, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "__import__",
+        lambda name, *a, **k: (_ for _ in ()).throw(ImportError()) if name == "tqdm" else real_import(name, *a, **k),
+    )
     bar = Progress(2, enabled=True)
     bar.update(RequestOutput(success=True))
     bar.update(RequestOutput(error="x"))

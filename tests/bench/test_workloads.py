@@ -1,4 +1,5 @@
 """Workload builders and arrival processes: deterministic, the right lengths, sharing and timing."""
+
 import json
 import math
 
@@ -36,8 +37,18 @@ def test_random_as_text():
 
 
 def test_mixed_tags_and_burst_times():
-    cfg = MixedConfig(num_chats=10, chat_input_len=8, chat_output_len=4, long_input_len=50, long_output_len=2,
-                      burst_size=2, num_bursts=3, burst_interval_s=1.5, first_burst_s=0.5, chat_streams=3)
+    cfg = MixedConfig(
+        num_chats=10,
+        chat_input_len=8,
+        chat_output_len=4,
+        long_input_len=50,
+        long_output_len=2,
+        burst_size=2,
+        num_bursts=3,
+        burst_interval_s=1.5,
+        first_burst_s=0.5,
+        chat_streams=3,
+    )
     reqs = datasets.mixed(cfg, TOK, seed=0)
     chats = [r for r in reqs if r.tag == "chat"]
     longs = [r for r in reqs if r.tag == "long"]
@@ -57,9 +68,11 @@ def _trace(tmp_path, lines):
     return str(p)
 
 
-TRACE = [{"timestamp": 1000, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
-         {"timestamp": 1500, "input_length": 700, "output_length": 9, "hash_ids": [0, 1]},
-         {"timestamp": 3000, "input_length": 300, "output_length": 1, "hash_ids": [7]}]
+TRACE = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
+    {"timestamp": 1500, "input_length": 700, "output_length": 9, "hash_ids": [0, 1]},
+    {"timestamp": 3000, "input_length": 300, "output_length": 1, "hash_ids": [7]},
+]
 
 
 def test_mooncake_shared_prefixes_and_scaling(tmp_path):
@@ -77,19 +90,21 @@ def test_mooncake_shared_prefixes_and_scaling(tmp_path):
 
 
 def test_mooncake_real_trace_head():
-    reqs = datasets.mooncake(MOONCAKE_SAMPLE, 50, TOK,
-                             scaling=MooncakeScaling(block_tokens=4))
+    reqs = datasets.mooncake(MOONCAKE_SAMPLE, 50, TOK, scaling=MooncakeScaling(block_tokens=4))
     assert len(reqs) == 50
     first = [r.prompt[:4] for r in reqs]
     assert sum(p == first[0] for p in first) > 10  # hash id 0 starts many conversations
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("{not json", "not valid JSON"),
-    ('{"timestamp": 0, "input_length": "12", "output_length": 1, "hash_ids": []}', "'input_length' must be"),
-    ('{"timestamp": 0, "input_length": 12, "output_length": 1, "hash_ids": "0,1"}', "'hash_ids' must be"),
-    ("[1, 2]", "JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"timestamp": 0, "input_length": "12", "output_length": 1, "hash_ids": []}', "'input_length' must be"),
+        ('{"timestamp": 0, "input_length": 12, "output_length": 1, "hash_ids": "0,1"}', "'hash_ids' must be"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
 def test_mooncake_malformed_line_is_named(tmp_path, line, reason):
     path = _trace(tmp_path, [TRACE[0], line, TRACE[1]])
     with pytest.raises(DatasetError, match=f"trace.jsonl:2: .*{reason}.*--skip-bad-lines"):
@@ -108,10 +123,12 @@ def test_sharegpt(tmp_path):
     def conv(q, a):
         return {"id": q, "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
 
-    data = [conv("what is the capital of france and why " * 2, "paris is the capital of france " * 3),
-            {"id": "short", "conversations": [{"from": "human", "value": "hi"}]},  # one turn: skipped quietly
-            conv("tell me a long story about a cat " * 2, "once upon a time there was a cat " * 4),
-            conv("x", "y")]  # too short for vLLM's filter
+    data = [
+        conv("what is the capital of france and why " * 2, "paris is the capital of france " * 3),
+        {"id": "short", "conversations": [{"from": "human", "value": "hi"}]},  # one turn: skipped quietly
+        conv("tell me a long story about a cat " * 2, "once upon a time there was a cat " * 4),
+        conv("x", "y"),
+    ]  # too short for vLLM's filter
     p = tmp_path / "sg.json"
     p.write_text(json.dumps(data))
     reqs = datasets.sharegpt(str(p), 10, TOK)

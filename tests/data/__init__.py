@@ -1,4 +1,5 @@
 """Data files the tests read; README.md says where each comes from."""
+
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

@@ -2,6 +2,7 @@
 to float32; its greedy tokens must agree with transformers in bf16 on >= 97% of the steps of
 the parity prompts (teacher-forced: transformers names its own greedy token given pdserve's
 history). Not timed. Float32 stays exact: tests/engine/test_parity_hf.py."""
+
 import pytest
 import torch
 

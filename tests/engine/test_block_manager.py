@@ -1,4 +1,5 @@
 """The real BlockManager, on synthetic sequences: no model needed."""
+
 from pdserve.kv.block_manager import BlockManager
 from pdserve.kv.hashing import block_hashes
 

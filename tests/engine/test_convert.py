@@ -1,4 +1,5 @@
 """`pdserve convert` writes a Hugging Face directory that transformers and pdserve load as-is."""
+
 import json
 import os
 
@@ -38,7 +39,7 @@ def test_transformers_loads_it_and_agrees(converted):
     ours = LLM(converted, dtype="float32")
     res = ours.chat(msgs, SamplingParams(temperature=0, max_tokens=10))[0]
     assert res.prompt_token_ids == ids[0].tolist()  # same tokenizer and template
-    assert res.outputs[0].token_ids == out[0, ids.shape[1]:].tolist()[:len(res.outputs[0].token_ids)]
+    assert res.outputs[0].token_ids == out[0, ids.shape[1] :].tolist()[: len(res.outputs[0].token_ids)]
     assert "Paris" in res.outputs[0].text
 
 
@@ -50,6 +51,11 @@ def test_tokenizer_matches_transformers_on_tricky_text(converted, real_model_pat
     ours = Tokenizer.from_loaded(load_model(real_model_path))
     d, f = os.path.split(real_model_path)
     ref = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    for text in ["Hello world 12345", "  spaces\tand\nnewlines\n\n", "naïve café 你好 🙂",
-                 "<|im_start|>user\nhi<|im_end|>", "x=3.14159; y = x**2 // 7"]:
+    for text in [
+        "Hello world 12345",
+        "  spaces\tand\nnewlines\n\n",
+        "naïve café 你好 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+        "x=3.14159; y = x**2 // 7",
+    ]:
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False), text

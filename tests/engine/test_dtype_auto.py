@@ -1,4 +1,5 @@
 """`dtype="auto"`: bf16 where the CPU computes it natively (AVX512-BF16 / AMX-BF16), else float32."""
+
 import logging
 
 import pytest
@@ -16,11 +17,16 @@ def no_override(monkeypatch):
     monkeypatch.delenv("PDSERVE_AUTO_DTYPE", raising=False)
 
 
-@pytest.mark.parametrize("flags,onednn,want", [
-    (ZEN5, True, True), (SAPPHIRE_RAPIDS, True, True),
-    (ZEN3, False, False), (SKYLAKE_X, True, False),  # AVX-512 without BF16: oneDNN would emulate
-    (ZEN5, False, False),  # the CPU has it, this torch's oneDNN has no bf16 kernels
-])
+@pytest.mark.parametrize(
+    "flags,onednn,want",
+    [
+        (ZEN5, True, True),
+        (SAPPHIRE_RAPIDS, True, True),
+        (ZEN3, False, False),
+        (SKYLAKE_X, True, False),  # AVX-512 without BF16: oneDNN would emulate
+        (ZEN5, False, False),  # the CPU has it, this torch's oneDNN has no bf16 kernels
+    ],
+)
 def test_native_bf16_from_cpu_flags(flags, onednn, want):
     got, why = native_bf16("cpu", flags=flags, onednn_bf16=onednn)
     assert got is want and why

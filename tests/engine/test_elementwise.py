@@ -1,5 +1,6 @@
 """The fused bf16 elementwise kernels (elementwise.cpp) against the PyTorch ops they replace,
 and a tiny model's greedy tokens in bf16 with and without them."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ BF16 = torch.bfloat16
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 steps between same-signed values (bit patterns as ordered integers)."""
+
     def ordered(x):
         bits = x.contiguous().view(torch.int16).int()
         return torch.where(bits < 0, -(bits & 0x7FFF), bits)
@@ -76,9 +78,9 @@ def test_rope_qkv_matches_rotate_half(heads, kv_heads, head_dim):
     q, k, v = kernels.rope_qkv(qkv, cos, sin, positions, heads, kv_heads, head_dim)
     assert q.shape == (rows, heads, head_dim) and k.shape == v.shape == (rows, kv_heads, head_dim)
     assert q.is_contiguous()
-    k_at = qkv[:, heads * head_dim:].data_ptr()
+    k_at = qkv[:, heads * head_dim :].data_ptr()
     assert k.data_ptr() == k_at and v.data_ptr() == k_at + kv_heads * head_dim * 2  # views of qkv
-    assert torch.equal(qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view_as(k), k_ref)
+    assert torch.equal(qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view_as(k), k_ref)
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
     assert torch.equal(v, v_ref.view(rows, kv_heads, head_dim))
 

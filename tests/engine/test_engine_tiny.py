@@ -1,4 +1,5 @@
 """The whole engine on a tiny random-weight model: modes agree, nothing leaks, bad input is named."""
+
 import os
 
 import pytest
@@ -10,8 +11,12 @@ from pdserve.engine.sampling_params import InvalidRequest
 from tests.tiny import write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-PROMPTS = ["hello world", "a much longer prompt that spans several kv blocks of four tokens",
-           "x", "the quick brown fox jumps over the lazy dog " * 3]
+PROMPTS = [
+    "hello world",
+    "a much longer prompt that spans several kv blocks of four tokens",
+    "x",
+    "the quick brown fox jumps over the lazy dog " * 3,
+]
 
 
 def tokens(outs):
@@ -33,9 +38,15 @@ def test_matches_transformers(tmp_path, qkv_bias):
     outs = llm.generate(PROMPTS, GREEDY)
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
-        r = ref.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
-                         attention_mask=torch.ones_like(ids))
-        assert out.outputs[0].token_ids == r[0, ids.shape[1]:].tolist()
+        r = ref.generate(
+            ids,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones_like(ids),
+        )
+        assert out.outputs[0].token_ids == r[0, ids.shape[1] :].tolist()
 
 
 def test_batched_equals_sequential_and_no_leak(tiny_llm):
@@ -55,8 +66,14 @@ def test_preemption_gives_the_same_tokens(tiny_model_dir, tiny_llm):
 
 def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, tiny_llm):
     ref = tokens(tiny_llm.generate(PROMPTS, GREEDY))
-    chunked = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64,
-                  max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    chunked = LLM(
+        tiny_model_dir,
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks=64,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=5,
+    )
     assert tokens(chunked.generate(PROMPTS, GREEDY)) == ref
 
 
@@ -69,13 +86,16 @@ def test_prefix_cache_reuses_blocks(tiny_llm):
     assert tokens(first) == tokens(second)
 
 
-@pytest.mark.parametrize("prompt, params, param", [
-    ("", SamplingParams(), "prompt"),
-    ([[]], SamplingParams(), "prompt"),  # one prompt of zero token ids
-    ("x" * 600, SamplingParams(), "prompt"),  # longer than the 512-token context
-    ("hello", SamplingParams(max_tokens=510), "max_tokens"),
-    ([10**6], SamplingParams(), "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, param",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([[]], SamplingParams(), "prompt"),  # one prompt of zero token ids
+        ("x" * 600, SamplingParams(), "prompt"),  # longer than the 512-token context
+        ("hello", SamplingParams(max_tokens=510), "max_tokens"),
+        ([10**6], SamplingParams(), "prompt"),
+    ],
+)
 def test_bad_requests_are_named_and_leak_nothing(tiny_llm, prompt, params, param):
     with pytest.raises(InvalidRequest) as e:
         tiny_llm.generate(prompt, params)
@@ -84,15 +104,25 @@ def test_bad_requests_are_named_and_leak_nothing(tiny_llm, prompt, params, param
     assert tiny_llm.generate("still fine", GREEDY)[0].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("kw, param", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-    ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"),
-    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    # these used to pass and then fail the whole batch's step (int64 tensor, torch.Generator seed)
-    ({"top_k": 2 ** 80}, "top_k"), ({"seed": 2 ** 64}, "seed"), ({"seed": -(2 ** 63) - 1}, "seed"),
-    ({"stop": ["x"] * 100_000}, "stop"), ({"stop": "x" * 500_000}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        # these used to pass and then fail the whole batch's step (int64 tensor, torch.Generator seed)
+        ({"top_k": 2**80}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop": ["x"] * 100_000}, "stop"),
+        ({"stop": "x" * 500_000}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ],
+)
 def test_bad_sampling_params(kw, param):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**kw)
@@ -100,8 +130,14 @@ def test_bad_sampling_params(kw, param):
 
 
 def test_sampling_params_at_their_bounds():
-    p = SamplingParams(min_tokens=4, max_tokens=4, top_k=2 ** 31 - 1, seed=2 ** 64 - 1, stop=["x" * 1024] * 64,
-                       stop_token_ids=list(range(64)))
+    p = SamplingParams(
+        min_tokens=4,
+        max_tokens=4,
+        top_k=2**31 - 1,
+        seed=2**64 - 1,
+        stop=["x" * 1024] * 64,
+        stop_token_ids=list(range(64)),
+    )
     assert len(p.stop) == 64 and SamplingParams(min_tokens=100, max_tokens=None).min_tokens == 100
 
 
@@ -182,8 +218,11 @@ def test_stop_token_ids_and_eos(tiny_llm):
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10)
     alone = tokens(tiny_llm.generate("seeded", p))
-    batched = tokens(tiny_llm.generate(["other", "seeded", "more"], [SamplingParams(temperature=1.0), p,
-                                                                      SamplingParams(temperature=0.7)]))
+    batched = tokens(
+        tiny_llm.generate(
+            ["other", "seeded", "more"], [SamplingParams(temperature=1.0), p, SamplingParams(temperature=0.7)]
+        )
+    )
     assert alone[0] == batched[1]
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=99, max_tokens=10)
     assert tokens(tiny_llm.generate("seeded", other_seed)) != alone
@@ -200,8 +239,14 @@ def test_logprobs_are_returned_and_consistent(tiny_llm):
 
 def test_penalties_change_repetition(tiny_llm):
     plain = tokens(tiny_llm.generate("aaaa", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))[0]
-    pen = tokens(tiny_llm.generate("aaaa", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                          repetition_penalty=2.0, frequency_penalty=2.0)))[0]
+    pen = tokens(
+        tiny_llm.generate(
+            "aaaa",
+            SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=2.0, frequency_penalty=2.0
+            ),
+        )
+    )[0]
     assert len(set(pen)) >= len(set(plain)) and pen != plain
 
 
@@ -214,7 +259,8 @@ def test_n_returns_n_completions(tiny_llm):
 def test_chat_applies_template(tiny_llm):
     out = tiny_llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
     assert tiny_llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False).startswith(
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_incremental_detokenizer_never_splits_utf8(tiny_llm):
@@ -300,7 +346,9 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     assert c.text == "".join(o.new_text for o in outs)
     assert c.logprobs[:-1] == [e for o in running for e in o.outputs[0].logprobs] and len(c.logprobs) == 40
     assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)))
-    assert running[-1].outputs[0].cumulative_logprob == pytest.approx(c.cumulative_logprob - c.logprobs[-1][c.token_ids[-1]])
+    assert running[-1].outputs[0].cumulative_logprob == pytest.approx(
+        c.cumulative_logprob - c.logprobs[-1][c.token_ids[-1]]
+    )
     offline = tiny_llm.generate("abc", p)[0].outputs[0]
     assert (offline.token_ids, offline.text, offline.logprobs) == (c.token_ids, c.text, c.logprobs)
     assert offline.finish_reason == c.finish_reason == "length"

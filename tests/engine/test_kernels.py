@@ -1,4 +1,5 @@
 """The CPU kernels against plain PyTorch on the same numbers, and the fallback without them."""
+
 import gguf
 import numpy as np
 import pytest
@@ -51,8 +52,7 @@ def _int8_reference(x: torch.Tensor, raw: np.ndarray, qtype: str) -> torch.Tenso
     dx = xb.abs().amax(-1) / 127
     xq = torch.round(xb / torch.where(dx > 0, dx, 1).unsqueeze(-1) * (dx > 0).unsqueeze(-1)).long()
     isum = torch.einsum("mjk,njk->mnj", xq, q).double()
-    return ((isum * (dx.unsqueeze(1) * d.unsqueeze(0)).double()).sum(-1)
-            + (xb.sum(-1).double() @ c.double().T)).float()
+    return ((isum * (dx.unsqueeze(1) * d.unsqueeze(0)).double()).sum(-1) + (xb.sum(-1).double() @ c.double().T)).float()
 
 
 @needs_kernels
@@ -74,8 +74,9 @@ def test_int8_activation_matmul_does_the_int8_arithmetic(qtype, rows, k):
     exact = kernels.gguf_matmul(x, torch.from_numpy(raw), int(t), k)
     assert ((got - exact).norm() / exact.norm()).item() < 0.03
     with pytest.raises(RuntimeError, match="q8_repack"):
-        kernels.q8_matmul(x, torch.from_numpy(raw), int(t), k) if qtype == "Q4_0" else \
-            kernels.q8_matmul(x, packed[:, :-1].contiguous(), int(t), k)
+        kernels.q8_matmul(x, torch.from_numpy(raw), int(t), k) if qtype == "Q4_0" else kernels.q8_matmul(
+            x, packed[:, :-1].contiguous(), int(t), k
+        )
 
 
 @needs_kernels
@@ -95,8 +96,9 @@ def test_parallel_loop_runs_every_index_once_before_returning(threads):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
 @pytest.mark.parametrize("lens", [[1, 3, 4, 9, 17], [16, 31, 32, 48, 33], [256, 257, 700, 5, 1030]])
 @pytest.mark.parametrize("d", [32, 64, 128, 20])
 def test_paged_decode_attention_matches_sdpa(dtype, q_dtype, lens, d):
@@ -111,13 +113,17 @@ def test_paged_decode_attention_matches_sdpa(dtype, q_dtype, lens, d):
     num_blocks = b * nb + 3
     kc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
     vc = torch.randn(num_blocks, bs, kvh, d, generator=g).to(dtype)
-    tables = torch.randperm(num_blocks, generator=g)[:b * nb].view(b, nb)
+    tables = torch.randperm(num_blocks, generator=g)[: b * nb].view(b, nb)
     q = torch.randn(b, h, d, generator=g).to(q_dtype)
     out = torch.empty_like(q)
-    kernels.paged_decode_attention(out, q, kc, vc, tables, lens, d ** -0.5)
+    kernels.paged_decode_attention(out, q, kc, vc, tables, lens, d**-0.5)
     mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
-    ref = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d).float(), gather_kv(kc, tables).float(),
-                                         gather_kv(vc, tables).float(), attn_mask=mask).reshape(b, h, d)
+    ref = F.scaled_dot_product_attention(
+        q.view(b, kvh, h // kvh, d).float(),
+        gather_kv(kc, tables).float(),
+        gather_kv(vc, tables).float(),
+        attn_mask=mask,
+    ).reshape(b, h, d)
     # the kernel widens bf16 exactly and accumulates in fp32: only a bf16 output is rounded
     tol = 1e-5 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
@@ -130,8 +136,9 @@ def test_pure_pytorch_fallback_gives_the_same_tokens(tiny_model_dir, monkeypatch
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     without = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=64)
     assert without.engine.runner.decode_kernel is None
-    assert [o.outputs[0].token_ids for o in with_kernels.generate(prompts, params)] == \
-        [o.outputs[0].token_ids for o in without.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in with_kernels.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in without.generate(prompts, params)
+    ]
 
 
 @pytest.mark.integration
@@ -146,8 +153,15 @@ def _quantized_layer(qtype: str, bias: bool, int8: bool = False, intermediate_si
     from pdserve.config import ModelConfig
     from pdserve.engine.model import DecoderLayer
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=intermediate_size, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=bias,
+    )
     layer = DecoderLayer(cfg, 0)
     torch.manual_seed(1)  # the norms' weights and the bias below: the same layer every run
     rng = np.random.default_rng(1)
@@ -168,8 +182,16 @@ def _quantized_layer(qtype: str, bias: bool, int8: bool = False, intermediate_si
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype,bias,int8", [("Q4_1", False, False), ("Q4_0", True, False), ("Q8_0", False, False),
-                                             ("Q4_1", False, True), ("Q8_0", True, True)])
+@pytest.mark.parametrize(
+    "qtype,bias,int8",
+    [
+        ("Q4_1", False, False),
+        ("Q4_0", True, False),
+        ("Q8_0", False, False),
+        ("Q4_1", False, True),
+        ("Q8_0", True, True),
+    ],
+)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     """One C++ call per layer computes what the layer's Python forward computes, KV writes
@@ -184,12 +206,13 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g))]
     ref_caches = [(caches[0][0].clone(), caches[0][1].clone())]
-    tables = torch.randperm(kv_shape[0], generator=g)[:batch * nb].view(batch, nb)
+    tables = torch.randperm(kv_shape[0], generator=g)[: batch * nb].view(batch, nb)
     lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
     pos = lens - 1
     slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
-    meta = AttentionMetadata(slot_mapping=slots, num_decodes=batch, decode_block_tables=tables,
-                             decode_seq_lens=lens, decode_kernel=kernels)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decodes=batch, decode_block_tables=tables, decode_seq_lens=lens, decode_kernel=kernels
+    )
     inv = rope_inv_freq(cfg)
     emb = torch.cat((torch.outer(pos.float(), inv),) * 2, dim=-1)
     x = torch.randn(batch, cfg.hidden_size, generator=g)
@@ -224,12 +247,13 @@ def test_fused_decode_layer_over_a_bf16_cache(batch):
     kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
     caches = [(torch.randn(kv_shape, generator=g).bfloat16(), torch.randn(kv_shape, generator=g).bfloat16())]
     ref_caches = [(caches[0][0].float(), caches[0][1].float())]
-    tables = torch.randperm(kv_shape[0], generator=g)[:batch * nb].view(batch, nb)
+    tables = torch.randperm(kv_shape[0], generator=g)[: batch * nb].view(batch, nb)
     lens = torch.randint(2, nb * bs + 1, (batch,), generator=g)
     pos = lens - 1
     slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
-    meta = AttentionMetadata(slot_mapping=slots, num_decodes=batch, decode_block_tables=tables,
-                             decode_seq_lens=lens, decode_kernel=kernels)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decodes=batch, decode_block_tables=tables, decode_seq_lens=lens, decode_kernel=kernels
+    )
     emb = torch.cat((torch.outer(pos.float(), rope_inv_freq(cfg)),) * 2, dim=-1)
     x = torch.randn(batch, cfg.hidden_size, generator=g)
     with torch.inference_mode():
@@ -287,8 +311,11 @@ def test_greedy_tokens_do_not_depend_on_the_thread_count(real_model_path):
     output is still summed in one order, so greedy tokens must not change with the
     thread count (3 on this 2-core CI: helpers get descheduled mid-loop). The long
     prompt runs the dense path and attention split into context pieces."""
-    prompts = ["What is the capital of France? Answer in one sentence.", "1, 2, 3, 4,",
-               "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 40]
+    prompts = [
+        "What is the capital of France? Answer in one sentence.",
+        "1, 2, 3, 4,",
+        "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 40,
+    ]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     old = torch.get_num_threads()
     try:
@@ -316,8 +343,13 @@ def test_a_build_killed_midway_does_not_block_later_starts(tmp_path):
     shutil.copytree(built, cache, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
     (cache / "lock").write_text("")  # as a killed build leaves it
     code = "import sys; from pdserve.engine import cpu_kernels; sys.exit(cpu_kernels.load() is None)"
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDSERVE_KERNEL_CACHE": str(cache)},
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PDSERVE_KERNEL_CACHE": str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "left by a kernel build that did not finish" in r.stderr
     assert not (cache / "lock").exists()

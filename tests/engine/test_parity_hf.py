@@ -5,6 +5,7 @@ this checks our loader (incl. the q/k un-permutation) and our model together.
 Every engine mode must agree: one at a time, batched, chunked prefill with a
 small chunk, and prefix-cache hits.
 """
+
 import pytest
 import torch
 
@@ -14,14 +15,20 @@ pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 12
 
-_TEXT = ("The history of computing is a story of people building tools to think faster. "
-         "Charles Babbage designed engines of brass; Ada Lovelace saw that they could compose music. "
-         "Later, vacuum tubes gave way to transistors, and transistors to integrated circuits. ")
+_TEXT = (
+    "The history of computing is a story of people building tools to think faster. "
+    "Charles Babbage designed engines of brass; Ada Lovelace saw that they could compose music. "
+    "Later, vacuum tubes gave way to transistors, and transistors to integrated circuits. "
+)
 
 
 def _prompts(tok):
-    short = ["Hi there, how are you?", "What is the capital of France? Answer in one sentence.",
-             "List three primary colours:", "def fibonacci(n):\n    "]
+    short = [
+        "Hi there, how are you?",
+        "What is the capital of France? Answer in one sentence.",
+        "List three primary colours:",
+        "def fibonacci(n):\n    ",
+    ]
     ids = [tok.encode(p) for p in short]
     for target in (120, 400, 900, 1500):  # long prompts made of varied sentences
         words = []
@@ -55,10 +62,15 @@ def cases(llm, hf_reference):
     refs = []
     with torch.no_grad():
         for p in prompts:
-            out = hf_reference.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                        attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                        pad_token_id=2, eos_token_id=None)
-            refs.append(out[0, len(p):].tolist())
+            out = hf_reference.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                pad_token_id=2,
+                eos_token_id=None,
+            )
+            refs.append(out[0, len(p) :].tolist())
     return prompts, refs
 
 
@@ -88,8 +100,13 @@ def test_batched_together(llm, cases):
 
 def test_chunked_prefill_small_chunks(cases):
     prompts, refs = cases
-    small = LLM(dtype="float32", block_size=16, max_num_batched_tokens=96,
-                long_prefill_token_threshold=40, enable_prefix_caching=False)
+    small = LLM(
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=96,
+        long_prefill_token_threshold=40,
+        enable_prefix_caching=False,
+    )
     outs = small.generate(prompts, _greedy())
     assert [o.outputs[0].token_ids for o in outs] == refs
 
@@ -109,8 +126,15 @@ def test_kv_tier_hits(cases, tmp_path):
     """Prefixes evicted from a pool too small for them come back from host memory and disk,
     and the tokens are still transformers' own."""
     prompts, refs = cases
-    with LLM(dtype="float32", block_size=16, max_num_batched_tokens=2048, num_gpu_blocks=112,
-             kv_offload_bytes=20 << 20, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=256 << 20) as tiered:
+    with LLM(
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=2048,
+        num_gpu_blocks=112,
+        kv_offload_bytes=20 << 20,
+        kv_disk_dir=str(tmp_path / "kv"),
+        kv_disk_bytes=256 << 20,
+    ) as tiered:
         first = [tiered.generate(p, _greedy())[0].outputs[0].token_ids for p in prompts]
         # the long prompts share their start: ~93 distinct blocks; a prompt of 88 other blocks
         # pushes most of them out of the pool, down to the tiers

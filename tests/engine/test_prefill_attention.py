@@ -1,5 +1,6 @@
 """The C++ flash prefill kernel (bf16 caches) against float64 attention on the same bf16 numbers,
 and the engine's greedy tokens with it against torch's SDPA path."""
+
 import pytest
 import torch
 
@@ -10,8 +11,9 @@ from pdserve.kv.slots import slot_mapping
 from tests.tiny import write_tiny_model
 
 kernels = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "prefill_attention"),
-                                reason="C++ kernels could not be built here")
+pytestmark = pytest.mark.skipif(
+    kernels is None or not hasattr(kernels, "prefill_attention"), reason="C++ kernels could not be built here"
+)
 
 # (span length, tokens already in the cache before it): a fresh prompt longer than a
 # query tile and not a multiple of it, single-token spans, a prefix ending inside a
@@ -29,7 +31,7 @@ def reference(q, kc, vc, spans, tables):
         slots = slot_mapping(table.tolist(), 0, ctx, bs)
         k = kc.double().flatten(0, 1)[slots].repeat_interleave(group, 1)  # [ctx, H, D]
         v = vc.double().flatten(0, 1)[slots].repeat_interleave(group, 1)
-        s = torch.einsum("lhd,chd->hlc", q[start:end].double(), k) * d ** -0.5
+        s = torch.einsum("lhd,chd->hlc", q[start:end].double(), k) * d**-0.5
         q_pos = torch.arange(ctx - (end - start), ctx)
         s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[start:end] = torch.einsum("hlc,chd->lhd", s.softmax(-1), v)
@@ -62,7 +64,7 @@ def make_case(heads, kv_heads, d, bs, first_row=2, seed=0):
 def test_matches_float64_attention(heads, kv_heads, d, bs):
     q, kc, vc, spans, tables, padded = make_case(heads, kv_heads, d, bs)
     out = torch.full_like(q, float("nan"))
-    kernels.prefill_attention(out, q, kc, vc, torch.tensor(spans), padded, d ** -0.5)
+    kernels.prefill_attention(out, q, kc, vc, torch.tensor(spans), padded, d**-0.5)
     ref = reference(q, kc, vc, spans, tables)
     first = spans[0][0]
     assert out[:first].isnan().all()  # rows outside the spans are left alone
@@ -76,21 +78,38 @@ def test_unsupported_head_dim_is_named():
     q = torch.zeros(4, 2, 48, dtype=torch.bfloat16)
     cache = torch.zeros(1, 16, 2, 48, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_dim"):
-        kernels.prefill_attention(torch.empty_like(q), q, cache, cache, torch.tensor([[0, 4, 4]]),
-                                  torch.zeros(1, 1, dtype=torch.long), 48 ** -0.5)
+        kernels.prefill_attention(
+            torch.empty_like(q),
+            q,
+            cache,
+            cache,
+            torch.tensor([[0, 4, 4]]),
+            torch.zeros(1, 1, dtype=torch.long),
+            48**-0.5,
+        )
 
 
 def test_engine_tokens_match_the_torch_path(tmp_path, monkeypatch):
     """bf16 engine, head_dim 64 and 3 query heads per KV head: the kernel against torch's SDPA,
     over fresh prompts, prefill chunks (a span with earlier context) and prefix-cache hits."""
     d = write_tiny_model(str(tmp_path / "m"), hidden=384, heads=6, kv_heads=2, seed=5, logit_scale=4.0)
-    prompts = ["the quick brown fox jumps over the lazy dog " * 4, "x",
-               "a prompt of a few words", "the quick brown fox jumps over the lazy dog " * 4 + "again"]
+    prompts = [
+        "the quick brown fox jumps over the lazy dog " * 4,
+        "x",
+        "a prompt of a few words",
+        "the quick brown fox jumps over the lazy dog " * 4 + "again",
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     def run():
-        llm = LLM(d, dtype="bfloat16", block_size=16, num_gpu_blocks=128, max_num_batched_tokens=96,
-                  long_prefill_token_threshold=64)
+        llm = LLM(
+            d,
+            dtype="bfloat16",
+            block_size=16,
+            num_gpu_blocks=128,
+            max_num_batched_tokens=96,
+            long_prefill_token_threshold=64,
+        )
         return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
 
     llm, with_kernel = run()

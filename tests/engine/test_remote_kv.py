@@ -1,5 +1,6 @@
 """KV from outside goes through the scheduler: a P->D reservation is admitted by the
 scheduler's own rules, so a burst of transfers cannot starve the requests already queued."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,9 @@ SECRET = b"test-secret-0123456789"
 
 @pytest.fixture
 def decode_engine(tiny_model_dir):
-    engine = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=40,
-                 max_num_batched_tokens=64, max_num_seqs=8).engine
+    engine = LLM(
+        tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=64, max_num_seqs=8
+    ).engine
     receiver = KVReceiverServer(engine.runner.kv_caches, secret=SECRET)
     yield engine, receiver
     receiver.close()
@@ -27,8 +29,10 @@ def test_a_burst_of_transfers_does_not_starve_a_queued_request(decode_engine):
     # placed on this worker) is queued and needs 11 blocks ...
     engine.add_request("local", list(range(3, 43)), params)
     # ... when a burst of reservations for transfers arrives, 3 blocks each.
-    admitted = [engine.reserve_for_transfer(f"t{i}", list(range(50 + i, 62 + i)), params, receiver,
-                                            deadline_s=30) for i in range(12)]
+    admitted = [
+        engine.reserve_for_transfer(f"t{i}", list(range(50 + i, 62 + i)), params, receiver, deadline_s=30)
+        for i in range(12)
+    ]
     n = sum(d is not None for d in admitted)
     assert 0 < n < 12
     # The queued request still gets its blocks at the very next step.
@@ -40,8 +44,7 @@ def test_a_burst_of_transfers_does_not_starve_a_queued_request(decode_engine):
 
 def test_reserved_requests_wait_for_remote_kv_and_free_on_abort(decode_engine):
     engine, receiver = decode_engine
-    dest = engine.reserve_for_transfer("t", list(range(10, 30)), SamplingParams(max_tokens=4), receiver,
-                                       deadline_s=30)
+    dest = engine.reserve_for_transfer("t", list(range(10, 30)), SamplingParams(max_tokens=4), receiver, deadline_s=30)
     assert dest is not None
     seq = engine.seqs["t"]
     assert seq.status is Status.WAITING_FOR_REMOTE_KV and engine.scheduler.remote["t"] is seq
@@ -53,8 +56,10 @@ def test_reserved_requests_wait_for_remote_kv_and_free_on_abort(decode_engine):
 def test_admission_refuses_when_the_pool_is_short(decode_engine):
     engine, receiver = decode_engine
     params = SamplingParams(max_tokens=2)
-    got = [engine.reserve_for_transfer(f"t{i}", list(range(10 + i, 30 + i)), params, receiver, deadline_s=30)
-           for i in range(10)]
+    got = [
+        engine.reserve_for_transfer(f"t{i}", list(range(10 + i, 30 + i)), params, receiver, deadline_s=30)
+        for i in range(10)
+    ]
     assert got[0] is not None and got[-1] is None
     # every refused reservation left nothing behind
     assert set(engine.scheduler.remote) == {f"t{i}" for i, d in enumerate(got) if d is not None}
@@ -72,12 +77,17 @@ def test_a_reservation_without_room_waits_in_line_and_gets_it(decode_engine):
     engine.step()
     engine.step()  # its prompt in two chunks of 64
     got = []
-    r = engine.reserve_for_transfer("t", list(range(150, 190)), params, receiver, deadline_s=30,
-                                    wait_s=30, on_done=got.append)
+    r = engine.reserve_for_transfer(
+        "t", list(range(150, 190)), params, receiver, deadline_s=30, wait_s=30, on_done=got.append
+    )
     assert r is PENDING and not got
     late = []
-    assert engine.reserve_for_transfer("u", list(range(100, 140)), params, receiver, deadline_s=30,
-                                       wait_s=0.01, on_done=late.append) is PENDING
+    assert (
+        engine.reserve_for_transfer(
+            "u", list(range(100, 140)), params, receiver, deadline_s=30, wait_s=0.01, on_done=late.append
+        )
+        is PENDING
+    )
     import time
 
     time.sleep(0.02)

@@ -1,4 +1,5 @@
 """The sampler's draws against the distribution they claim, and its seeds."""
+
 import math
 
 import torch
@@ -40,6 +41,10 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(2))
     seeded = SamplingParams(seed=7, max_tokens=1)
     alone = Sampler(torch.device("cpu"))(logits[:1], [seeded], ["a"], [([], [])]).token_ids
-    mixed = Sampler(torch.device("cpu"))(logits, [seeded, SamplingParams(max_tokens=1), SamplingParams(seed=3, max_tokens=1)],
-                                         ["a", "b", "c"], [([], [])] * 3).token_ids
+    mixed = Sampler(torch.device("cpu"))(
+        logits,
+        [seeded, SamplingParams(max_tokens=1), SamplingParams(seed=3, max_tokens=1)],
+        ["a", "b", "c"],
+        [([], [])] * 3,
+    ).token_ids
     assert mixed[0] == alone[0]

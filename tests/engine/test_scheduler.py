@@ -1,4 +1,5 @@
 """The real Scheduler with a real BlockManager, on synthetic sequences."""
+
 from pdserve.config import SchedulerConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
@@ -17,8 +18,11 @@ def seq(sid, n, priority=0, t=0.0):
 def run_step(s, out, sample=True):
     """Pretend the model ran and sampled token 7 wherever a sequence's tokens are all computed;
     the scheduler does the step's bookkeeping, as for the engine."""
-    sampled = [SampledToken(sc.seq, 7) for sc in out.scheduled
-               if sample and sc.seq.num_computed_tokens + sc.num_new_tokens == sc.seq.num_tokens]
+    sampled = [
+        SampledToken(sc.seq, 7)
+        for sc in out.scheduled
+        if sample and sc.seq.num_computed_tokens + sc.num_new_tokens == sc.seq.num_tokens
+    ]
     return s.update_from_output(out, sampled)
 
 

@@ -1,5 +1,6 @@
 """Steps are timed once, by the engine: its step observers (the step trace, the live and the
 start-up calibration) all read the same record, and nothing replaces `LLMEngine.step`."""
+
 from pdserve import SamplingParams
 from pdserve.engine.step_trace import StepTraceWriter, read
 from pdserve.server.calibrate import DecodeStepRecorder, measure_prefill
@@ -36,8 +37,7 @@ def test_every_observer_gets_the_same_step_records(tiny_llm, tmp_path):
     recs = read(str(tmp_path / "steps.jsonl"))
     assert [r["seqs"] for r in recs] == [r.rows for r in seen if not r.calibration]
     assert [r["idle"] for r in recs] == [True, False, False, True, False, False]
-    assert [(r["t0"], r["t1"]) for r in recs] == [(round(r.t0, 6), round(r.t1, 6)) for r in seen
-                                                  if not r.calibration]
+    assert [(r["t0"], r["t1"]) for r in recs] == [(round(r.t0, 6), round(r.t1, 6)) for r in seen if not r.calibration]
 
     recorder.close()
     eng.remove_step_observer(seen.append)
@@ -79,8 +79,9 @@ def test_a_served_engine_traces_its_served_steps_only(tiny_model_dir, tmp_path):
     path = str(tmp_path / "steps.jsonl")
 
     def make_engine():
-        return LLMEngine(EngineConfig.from_kwargs(model=tiny_model_dir, dtype="float32", block_size=4,
-                                                  num_gpu_blocks=256))
+        return LLMEngine(
+            EngineConfig.from_kwargs(model=tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=256)
+        )
 
     async def main():
         engine = AsyncEngine(make_engine, ServerMetrics, step_trace=StepTraceWriter(path))
@@ -96,6 +97,12 @@ def test_a_served_engine_traces_its_served_steps_only(tiny_model_dir, tmp_path):
 
     asyncio.run(main())
     recs = read(path)
-    assert [r["seqs"] for r in recs] == [[[0, 10, 0]], [[10, 1, 1]], [[11, 1, 1]],
-                                         [[0, 6, 0]], [[6, 1, 1]], [[7, 1, 1]]]
+    assert [r["seqs"] for r in recs] == [
+        [[0, 10, 0]],
+        [[10, 1, 1]],
+        [[11, 1, 1]],
+        [[0, 6, 0]],
+        [[6, 1, 1]],
+        [[7, 1, 1]],
+    ]
     assert [r["idle"] for r in recs] == [True, False, False, True, False, False]

@@ -1,4 +1,5 @@
 """The slot arithmetic of the paged KV cache, against the per-token formula and a flat view."""
+
 import pytest
 import torch
 

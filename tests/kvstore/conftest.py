@@ -1,4 +1,5 @@
 """Shared fixtures of the KV store tests: a tiny model with sharp logits and its reference outputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,5 +18,3 @@ def sharp_model(tmp_path_factory):
 def reference(sharp_model):
     llm = _llm(sharp_model, enable_prefix_caching=False, num_gpu_blocks=256)
     return [_run(llm, [p])[0] for p in PROMPTS]
-
-

@@ -1,5 +1,6 @@
 """`pdserve serve` with every tier on, disaggregated: the same tokens as an engine that caches
 nothing, with the second round's prefixes loaded from the tiers (host, disk, Mooncake Store)."""
+
 from __future__ import annotations
 
 import time
@@ -26,13 +27,28 @@ def test_disaggregated_outputs_with_all_tiers_equal_no_caching(sharp_model, tmp_
     ref_llm.close()
     # 24 blocks a worker: the 48 blocks of these prompts do not stay in the pool between rounds,
     # and the host tier holds ~23 of them: the rest spill to disk
-    dep = Deployment(sharp_model, "--served-model-name", "tiny", "--kv-store", "mooncake",
-                     "--kv-offload-bytes", str(200_000), "--kv-disk-dir", str(tmp_path / "kv"),
-                     "--kv-store-segment-bytes", str(32 << 20), num_gpu_blocks=24)
+    dep = Deployment(
+        sharp_model,
+        "--served-model-name",
+        "tiny",
+        "--kv-store",
+        "mooncake",
+        "--kv-offload-bytes",
+        str(200_000),
+        "--kv-disk-dir",
+        str(tmp_path / "kv"),
+        "--kv-store-segment-bytes",
+        str(32 << 20),
+        num_gpu_blocks=24,
+    )
     try:
+
         def tokens(prompt):
-            r = httpx.post(dep.url + "/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": prompt, "max_tokens": MAX, "temperature": 0, "ignore_eos": True})
+            r = httpx.post(
+                dep.url + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny", "prompt": prompt, "max_tokens": MAX, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
 
@@ -42,15 +58,18 @@ def test_disaggregated_outputs_with_all_tiers_equal_no_caching(sharp_model, tmp_
         deadline = time.monotonic() + 10
         while True:  # the router sums what the workers' heartbeats report, once a second
             text = httpx.get(dep.url + "/metrics", timeout=10).text
-            hits = {t: metric(text, f'pdserve:kv_tier_hits_total{{model_name="tiny",tier="{t}"}}')
-                    for t in ("host", "disk")}
+            hits = {
+                t: metric(text, f'pdserve:kv_tier_hits_total{{model_name="tiny",tier="{t}"}}') for t in ("host", "disk")
+            }
             if all(hits.values()) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         # the second round's prefixes came from host memory and, past its bound, from disk
         assert hits["host"] > 0 and hits["disk"] > 0, (hits, dep.log())
-        errors = {t: metric(text, f'pdserve:kv_tier_errors_total{{model_name="tiny",tier="{t}"}}')
-                  for t in ("host", "disk", "mooncake")}
+        errors = {
+            t: metric(text, f'pdserve:kv_tier_errors_total{{model_name="tiny",tier="{t}"}}')
+            for t in ("host", "disk", "mooncake")
+        }
         # the shared store may refuse a put while it evicts (a cache may decline); the local tiers may not
         assert errors["host"] == errors["disk"] == 0, errors
         assert metric(text, 'pdserve:kv_tier_stores_total{model_name="tiny",tier="mooncake"}') > 0

@@ -1,4 +1,5 @@
 """The Mooncake Store tier against a real master on loopback: sharing, refusals, a master crash."""
+
 import hashlib
 import os
 import subprocess
@@ -65,7 +66,12 @@ def test_two_clients_and_a_second_process_share_blocks(master):
 
         child = subprocess.run(
             [sys.executable, "-c", CHILD, master.rpc_address, master.metadata_url, keys[1]],
-            check=False, capture_output=True, text=True, timeout=60, env={**os.environ, "GLOG_minloglevel": "2"})
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "GLOG_minloglevel": "2"},
+        )
         assert child.returncode == 0, child.stderr[-2000:]
         assert f"read {hashlib.sha256(_block(1)).hexdigest()}" in child.stdout
         assert "stored True" in child.stdout
@@ -115,8 +121,12 @@ def test_master_crash_fails_fast_and_the_tier_reconnects(master):
         # long enough to meet the phase where the client's own calls block for seconds
         down_until = time.monotonic() + 6.0
         while time.monotonic() < down_until:
-            for out, took in (_timed(t.get, "before"), _timed(t.contains, "before"),
-                              _timed(t.put, "during", _block(1)), _timed(t.count_prefix, ["before"])):
+            for out, took in (
+                _timed(t.get, "before"),
+                _timed(t.contains, "before"),
+                _timed(t.put, "during", _block(1)),
+                _timed(t.count_prefix, ["before"]),
+            ):
                 assert not out and took < 2.0, (out, took)
         assert not t.healthy()
         errors = t.stats.errors

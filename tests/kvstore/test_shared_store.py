@@ -1,6 +1,7 @@
 """The shared tier on a real Mooncake master: a prefix one engine computed is loaded by
 another, outputs stay those of an engine that caches nothing, and a dead master costs
 only recomputation."""
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,14 @@ def master():
 
 
 def _store_llm(model, master, **kw):
-    return _llm(model, kv_store="mooncake", kv_store_master=master.rpc_address,
-                kv_store_metadata_url=master.metadata_url, kv_store_segment_bytes=32 << 20, **kw)
+    return _llm(
+        model,
+        kv_store="mooncake",
+        kv_store_master=master.rpc_address,
+        kv_store_metadata_url=master.metadata_url,
+        kv_store_segment_bytes=32 << 20,
+        **kw,
+    )
 
 
 def _settle(llm, timeout_s=10.0):
@@ -84,7 +91,7 @@ def test_blocks_not_signed_by_the_cluster_are_never_loaded(sharp_model, referenc
             prompt = PROMPTS[1]
             for i, h in enumerate(block_hashes(prompt, 4)[:8]):
                 fake = torch.randn(store.block_shape).to(store.dtype)
-                blob = codec.encode(store.fingerprint, h, prompt[4 * i:4 * i + 4], fake, key=b"not the cluster's")
+                blob = codec.encode(store.fingerprint, h, prompt[4 * i : 4 * i + 4], fake, key=b"not the cluster's")
                 assert intruder.put(codec.block_key(store.fingerprint, h), blob)
             assert _run(victim, [prompt])[0] == reference[1]
             tier = _tier(victim, "mooncake")

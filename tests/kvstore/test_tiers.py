@@ -1,4 +1,5 @@
 """The local KV tiers: the block codec, host memory, disk, and the engine loading from them."""
+
 from __future__ import annotations
 
 import os
@@ -30,16 +31,22 @@ def test_codec_refuses_corrupt_truncated_and_foreign_blocks():
     _, blob = _blob()
     flipped = bytearray(blob)
     flipped[-5] ^= 0xFF
-    for bad, kind in [(bytes(flipped), "corrupt"), (blob[:len(blob) // 2], "corrupt"), (blob[:3], "corrupt"),
-                      (b"XXXX" + blob[4:], "corrupt")]:
+    for bad, kind in [
+        (bytes(flipped), "corrupt"),
+        (blob[: len(blob) // 2], "corrupt"),
+        (blob[:3], "corrupt"),
+        (b"XXXX" + blob[4:], "corrupt"),
+    ]:
         with pytest.raises(codec.BadBlock) as e:
             codec.decode(bad, FP, 7, (1, 2, 3, 4), SHAPE, torch.float32)
         assert e.value.kind == kind
-    for args in [("ffffffffffffffff", 7, (1, 2, 3, 4), SHAPE, torch.float32),  # another model wrote it
-                 (FP, 8, (1, 2, 3, 4), SHAPE, torch.float32),  # another block
-                 (FP, 7, (1, 2, 3, 5), SHAPE, torch.float32),  # same hash, other tokens
-                 (FP, 7, (1, 2, 3, 4), [2, 2, 8, 2, 4], torch.float32),  # another layout
-                 (FP, 7, (1, 2, 3, 4), SHAPE, torch.bfloat16)]:
+    for args in [
+        ("ffffffffffffffff", 7, (1, 2, 3, 4), SHAPE, torch.float32),  # another model wrote it
+        (FP, 8, (1, 2, 3, 4), SHAPE, torch.float32),  # another block
+        (FP, 7, (1, 2, 3, 5), SHAPE, torch.float32),  # same hash, other tokens
+        (FP, 7, (1, 2, 3, 4), [2, 2, 8, 2, 4], torch.float32),  # another layout
+        (FP, 7, (1, 2, 3, 4), SHAPE, torch.bfloat16),
+    ]:
         with pytest.raises(codec.BadBlock) as e:
             codec.decode(blob, *args)
         assert e.value.kind == "foreign"
@@ -70,8 +77,12 @@ def test_host_tier_keeps_blocks_decoded_and_spills_them_encoded():
     assert torch.equal(codec.decode(on_disk, FP, 0, (0, 2, 3, 4), SHAPE, torch.bfloat16), kvs[0])
     kept = tier.get(codec.block_key(FP, 2))
     assert torch.equal(kept.check(FP, 2, (2, 2, 3, 4), SHAPE, torch.bfloat16), kvs[2])
-    for args in [("ffffffffffffffff", 2, (2, 2, 3, 4), SHAPE, torch.bfloat16), (FP, 3, (2, 2, 3, 4), SHAPE, torch.bfloat16),
-                 (FP, 2, (9, 2, 3, 4), SHAPE, torch.bfloat16), (FP, 2, (2, 2, 3, 4), SHAPE, torch.float32)]:
+    for args in [
+        ("ffffffffffffffff", 2, (2, 2, 3, 4), SHAPE, torch.bfloat16),
+        (FP, 3, (2, 2, 3, 4), SHAPE, torch.bfloat16),
+        (FP, 2, (9, 2, 3, 4), SHAPE, torch.bfloat16),
+        (FP, 2, (2, 2, 3, 4), SHAPE, torch.float32),
+    ]:
         with pytest.raises(codec.BadBlock) as e:
             kept.check(*args)
         assert e.value.kind == "foreign"
@@ -94,6 +105,7 @@ def test_disk_tier_bound_restart_and_leftovers(tmp_path):
 
 
 # ---- the store between the pool and the tiers
+
 
 def _store(tmp_path, host: HostTier | None = None):
     from pdserve.kvstore.store import TieredKVStore
@@ -222,7 +234,7 @@ def test_disk_tier_survives_a_restart_and_corrupt_files_are_misses(sharp_model, 
         if i % 3 == 0:
             raw[len(raw) // 2] ^= 0x55
         elif i % 3 == 1:
-            raw = raw[:len(raw) // 3]
+            raw = raw[: len(raw) // 3]
         else:
             raw = b""
         open(path, "wb").write(raw)

@@ -2,6 +2,7 @@
 the head on the first host, worker nodes on the other two, token auth on.
 
 Skips, saying why, where namespaces cannot be made or Ray is not installed."""
+
 import os
 import subprocess
 import threading
@@ -50,17 +51,32 @@ def test_serve_on_ray_across_three_hosts(sharp_model_dir):
     except NetnsUnavailable as e:
         pytest.skip(f"cannot make network namespaces here: {e}")
     llm = LLM(sharp_model_dir, dtype="float32", block_size=16, num_gpu_blocks=256)
-    want, want_long = (llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-                       .outputs[0].text for n in (60, 200))
+    want, want_long = (
+        llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].text
+        for n in (60, 200)
+    )
     cluster = dep = None
     try:
         cluster = RayCluster(hosts)
-        dep = RayDeployment(cluster, sharp_model_dir, served_model_name="sharp", serve_args=[
-            "--placement", "spread", "--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "256"])
+        dep = RayDeployment(
+            cluster,
+            sharp_model_dir,
+            served_model_name="sharp",
+            serve_args=["--placement", "spread", "--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "256"],
+        )
 
         def complete(max_tokens: int = 60) -> httpx.Response:
-            return httpx.post(dep.url + "/v1/completions", timeout=120, json={
-                "model": "sharp", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            return httpx.post(
+                dep.url + "/v1/completions",
+                timeout=120,
+                json={
+                    "model": "sharp",
+                    "prompt": PROMPT,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
 
         actors = cluster.state()
         assert actors["pdserve-router"][0] == hosts[0].address

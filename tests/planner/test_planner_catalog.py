@@ -1,5 +1,6 @@
 """The catalogs: shapes agree with published parameter counts, every figure
 has a source, names resolve, and a Hugging Face config.json loads."""
+
 import json
 
 import pytest
@@ -14,11 +15,33 @@ from pdserve.planner.models import (
     resolve_model,
 )
 
-REQUIRED_MODELS = ["llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
-                   "llama-3-405b", "qwen2.5-7b", "qwen2.5-72b", "mistral-7b", "deepseek-v2",
-                   "deepseek-v3", "smollm2-135m"]
-REQUIRED_GPUS = ["h100-sxm", "h800", "h20", "h200", "a100-40gb", "a100-80gb", "l40s",
-                 "rtx-4090", "l4", "ascend-910b", "cpu-local"]
+REQUIRED_MODELS = [
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-2-70b",
+    "llama-3-8b",
+    "llama-3-70b",
+    "llama-3-405b",
+    "qwen2.5-7b",
+    "qwen2.5-72b",
+    "mistral-7b",
+    "deepseek-v2",
+    "deepseek-v3",
+    "smollm2-135m",
+]
+REQUIRED_GPUS = [
+    "h100-sxm",
+    "h800",
+    "h20",
+    "h200",
+    "a100-40gb",
+    "a100-80gb",
+    "l40s",
+    "rtx-4090",
+    "l4",
+    "ascend-910b",
+    "cpu-local",
+]
 
 
 def test_catalogs_hold_every_required_entry_with_a_source():
@@ -58,9 +81,15 @@ def test_unknown_names_list_the_known_ones():
 
 
 SMOLLM2_CONFIG = {
-    "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
 }
 
 
@@ -77,12 +106,26 @@ def test_hf_config_path_loads_like_the_catalog_row(tmp_path):
 
 
 def test_hf_config_deepseek_fields_give_mla_and_moe():
-    cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
-           "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-           "vocab_size": 129280, "max_position_embeddings": 163840, "kv_lora_rank": 512,
-           "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-           "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1,
-           "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "first_k_dense_replace": 3}
+    cfg = {
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3,
+    }
     m = model_from_hf_config(cfg, name="dsv3")
     assert m.is_mla and m.is_moe and m.attention_kind == "MLA"
     assert param_count(m) == param_count(MODELS["deepseek-v3"])

@@ -1,4 +1,5 @@
 """`pdserve plan` through the real entry point: text, --json, --list, errors."""
+
 import json
 import subprocess
 import sys
@@ -26,8 +27,7 @@ def test_plan_prints_each_step_with_formula_numbers_and_result(capsys):
     assert "= 4,096 B = 4 KiB" in out
     assert "= 320.00 KiB" in out
     assert "= 21.47 GB = 20.00 GiB" in out
-    for title in ("Weight memory", "Fit and max concurrency", "Prefill time",
-                  "Decode step", "KV transfer", "Latency"):
+    for title in ("Weight memory", "Fit and max concurrency", "Prefill time", "Decode step", "KV transfer", "Latency"):
         assert title in out
     assert "roofline (lower bound)" in out and "fitted, h100 profiles" in out
     assert "seed" not in out and "§" not in out
@@ -49,19 +49,38 @@ def test_plan_json_is_machine_readable(capsys):
 
 
 def test_plan_workload_gives_pd_ratio_and_gpu_count(capsys):
-    rc, out, _ = _run(capsys, "plan", "--model", "llama-3-70b", "--gpu", "h100",
-                      "--decode-gpu", "h20", "--tp", "8", "--lin", "8000", "--lout", "500",
-                      "--qps", "10", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "50",
-                      "--network-gbps", "400", "--json")
+    rc, out, _ = _run(
+        capsys,
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--gpu",
+        "h100",
+        "--decode-gpu",
+        "h20",
+        "--tp",
+        "8",
+        "--lin",
+        "8000",
+        "--lout",
+        "500",
+        "--qps",
+        "10",
+        "--slo-ttft-ms",
+        "2000",
+        "--slo-tpot-ms",
+        "50",
+        "--network-gbps",
+        "400",
+        "--json",
+    )
     assert rc == 0
     r = json.loads(out)["results"]
     ratio = r["pd_ratio"]
-    assert ratio["ratio_d_per_p"] == pytest.approx(
-        (500 / 8000) * ratio["theta_p"] / ratio["theta_d"])
+    assert ratio["ratio_d_per_p"] == pytest.approx((500 / 8000) * ratio["theta_p"] / ratio["theta_d"])
     counts = r["gpu_count"]
     # Raw pool sizes stand in the P:D ratio the formula predicts.
-    assert counts["decode"]["raw"] / counts["prefill"]["raw"] == pytest.approx(
-        ratio["ratio_d_per_p"])
+    assert counts["decode"]["raw"] / counts["prefill"]["raw"] == pytest.approx(ratio["ratio_d_per_p"])
     assert counts["total_gpus"] == counts["prefill"]["gpus"] + counts["decode"]["gpus"]
     assert r["latency"]["tpot_s"] <= 0.050
     assert r["latency"]["slo_tpot_met"] is True
@@ -80,8 +99,9 @@ def test_tpot_slo_lowers_the_decode_batch(capsys):
 
 def test_unreachable_tpot_slo_is_reported(capsys):
     # 16 GB of weights over 300 GB/s take 54 ms per step: 40 ms cannot be met.
-    _, out, _ = _run(capsys, "plan", "--model", "llama-3-8b", "--gpu", "l4",
-                     "--context", "4096", "--slo-tpot-ms", "40", "--json")
+    _, out, _ = _run(
+        capsys, "plan", "--model", "llama-3-8b", "--gpu", "l4", "--context", "4096", "--slo-tpot-ms", "40", "--json"
+    )
     plan = json.loads(out)
     assert plan["results"]["decode"]["batch"] == 1
     assert plan["results"]["latency"]["slo_tpot_met"] is False
@@ -90,15 +110,28 @@ def test_unreachable_tpot_slo_is_reported(capsys):
 
 def test_7b_4k_on_a_24_gb_card_holds_fewer_than_20_requests(capsys):
     """7B, 4K context, 24 GB card: fewer than the 20 requests asked for."""
-    rc, out, _ = _run(capsys, "plan", "--model", "mistral-7b", "--gpu", "rtx-4090",
-                      "--context", "4096", "--json")
+    rc, out, _ = _run(capsys, "plan", "--model", "mistral-7b", "--gpu", "rtx-4090", "--context", "4096", "--json")
     assert rc == 0
     assert json.loads(out)["results"]["fit"]["max_concurrency"] < 20
 
 
 def test_model_that_does_not_fit_says_so_and_suggests_fixes(capsys):
-    rc, out, _ = _run(capsys, "plan", "--model", "llama-3-70b", "--gpu", "rtx-4090",
-                      "--context", "4096", "--qps", "1", "--lin", "3000", "--lout", "500")
+    rc, out, _ = _run(
+        capsys,
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--gpu",
+        "rtx-4090",
+        "--context",
+        "4096",
+        "--qps",
+        "1",
+        "--lin",
+        "3000",
+        "--lout",
+        "500",
+    )
     assert rc == 0
     assert "DOES NOT FIT" in out
     assert "try --weight-quant int4" not in out  # 35 GB of int4 weights still do not fit
@@ -107,34 +140,36 @@ def test_model_that_does_not_fit_says_so_and_suggests_fixes(capsys):
 
 
 def test_context_beyond_the_model_window_is_noted(capsys):
-    _, out, _ = _run(capsys, "plan", "--model", "llama-2-7b", "--gpu", "a100", "--context",
-                     "65536", "--json")
+    _, out, _ = _run(capsys, "plan", "--model", "llama-2-7b", "--gpu", "a100", "--context", "65536", "--json")
     assert any("4,096-token window" in n for n in json.loads(out)["notes"])
 
 
 def test_list_names_every_model_and_gpu(capsys):
     rc, out, _ = _run(capsys, "plan", "--list")
     assert rc == 0
-    for name in ("llama-3-405b", "deepseek-v3", "smollm2-135m", "h20", "ascend-910b",
-                 "cpu-local"):
+    for name in ("llama-3-405b", "deepseek-v3", "smollm2-135m", "h20", "ascend-910b", "cpu-local"):
         assert name in out
     rc, out, _ = _run(capsys, "plan", "--list", "--json")
     assert rc == 0 and "qwen2.5-72b" in json.loads(out)["models"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "gpt-5", "--gpu", "h100", "--context", "1"],
-     ["unknown model 'gpt-5'", "llama-3-70b", "deepseek-v3"]),
-    (["--model", "llama-3-8b", "--gpu", "b200", "--context", "1"],
-     ["unknown GPU 'b200'", "h100-sxm", "rtx-4090"]),
-    (["--model", "llama-3-8b", "--gpu", "h100"], ["--context"]),
-    (["--model", "llama-3-8b", "--gpu", "a100", "--context", "1", "--dtype", "fp8"], ["FP8"]),
-    (["--model", "llama-3-8b", "--gpu", "h100", "--context", "1", "--qps", "3"], ["--lin"]),
-    (["--model", "llama-3-8b", "--gpu", "h100", "--context", "0"], ["context_tokens"]),
-    (["--model", "llama-3-8b", "--gpu", "h100", "--context", "9", "--tp", "0"], ["tp"]),
-    (["--model", "/no/such/config.json", "--gpu", "h100", "--context", "1"], ["unknown model"]),
-    (["--gpu", "h100", "--context", "1"], ["--model"]),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model", "gpt-5", "--gpu", "h100", "--context", "1"],
+            ["unknown model 'gpt-5'", "llama-3-70b", "deepseek-v3"],
+        ),
+        (["--model", "llama-3-8b", "--gpu", "b200", "--context", "1"], ["unknown GPU 'b200'", "h100-sxm", "rtx-4090"]),
+        (["--model", "llama-3-8b", "--gpu", "h100"], ["--context"]),
+        (["--model", "llama-3-8b", "--gpu", "a100", "--context", "1", "--dtype", "fp8"], ["FP8"]),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--context", "1", "--qps", "3"], ["--lin"]),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--context", "0"], ["context_tokens"]),
+        (["--model", "llama-3-8b", "--gpu", "h100", "--context", "9", "--tp", "0"], ["tp"]),
+        (["--model", "/no/such/config.json", "--gpu", "h100", "--context", "1"], ["unknown model"]),
+        (["--gpu", "h100", "--context", "1"], ["--model"]),
+    ],
+)
 def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     rc, out, err = _run(capsys, "plan", *argv)
     assert rc == 2
@@ -145,38 +180,54 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
 
 def test_bad_choice_is_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["plan", "--model", "llama-3-8b", "--gpu", "h100", "--context", "1",
-              "--units", "octal"])
+        main(["plan", "--model", "llama-3-8b", "--gpu", "h100", "--context", "1", "--units", "octal"])
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--link-gbps", "0"], "link speed"),
-    (["--link-gbytes", "-1"], "link bandwidth"),
-    (["--spec-k", "4"], "--spec-acceptance"),
-    (["--spec-k", "4", "--spec-acceptance", "1"], "acceptance"),
-    (["--decode-batch", "0"], "decode_batch"),
-    (["--occupancy-s", "5"], "--concurrency-per-gpu"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--link-gbps", "0"], "link speed"),
+        (["--link-gbytes", "-1"], "link bandwidth"),
+        (["--spec-k", "4"], "--spec-acceptance"),
+        (["--spec-k", "4", "--spec-acceptance", "1"], "acceptance"),
+        (["--decode-batch", "0"], "decode_batch"),
+        (["--occupancy-s", "5"], "--concurrency-per-gpu"),
+    ],
+)
 def test_new_flags_refuse_bad_values(capsys, argv, message):
-    rc, out, err = _run(capsys, "plan", "--model", "llama-3-8b", "--gpu", "h100",
-                        "--context", "4096", *argv)
+    rc, out, err = _run(capsys, "plan", "--model", "llama-3-8b", "--gpu", "h100", "--context", "4096", *argv)
     assert rc == 2 and out == "" and message in err
 
 
 def test_any_link_speed_is_accepted(capsys):
-    rc, out, _ = _run(capsys, "plan", "--model", "llama-3-8b", "--gpu", "h100", "--context",
-                      "4096", "--link-gbps", "10", "--link-gbps", "300", "--json")
+    rc, out, _ = _run(
+        capsys,
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--gpu",
+        "h100",
+        "--context",
+        "4096",
+        "--link-gbps",
+        "10",
+        "--link-gbps",
+        "300",
+        "--json",
+    )
     assert rc == 0
     assert list(json.loads(out)["results"]["transfer"]["networks"]) == ["10", "300"]
 
 
 def test_planner_imports_and_runs_without_torch():
-    code = ("import sys, argparse; sys.modules['torch'] = None\n"
-            "from pdserve.planner import cli\n"
-            "p = argparse.ArgumentParser(); cli.add_arguments(p)\n"
-            "rc = cli.run(p.parse_args(['--model', 'llama-3-8b', '--gpu', 'l4', "
-            "'--context', '4096', '--json']))\n"
-            "assert rc == 0 and 'torch' not in [m for m in sys.modules if sys.modules[m]]\n")
+    code = (
+        "import sys, argparse; sys.modules['torch'] = None\n"
+        "from pdserve.planner import cli\n"
+        "p = argparse.ArgumentParser(); cli.add_arguments(p)\n"
+        "rc = cli.run(p.parse_args(['--model', 'llama-3-8b', '--gpu', 'l4', "
+        "'--context', '4096', '--json']))\n"
+        "assert rc == 0 and 'torch' not in [m for m in sys.modules if sys.modules[m]]\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,5 +1,6 @@
 """The planner's formulas beyond the worked examples' numbers: edge cases,
 rounding, and checks against brute force or measurements on this machine."""
+
 import random
 from dataclasses import replace
 
@@ -50,6 +51,7 @@ def test_gpu_count_ignores_float_noise_when_rounding():
 def test_max_batch_within_matches_a_linear_scan():
     def cost(b):
         return 0.004 + 0.0003 * b
+
     for slo in (0.001, 0.0043, 0.01, 0.02, 1.0):
         expected = max([b for b in range(1, 101) if cost(b) <= slo], default=0)
         assert max_batch_within(cost, slo, 100) == expected
@@ -109,10 +111,17 @@ def test_fp8_compute_needs_an_fp8_chip():
     assert dep.peak_flops == 1979e12 and dep.weight_bytes_per_param == 1
 
 
-@pytest.mark.parametrize("change", [
-    {"tp": 0}, {"pp": 1000}, {"kv_dtype": "fp4"}, {"weight_quant": "nf4"},
-    {"gpu_memory_utilization": 1.5}, {"compute_efficiency": 0},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tp": 0},
+        {"pp": 1000},
+        {"kv_dtype": "fp4"},
+        {"weight_quant": "nf4"},
+        {"gpu_memory_utilization": 1.5},
+        {"compute_efficiency": 0},
+    ],
+)
 def test_deployment_rejects_bad_settings(change):
     base = dict(model=MODELS["llama-3-8b"], gpu=GPUS["h100-sxm"])
     with pytest.raises(ValueError):

@@ -4,6 +4,7 @@ These pin where the model stands today (docs/planner.md shows the table): a
 change to the model or its constants that moves predictions away from the
 measurements fails here, and so does one that silently fixes or adds a miss.
 """
+
 import json
 
 import pytest
@@ -17,12 +18,16 @@ from pdserve.planner.models import resolve_model
 # (engine, gpu, TP, phase, tokens, batch) of every point outside 0.75-1.33; see
 # "Where it stands" in docs/planner.md for why each misses.
 MISSES = {
-    ("vLLM", "a100", 2, "decode", 576, 64), ("vLLM", "h100", 2, "decode", 576, 64),
-    ("vLLM", "a100", 8, "decode", 576, 1), ("vLLM", "a100", 8, "decode", 576, 4),
+    ("vLLM", "a100", 2, "decode", 576, 64),
+    ("vLLM", "h100", 2, "decode", 576, 64),
+    ("vLLM", "a100", 8, "decode", 576, 1),
+    ("vLLM", "a100", 8, "decode", 576, 4),
     ("vLLM", "h100", 8, "prefill", 128, 1),
-    ("vLLM", "a100", 8, "prefill", 8192, 1), ("vLLM", "h100", 4, "prefill", 8192, 1),
+    ("vLLM", "a100", 8, "prefill", 8192, 1),
+    ("vLLM", "h100", 4, "prefill", 8192, 1),
     ("vLLM", "h100", 8, "prefill", 8192, 1),
-    ("TurboMind", "a100", 4, "prefill", 128, 1), ("TurboMind", "a100", 4, "decode", 64, 1),
+    ("TurboMind", "a100", 4, "prefill", 128, 1),
+    ("TurboMind", "a100", 4, "decode", 64, 1),
 }
 
 
@@ -50,8 +55,7 @@ def test_median_in_the_target_band_and_the_misses_are_the_known_ones(rows):
 
 def test_decode_at_batch_16_and_64_with_tp_4_or_8_is_within_the_band(rows):
     # the regime the vllm-2023 engine terms (fitted on BLOOM-176B at TP 8) address
-    pts = [r for r in rows if r["engine"] == "vLLM" and r["phase"] == "decode"
-           and r["tp"] >= 4 and r["batch"] >= 16]
+    pts = [r for r in rows if r["engine"] == "vLLM" and r["phase"] == "decode" and r["tp"] >= 4 and r["batch"] >= 16]
     assert len(pts) == 8 and all(0.75 <= r["ratio"] <= 1.33 for r in pts)
 
 
@@ -78,14 +82,27 @@ def test_engine_terms_add_host_time_only_where_asked():
     d0, d1 = perf.decode_cost(base, 32, 576), perf.decode_cost(vllm, 32, 576)
     assert d1.total_s - d0.total_s == pytest.approx(e["fixed_s"] + 32 * e["per_seq_s"])
     p0, p1 = perf.prefill_cost(base, 512), perf.prefill_cost(vllm, 512)
-    assert p1.total_s - p0.total_s == pytest.approx(e["fixed_s"] + e["per_seq_s"]
-                                                    + e["prefill_fixed_s"])
+    assert p1.total_s - p0.total_s == pytest.approx(e["fixed_s"] + e["per_seq_s"] + e["prefill_fixed_s"])
     assert d1.gemm_s == d0.gemm_s and d1.comm_s == d0.comm_s
 
 
 def test_engine_flag_on_the_command_line(capsys):
-    args = ["plan", "--model", "llama-2-70b", "--gpu", "a100-80gb", "--tp", "8",
-            "--lin", "512", "--lout", "128", "--decode-batch", "64", "--json"]
+    args = [
+        "plan",
+        "--model",
+        "llama-2-70b",
+        "--gpu",
+        "a100-80gb",
+        "--tp",
+        "8",
+        "--lin",
+        "512",
+        "--lout",
+        "128",
+        "--decode-batch",
+        "64",
+        "--json",
+    ]
     assert cli_main(args) == 0
     base = json.loads(capsys.readouterr().out)["results"]["decode"]["time_s"]
     assert cli_main(args + ["--engine", "vllm-2023"]) == 0

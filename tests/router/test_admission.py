@@ -1,4 +1,5 @@
 """Early rejection and KV backpressure from registry state, and the 429 it becomes."""
+
 import time
 
 import httpx
@@ -58,8 +59,16 @@ def test_tpot_counts_the_routers_own_decode_bookings():
 
 def test_ttft_includes_the_exposed_kv_transfer():
     reg = _registry({"kv_block_size": 16})
-    reg.heartbeat("p0", {"kv_block_size": 16, "prefill_cost_s": [0.0, 1e-3, 0.0],  # 1 ms per token
-                         "kv_bytes_per_token": 1000, "num_layers": 10, "kv_layerwise": False})
+    reg.heartbeat(
+        "p0",
+        {
+            "kv_block_size": 16,
+            "prefill_cost_s": [0.0, 1e-3, 0.0],  # 1 ms per token
+            "kv_bytes_per_token": 1000,
+            "num_layers": 10,
+            "kv_layerwise": False,
+        },
+    )
     bw = 1e6  # 1 MB/s: 300 tokens x 1000 bytes = 0.3 s eager
     adm = Admitter(AdmissionConfig(slo_ttft_s=0.5, kv_bandwidth_bytes_per_s=bw))
     d = adm.check(reg, Placer(), list(range(300)), 10)  # 0.3 prefill + 0.3 transfer > 0.5
@@ -97,11 +106,13 @@ def test_config_validation_and_off_by_default():
 @pytest.mark.integration
 def test_router_answers_429_with_retry_after(tiny_model_dir):
     """An SLO no request can meet: every request is refused before reaching a worker."""
-    with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
-                 router_args=["--slo-ttft-ms", "0.001"]) as c:
+    with Cluster(
+        tiny_model_dir,
+        worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
+        router_args=["--slo-ttft-ms", "0.001"],
+    ) as c:
         model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
-        r = httpx.post(c.url + "/v1/completions", timeout=30,
-                       json={"model": model, "prompt": "hello", "max_tokens": 2})
+        r = httpx.post(c.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 429, r.text
         assert int(r.headers["retry-after"]) >= 1
         status = c.status()
@@ -132,11 +143,18 @@ def test_conductor_status_reports_lin_lout_and_ratio():
     from pdserve.router.app import _RouterCollector
     from pdserve.router.pools import PoolManager
 
-    engine = SimpleNamespace(metrics=m, admitter=None, pools=PoolManager(reg, drain=None), counters={k: 0 for k in (
-        "kv_bytes", "kv_seconds", "kv_failed", "kv_retries", "recomputed", "replaced")})
+    engine = SimpleNamespace(
+        metrics=m,
+        admitter=None,
+        pools=PoolManager(reg, drain=None),
+        counters={k: 0 for k in ("kv_bytes", "kv_seconds", "kv_failed", "kv_retries", "recomputed", "replaced")},
+    )
     collector = _RouterCollector(engine, reg, Verifier(b"0123456789abcdef"))
-    gauges = {f.name: f.samples[0].value for f in collector.collect() if f.type == "gauge"
-              and f.samples and not f.samples[0].labels}
+    gauges = {
+        f.name: f.samples[0].value
+        for f in collector.collect()
+        if f.type == "gauge" and f.samples and not f.samples[0].labels
+    }
     assert gauges["pdserve:recommended_pd_ratio"] == pytest.approx(0.5)
     assert gauges["pdserve:observed_mean_prompt_tokens"] == 8000
 
@@ -152,10 +170,30 @@ def test_serve_passes_its_flags_to_the_router_and_workers():
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    args = p.parse_args(["--slo-ttft-ms", "500", "--kv-watermark", "0.92", "--policy", "consistent_hash",
-                         "--max-request-body-bytes", "4096", "--shutdown-timeout", "7", "--log-format", "json",
-                         "--max-waiting-requests", "9", "--max-seqs-per-request", "5", "--metrics-require-key",
-                         "--autoscale", "--max-decode", "3"])
+    args = p.parse_args(
+        [
+            "--slo-ttft-ms",
+            "500",
+            "--kv-watermark",
+            "0.92",
+            "--policy",
+            "consistent_hash",
+            "--max-request-body-bytes",
+            "4096",
+            "--shutdown-timeout",
+            "7",
+            "--log-format",
+            "json",
+            "--max-waiting-requests",
+            "9",
+            "--max-seqs-per-request",
+            "5",
+            "--metrics-require-key",
+            "--autoscale",
+            "--max-decode",
+            "3",
+        ]
+    )
     args.host = "127.0.0.1"
     assert args.router_policy == "consistent_hash"
     rp = argparse.ArgumentParser()
@@ -170,7 +208,12 @@ def test_serve_passes_its_flags_to_the_router_and_workers():
     worker_cli.add_arguments(wp)
     w = wp.parse_args(_worker_cmd([], args, "decode", 1, None, "http://127.0.0.1:9")[1:])
     assert (w.role, w.worker_id, w.shutdown_timeout, w.max_waiting_requests, w.log_format) == (
-        "decode", "decode-1", 7, 9, "json")
+        "decode",
+        "decode-1",
+        7,
+        9,
+        "json",
+    )
 
 
 def test_kv_timeout_has_one_default_whoever_starts_the_router():
@@ -197,11 +240,13 @@ def test_kv_timeout_has_one_default_whoever_starts_the_router():
 def test_router_refuses_on_predicted_tpot(tiny_model_dir):
     """The decode worker calibrated its step model at start-up: a TPOT SLO below one
     step is refused before any prefill, as tpot_slo."""
-    with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
-                 router_args=["--slo-tpot-ms", "0.001"]) as c:
+    with Cluster(
+        tiny_model_dir,
+        worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"],
+        router_args=["--slo-tpot-ms", "0.001"],
+    ) as c:
         model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
-        r = httpx.post(c.url + "/v1/completions", timeout=30,
-                       json={"model": model, "prompt": "hello", "max_tokens": 2})
+        r = httpx.post(c.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "hello", "max_tokens": 2})
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "tpot_slo"
         status = c.status()
@@ -214,17 +259,23 @@ def test_router_refuses_on_predicted_tpot(tiny_model_dir):
 def test_conductor_status_non_null_after_traffic(tiny_model_dir):
     """Lin / Lout observed, Theta_P and Theta_D from the workers' calibrations: the
     decode-per-prefill ratio is a number on /internal/conductor and /metrics."""
-    with Cluster(tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"]) as c:
+    with Cluster(
+        tiny_model_dir, worker_args=["--dtype", "float32", "--block-size", "16", "--num-gpu-blocks", "64"]
+    ) as c:
         model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
         for i in range(3):
-            r = httpx.post(c.url + "/v1/completions", timeout=30, json={
-                "model": model, "prompt": f"request {i} " * 8, "max_tokens": 6, "ignore_eos": True})
+            r = httpx.post(
+                c.url + "/v1/completions",
+                timeout=30,
+                json={"model": model, "prompt": f"request {i} " * 8, "max_tokens": 6, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
         st = c.http.get(c.url + "/internal/conductor").json()
         assert st["mean_lout_tokens"] == 6 and st["mean_lin_tokens"] > 0
         assert st["theta_p_tokens_per_s"] > 0 and st["theta_d_tokens_per_s"] > 0
         assert st["recommended_nd_per_np"] == pytest.approx(
-            st["mean_lout_tokens"] / st["mean_lin_tokens"] * st["theta_p_tokens_per_s"] / st["theta_d_tokens_per_s"])
+            st["mean_lout_tokens"] / st["mean_lin_tokens"] * st["theta_p_tokens_per_s"] / st["theta_d_tokens_per_s"]
+        )
         assert "pdserve:recommended_pd_ratio " in httpx.get(c.url + "/metrics").text
         d = c.worker_state("decode0")
 
@@ -250,12 +301,21 @@ def test_serve_hands_its_engine_flags_to_the_workers_it_starts():
 
     p = argparse.ArgumentParser()
     serve_cli.add_arguments(p)
-    flags = _engine_args(p.parse_args(["--int8-activations", "--scheduling-policy", "priority",
-                                       "--no-enable-prefix-caching", "--max-num-seqs", "8"]))
+    flags = _engine_args(
+        p.parse_args(
+            [
+                "--int8-activations",
+                "--scheduling-policy",
+                "priority",
+                "--no-enable-prefix-caching",
+                "--max-num-seqs",
+                "8",
+            ]
+        )
+    )
     wp = argparse.ArgumentParser()
     worker_cli.add_arguments(wp)
     w = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1", *flags])
     assert (w.int8_activations, w.policy, w.enable_prefix_caching, w.max_num_seqs) == (True, "priority", False, 8)
-    defaults = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1",
-                              *_engine_args(p.parse_args([]))])
+    defaults = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1", *_engine_args(p.parse_args([]))])
     assert (defaults.int8_activations, defaults.policy) == (False, "fcfs")

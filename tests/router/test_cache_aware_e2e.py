@@ -1,5 +1,6 @@
 """Real processes: 2 prefill workers, 1 decode; shared-prefix conversations placed by
 `cache_aware` hit the prefill workers' prefix caches more often than `round_robin`."""
+
 import time
 
 import httpx
@@ -18,8 +19,11 @@ def _prefill_hit_rate(c: Cluster, policy: str) -> tuple[float, dict]:
     model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
     for turn in range(3):
         for convo in CONVOS:
-            r = httpx.post(c.url + "/v1/completions", timeout=60, json={
-                "model": model, "prompt": convo + f" turn {turn}", "max_tokens": 2, "temperature": 0})
+            r = httpx.post(
+                c.url + "/v1/completions",
+                timeout=60,
+                json={"model": model, "prompt": convo + f" turn {turn}", "max_tokens": 2, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
             time.sleep(0.4)  # a heartbeat (0.3 s) carries the new blocks to the router
     c.wait_idle()
@@ -33,8 +37,7 @@ def _prefill_hit_rate(c: Cluster, policy: str) -> tuple[float, dict]:
 def test_cache_aware_beats_round_robin_on_prefix_hits(tiny_model_dir):
     rates = {}
     for policy in ("round_robin", "cache_aware"):
-        with Cluster(tiny_model_dir, prefill=2, decode=1, worker_args=ENGINE,
-                     router_args=["--policy", policy]) as c:
+        with Cluster(tiny_model_dir, prefill=2, decode=1, worker_args=ENGINE, router_args=["--policy", policy]) as c:
             rates[policy], status = _prefill_hit_rate(c, policy)
             index = status["prefix_index"]
             assert set(index) >= {"prefill0", "prefill1"}

@@ -1,4 +1,5 @@
 """Start-up prefill calibration on a real (tiny) engine, and what a cluster's router sees of it."""
+
 import pytest
 
 from pdserve.server.calibrate import calibration_stats, measure_prefill

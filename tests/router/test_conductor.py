@@ -8,6 +8,7 @@ traffic and 32 for short-prompt, long-answer traffic (capacity); and layer-wise
 KV transfer exposing only the last layer's bytes. The tests pin those, and the
 behaviour each decision promises around them.
 """
+
 import pytest
 
 from pdserve.router import conductor as c
@@ -183,7 +184,7 @@ def test_decode_tokens_per_s_is_batch_over_step():
 def test_layerwise_transfer_exposes_only_the_last_layer():
     """64 Ki tokens x 320 KiB (llama 70B) = 20 GiB over 45 GiB/s = 444 ms eager; layer-wise
     over 80 layers exposes 444 / 80 = 5.55 ms, more than 98% less."""
-    gib = 2 ** 30
+    gib = 2**30
     eager = c.predict_transfer_s(65536, 320 * 1024, 80, 45 * gib, layerwise=False)
     layerwise = c.predict_transfer_s(65536, 320 * 1024, 80, 45 * gib, layerwise=True)
     assert eager == pytest.approx(0.444, abs=1e-3)
@@ -201,6 +202,9 @@ def test_prefill_step_and_live_prefill_scale():
     assert c.prefill_step_s(m, [(0, 100)]) == pytest.approx(m(100))
     assert c.prefill_step_s(m, [(0, 60)]) + c.prefill_step_s(m, [(60, 40)]) - m.a_s == pytest.approx(m(100))
     assert c.live_prefill_scale(m, []) == 1.0
-    live = [([(0, 100)], 2 * m(100)), ([(0, 50), (10, 1)], 2.5 * c.prefill_step_s(m, [(0, 50), (10, 1)])),
-            ([(0, 10)], 0.5 * m(10))]
+    live = [
+        ([(0, 100)], 2 * m(100)),
+        ([(0, 50), (10, 1)], 2.5 * c.prefill_step_s(m, [(0, 50), (10, 1)])),
+        ([(0, 10)], 0.5 * m(10)),
+    ]
     assert c.live_prefill_scale(m, live) == pytest.approx(2.0)

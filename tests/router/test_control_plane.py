@@ -4,6 +4,7 @@ requests survive workers that die, stop or leave.
 Each test fails on a router and workers that trust any caller, take leases as given,
 need both roles alive, or let a stopped worker freeze its streams.
 """
+
 import json
 import os
 import signal
@@ -32,13 +33,18 @@ def sharp_model_dir(tmp_path_factory):
 
 def reference(model_dir, max_tokens: int) -> str:
     llm = LLM(model_dir, dtype="float32", block_size=16, num_gpu_blocks=256)
-    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0].text
+    return (
+        llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0].outputs[0].text
+    )
 
 
 def complete(c: Cluster, max_tokens: int, timeout_s: float = 60) -> httpx.Response:
     model = httpx.get(c.url + "/v1/models", timeout=5).json()["data"][0]["id"]
-    return httpx.post(c.url + "/v1/completions", timeout=timeout_s, json={
-        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    return httpx.post(
+        c.url + "/v1/completions",
+        timeout=timeout_s,
+        json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
 
 
 def wait_for(cond, timeout_s: float, what: str):
@@ -66,12 +72,18 @@ def test_only_holders_of_the_cluster_token_get_in(tiny_model_dir):
             r = client.post(c.url + "/internal/register", json=fake)
             assert r.status_code == 401 and r.json()["error"]["code"] == "cluster_auth", r.text
             assert client.post(c.url + "/internal/heartbeat", json={"worker_id": "decode0"}).status_code == 401
-            r = client.post(d.url + "/internal/reserve", json={"request_id": "x", "prompt_token_ids": [1, 2, 3],
-                                                               "deadline_s": 100000})
+            r = client.post(
+                d.url + "/internal/reserve",
+                json={"request_id": "x", "prompt_token_ids": [1, 2, 3], "deadline_s": 100000},
+            )
             assert r.status_code == 401
             assert client.get(d.url + "/internal/state").status_code == 401
-            assert client.post(d.url + "/internal/pull", json={"request_id": "x",
-                                                               "address": "tcp://127.0.0.1:9"}).status_code == 401
+            assert (
+                client.post(
+                    d.url + "/internal/pull", json={"request_id": "x", "address": "tcp://127.0.0.1:9"}
+                ).status_code
+                == 401
+            )
         assert "evil" not in {w["worker_id"] for w in c.status()["workers"]}
         assert c.worker_state("decode0")["stats"]["num_free_blocks"] == 256  # nothing was reserved
 
@@ -96,14 +108,19 @@ def test_reservation_leases_are_capped_by_the_worker(tiny_model_dir):
     """A caller asking for a day-long lease gets the worker's cap: the blocks come back."""
     with Cluster(tiny_model_dir, worker_args=ENGINE, decode_args=["--max-kv-lease-s", "1"]) as c:
         d = c.worker("decode0")
-        r = c.http.post(d.url + "/internal/reserve", json={
-            "request_id": "orphan", "prompt_token_ids": list(range(1, 200)), "deadline_s": 100000})
+        r = c.http.post(
+            d.url + "/internal/reserve",
+            json={"request_id": "orphan", "prompt_token_ids": list(range(1, 200)), "deadline_s": 100000},
+        )
         assert r.status_code == 200, r.text
         assert c.worker_state("decode0")["stats"]["num_free_blocks"] < 256
         wait_for(lambda: c.worker_state("decode0")["stats"]["num_free_blocks"] == 256, 15, "the lease to expire")
         for bad in (b"1e999", b"-1", b'"soon"'):  # infinity, negative, not a number
-            r = c.http.post(d.url + "/internal/reserve", headers={"content-type": "application/json"},
-                            content=b'{"request_id": "y", "prompt_token_ids": [1], "deadline_s": ' + bad + b"}")
+            r = c.http.post(
+                d.url + "/internal/reserve",
+                headers={"content-type": "application/json"},
+                content=b'{"request_id": "y", "prompt_token_ids": [1], "deadline_s": ' + bad + b"}",
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "deadline_s", r.text
 
 
@@ -132,16 +149,29 @@ def test_a_stopped_decode_worker_does_not_freeze_its_streams(sharp_model_dir):
     with Cluster(sharp_model_dir, worker_args=ENGINE, prefill=1, decode=2) as c:
         model = httpx.get(c.url + "/v1/models", timeout=5).json()["data"][0]["id"]
         text, stopped, started = "", None, time.monotonic()
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=60, json={
-                "model": model, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            c.url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": 200,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 text += json.loads(line[6:])["choices"][0]["text"]
                 if stopped is None and len(text) > 20:
-                    stopped = next(w for w in c.workers if w.name.startswith("decode")
-                                   and c.worker_state(w.name)["stats"]["num_running"])
+                    stopped = next(
+                        w
+                        for w in c.workers
+                        if w.name.startswith("decode") and c.worker_state(w.name)["stats"]["num_running"]
+                    )
                     os.kill(stopped.proc.pid, signal.SIGSTOP)
                     stop_s = time.monotonic()
         try:
@@ -163,13 +193,20 @@ def test_router_counts_clients_that_leave_mid_stream(tiny_model_dir):
 
         def aborted() -> float:
             text = httpx.get(c.url + "/metrics", timeout=5).text
-            return sum(float(line.split()[-1]) for line in text.splitlines()
-                       if line.startswith("pdserve:request_success_total") and 'finished_reason="abort"' in line)
+            return sum(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("pdserve:request_success_total") and 'finished_reason="abort"' in line
+            )
 
         before = aborted()
         for _ in range(3):
-            with httpx.stream("POST", c.url + "/v1/completions", timeout=30, json={
-                    "model": model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            with httpx.stream(
+                "POST",
+                c.url + "/v1/completions",
+                timeout=30,
+                json={"model": model, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 for line in r.iter_lines():
                     if line.startswith("data: {"):

@@ -1,4 +1,5 @@
 """Placer policies over a registry and the prefix index; the heartbeat's KV event path."""
+
 import types
 
 import pytest

@@ -1,4 +1,5 @@
 """The router's prefix index: events in order, gaps, restarts, snapshots, H_i."""
+
 import pytest
 
 from pdserve.kv.block_manager import BlockManager

@@ -1,5 +1,6 @@
 """The prefix index follows the workers' KV tiers from their ordinary events, and placement
 prices a lower-tier hit between a pool hit and a miss."""
+
 from pdserve.kv.hashing import block_hashes
 from pdserve.router import conductor
 from pdserve.router.placement import Placer

@@ -1,4 +1,5 @@
 """How the router names a worker it could not reach, and whether it calls it dead."""
+
 import types
 
 import httpx

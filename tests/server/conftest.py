@@ -22,9 +22,18 @@ def server_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_server(server_model_dir):
     """The shared tiny-model server (API key on); tests must leave it idle."""
-    with ServerProcess("--model", server_model_dir, "--threads", "1", "--max-request-body-bytes", "65536",
-                       "--served-model-name", "tiny",
-                       *engine_flags(**TINY_ENGINE), api_key=API_KEY) as server:
+    with ServerProcess(
+        "--model",
+        server_model_dir,
+        "--threads",
+        "1",
+        "--max-request-body-bytes",
+        "65536",
+        "--served-model-name",
+        "tiny",
+        *engine_flags(**TINY_ENGINE),
+        api_key=API_KEY,
+    ) as server:
         yield server
 
 

@@ -2,6 +2,7 @@
 
 Its cluster token is the test's, so the test signs internal calls as the router does;
 fault injection is on (`/internal/fault`)."""
+
 import os
 import signal
 import subprocess
@@ -23,13 +24,34 @@ class Deployment:
         self.token = token = auth.new_token()
         self.http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=5)
         self._log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", model_dir, "--port", str(self.port),
-               "--dtype", "float32", "--num-gpu-blocks", str(num_gpu_blocks), "--block-size", "16", "--no-pin",
-               "--worker-timeout-s", "2", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, auth.TOKEN_ENV: token, "OMP_NUM_THREADS": "1",
-                                          "PDSERVE_ENABLE_FAULT_INJECTION": "1"},
-                                     preexec_fn=die_with_parent)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--num-gpu-blocks",
+            str(num_gpu_blocks),
+            "--block-size",
+            "16",
+            "--no-pin",
+            "--worker-timeout-s",
+            "2",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, auth.TOKEN_ENV: token, "OMP_NUM_THREADS": "1", "PDSERVE_ENABLE_FAULT_INJECTION": "1"},
+            preexec_fn=die_with_parent,
+        )
         try:
             self.wait_serving(180)
         except BaseException:
@@ -53,12 +75,20 @@ class Deployment:
 
     def wait_serving(self, timeout_s: float) -> float:
         """Seconds until a completion succeeds."""
-        return wait_until(lambda: sum(w["alive"] for w in self.workers().values()) >= 2
-                          and self.complete(4).status_code == 200, [self.proc], timeout_s, "pdserve serve", self.log)
+        return wait_until(
+            lambda: sum(w["alive"] for w in self.workers().values()) >= 2 and self.complete(4).status_code == 200,
+            [self.proc],
+            timeout_s,
+            "pdserve serve",
+            self.log,
+        )
 
     def complete(self, max_tokens: int, timeout_s: float = 30) -> httpx.Response:
-        return httpx.post(self.url + "/v1/completions", timeout=timeout_s, json={
-            "model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True})
+        return httpx.post(
+            self.url + "/v1/completions",
+            timeout=timeout_s,
+            json={"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens, "ignore_eos": True},
+        )
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -1,4 +1,5 @@
 """Start `pdserve serve` as a real subprocess on a free loopback port, and always stop it."""
+
 from __future__ import annotations
 
 import os
@@ -16,18 +17,41 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, wait_ready: bool = True, timeout_s: float = 180,
-                 env: dict | None = None):
+    def __init__(
+        self,
+        *args: str,
+        api_key: str | None = None,
+        wait_ready: bool = True,
+        timeout_s: float = 180,
+        env: dict | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "collocated", "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--mode",
+            "collocated",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         if api_key:
             cmd += ["--api-key", api_key]
         self._log = tempfile.TemporaryFile()  # read back on failure, gone afterwards
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=die_with_parent,
+        )
         if wait_ready:
             try:
                 self.wait_health(200, timeout_s)
@@ -40,8 +64,14 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def wait_health(self, status: int, timeout_s: float) -> dict:
-        wait_until(lambda: health_is(self.url, status), [self.proc], timeout_s, f"the server (/health {status})",
-                   self.log, interval_s=0.1)
+        wait_until(
+            lambda: health_is(self.url, status),
+            [self.proc],
+            timeout_s,
+            f"the server (/health {status})",
+            self.log,
+            interval_s=0.1,
+        )
         return self.health()
 
     def health(self) -> dict:
@@ -52,8 +82,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             h = self.health()
-            if (h["num_running"] == 0 and h["num_waiting"] == 0 and h["num_waiting_requests"] == 0) \
-                    or time.monotonic() > deadline:
+            if (
+                h["num_running"] == 0 and h["num_waiting"] == 0 and h["num_waiting_requests"] == 0
+            ) or time.monotonic() > deadline:
                 return h
             time.sleep(0.05)
 

@@ -1,4 +1,5 @@
 """Clients that go away mid-request abort it, and every KV block returns to the pool."""
+
 import asyncio
 import json
 
@@ -33,8 +34,9 @@ def test_twenty_streams_cut_midway_free_their_blocks(tiny_server):
 
     async def main():
         started = asyncio.Barrier(21)
-        async with httpx.AsyncClient(base_url=tiny_server.url, headers=AUTH, timeout=30,
-                                     limits=httpx.Limits(max_connections=32)) as c:
+        async with httpx.AsyncClient(
+            base_url=tiny_server.url, headers=AUTH, timeout=30, limits=httpx.Limits(max_connections=32)
+        ) as c:
             tasks = [asyncio.create_task(cut_after(c, i, started)) for i in range(20)]
             async with asyncio.timeout(60):
                 while started.n_waiting < 20:
@@ -70,6 +72,9 @@ def test_non_streamed_request_aborts_when_client_times_out(tiny_server):
 
 def _aborted(server) -> float:
     text = httpx.get(server.url + "/metrics").text
-    line = next(ln for ln in text.splitlines() if ln.startswith("pdserve:request_success_total")
-                and 'finished_reason="abort"' in ln)
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("pdserve:request_success_total") and 'finished_reason="abort"' in ln
+    )
     return float(line.rsplit(" ", 1)[1])

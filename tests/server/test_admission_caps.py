@@ -4,6 +4,7 @@ Once, one 12 KB request (2,000 prompts x n=128) became 256,000 engine sequences;
 its client left, and aborting them (quadratic in the queue) wedged the engine
 for everyone else for more than ten minutes.
 """
+
 import asyncio
 import json
 
@@ -24,8 +25,12 @@ LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True}
 def test_the_12kb_request_that_wedged_the_engine_is_refused_at_once(tiny_server):
     raw = json.dumps({"model": "tiny", "prompt": ["hi"] * 2000, "n": 128}).encode()
     assert len(raw) < 13_000
-    r = httpx.post(tiny_server.url + "/v1/completions", content=raw, timeout=30,
-                   headers={**AUTH, "Content-Type": "application/json"})
+    r = httpx.post(
+        tiny_server.url + "/v1/completions",
+        content=raw,
+        timeout=30,
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "n" and err["code"] == "too_many_sequences"
@@ -75,8 +80,20 @@ def _data(lines):
 @pytest.mark.integration
 def test_server_flags_cap_fanout_and_waiting_sequences(server_model_dir):
     flags = engine_flags(**{**TINY_ENGINE, "max_num_seqs": 1})
-    with ServerProcess("--model", server_model_dir, "--threads", "1", *flags, "--max-seqs-per-request", "4",
-                       "--max-waiting-requests", "6") as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with (
+        ServerProcess(
+            "--model",
+            server_model_dir,
+            "--threads",
+            "1",
+            *flags,
+            "--max-seqs-per-request",
+            "4",
+            "--max-waiting-requests",
+            "6",
+        ) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
         r = c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         assert "max_seqs_per_request=4" in r.json()["error"]["message"]

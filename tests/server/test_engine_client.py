@@ -4,6 +4,7 @@
 method signatures too (parameter names, kinds, which have defaults), so a
 parameter added to one engine and not the other fails here, not in production.
 """
+
 import inspect
 
 import pytest
@@ -35,7 +36,9 @@ def _check(proto, cls, instance=None) -> None:
     for name, want in methods.items():
         got = getattr(cls, name, None)
         assert callable(got), f"{cls.__name__} lacks {name}()"
-        assert _shape(got) == _shape(want), f"{cls.__name__}.{name}{inspect.signature(got)} is not {inspect.signature(want)}"
+        assert _shape(got) == _shape(want), (
+            f"{cls.__name__}.{name}{inspect.signature(got)} is not {inspect.signature(want)}"
+        )
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), f"{cls.__name__}.{name}: async?"
     for name in data if instance is not None else ():
         assert hasattr(instance, name), f"{cls.__name__} lacks {name}"

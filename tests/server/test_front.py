@@ -1,4 +1,5 @@
 """The front's bookkeeping of a stream it may have to resume (pdserve/server/front.py)."""
+
 import json
 
 from pdserve.control_api import ResumeRequest, tokens_comment

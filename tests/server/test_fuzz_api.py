@@ -4,6 +4,7 @@ Bodies come from the OpenAPI document the server itself serves (/openapi.json),
 both inside the schema and outside it (wrong types, missing fields). The run
 is bounded and derandomized, so it is the same few hundred requests every time.
 """
+
 import httpx
 import pytest
 import schemathesis
@@ -20,20 +21,32 @@ pytestmark = pytest.mark.integration
 CONTEXT = 64
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 # (path, method, modes): a GET's only input, a path string, has no invalid values
-OPERATIONS = [("/v1/completions", "POST", (POSITIVE, NEGATIVE)),
-              ("/v1/chat/completions", "POST", (POSITIVE, NEGATIVE)),
-              ("/tokenize", "POST", (POSITIVE, NEGATIVE)),
-              ("/v1/models", "GET", (POSITIVE,)),
-              ("/v1/models/{model_id}", "GET", (POSITIVE,))]
+OPERATIONS = [
+    ("/v1/completions", "POST", (POSITIVE, NEGATIVE)),
+    ("/v1/chat/completions", "POST", (POSITIVE, NEGATIVE)),
+    ("/tokenize", "POST", (POSITIVE, NEGATIVE)),
+    ("/v1/models", "GET", (POSITIVE,)),
+    ("/v1/models/{model_id}", "GET", (POSITIVE,)),
+]
 CASES = [(path, method, mode) for path, method, modes in OPERATIONS for mode in modes]
 MAX_EXAMPLES = 50
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(server_model_dir):
-    with ServerProcess("--model", server_model_dir, "--threads", "1", *engine_flags(**TINY_ENGINE),
-                       "--max-model-len", str(CONTEXT), "--max-seqs-per-request", "8",
-                       "--max-request-body-bytes", "65536") as server:
+    with ServerProcess(
+        "--model",
+        server_model_dir,
+        "--threads",
+        "1",
+        *engine_flags(**TINY_ENGINE),
+        "--max-model-len",
+        str(CONTEXT),
+        "--max-seqs-per-request",
+        "8",
+        "--max-request-body-bytes",
+        "65536",
+    ) as server:
         yield server
 
 
@@ -46,8 +59,14 @@ def schema(fuzz_server):
 def test_no_server_errors(fuzz_server, schema, path, method, mode):
     statuses = []
 
-    @settings(max_examples=MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
-              phases=[Phase.explicit, Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(schema[path][method].as_strategy(generation_mode=mode))
     def check(case):
         r = case.call(base_url=fuzz_server.url, timeout=60)
@@ -63,7 +82,10 @@ def test_server_still_serves_after_fuzzing(fuzz_server):
     """Runs after the fuzz cases above (file order): the engine is alive, idle and correct."""
     h = fuzz_server.wait_idle(60)
     assert h["status"] == "ok" and h["num_free_blocks"] == h["num_blocks"], h
-    r = httpx.post(fuzz_server.url + "/v1/completions", timeout=30,
-                   json={"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        fuzz_server.url + "/v1/completions",
+        timeout=30,
+        json={"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert "Traceback" not in fuzz_server.log()

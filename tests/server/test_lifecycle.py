@@ -1,4 +1,5 @@
 """Admission control (429), an engine that cannot serve (503), and graceful shutdown on SIGTERM."""
+
 import json
 import os
 import time
@@ -26,8 +27,10 @@ def data_events(lines):
 
 
 def test_full_queue_answers_429_with_retry_after(server_model_dir):
-    with one_seq_server(server_model_dir, "--max-waiting-requests", "1") as srv, \
-            httpx.Client(base_url=srv.url, timeout=30) as c:
+    with (
+        one_seq_server(server_model_dir, "--max-waiting-requests", "1") as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
         with c.stream("POST", "/v1/completions", json=LONG) as running:  # takes the only batch slot
             assert running.status_code == 200
             tokens = data_events(running.iter_lines())  # kept: dropping it would close the stream

@@ -1,4 +1,5 @@
 """The official `openai` client against a real server process: greedy text equals the offline LLM."""
+
 import asyncio
 
 import pytest
@@ -41,9 +42,17 @@ def test_completion_matches_offline(client, model_id, tiny_offline, prompt):
 
 def test_completion_stream_matches_offline_with_usage(client, model_id, tiny_offline):
     ref = offline_text(tiny_offline, PROMPTS[1], max_tokens=20)
-    chunks = list(client.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body=EXTRA))
+    chunks = list(
+        client.completions.create(
+            model=model_id,
+            prompt=PROMPTS[1],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXTRA,
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -53,8 +62,9 @@ def test_completion_stream_matches_offline_with_usage(client, model_id, tiny_off
 
 def test_chat_matches_offline(client, model_id, tiny_offline):
     ref = offline_chat(tiny_offline, CHAT)
-    r = client.chat.completions.create(model=model_id, messages=CHAT, max_completion_tokens=MAX, temperature=0,
-                                       extra_body=EXTRA)
+    r = client.chat.completions.create(
+        model=model_id, messages=CHAT, max_completion_tokens=MAX, temperature=0, extra_body=EXTRA
+    )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref.outputs[0].text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -62,8 +72,9 @@ def test_chat_matches_offline(client, model_id, tiny_offline):
 
 def test_chat_stream_matches_offline(client, model_id, tiny_offline):
     ref = offline_chat(tiny_offline, CHAT, max_tokens=20)
-    stream = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=20, temperature=0,
-                                            stream=True, extra_body=EXTRA)
+    stream = client.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=20, temperature=0, stream=True, extra_body=EXTRA
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
@@ -78,13 +89,15 @@ def test_async_client_concurrent_streams_and_whole(tiny_server, tiny_offline):
             model = (await c.models.list()).data[0].id
 
             async def chat_stream(msgs):
-                s = await c.chat.completions.create(model=model, messages=msgs, max_tokens=MAX, temperature=0,
-                                                    stream=True, extra_body=EXTRA)
+                s = await c.chat.completions.create(
+                    model=model, messages=msgs, max_tokens=MAX, temperature=0, stream=True, extra_body=EXTRA
+                )
                 return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
 
             async def completion(prompt):
-                r = await c.completions.create(model=model, prompt=prompt, max_tokens=MAX, temperature=0,
-                                               extra_body=EXTRA)
+                r = await c.completions.create(
+                    model=model, prompt=prompt, max_tokens=MAX, temperature=0, extra_body=EXTRA
+                )
                 return r.choices[0].text
 
             convs = [[{"role": "user", "content": p}] for p in PROMPTS]
@@ -98,8 +111,9 @@ def test_async_client_concurrent_streams_and_whole(tiny_server, tiny_offline):
 
 def test_token_id_prompts_and_batches(client, model_id, tiny_offline):
     ids = tiny_offline.tokenizer.encode(PROMPTS[0])
-    r = client.completions.create(model=model_id, prompt=[ids, PROMPTS[1]], max_tokens=MAX, temperature=0,
-                                  extra_body=EXTRA)
+    r = client.completions.create(
+        model=model_id, prompt=[ids, PROMPTS[1]], max_tokens=MAX, temperature=0, extra_body=EXTRA
+    )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text == offline_text(tiny_offline, ids).outputs[0].text
     assert r.choices[1].text == offline_text(tiny_offline, PROMPTS[1]).outputs[0].text
@@ -115,27 +129,35 @@ def test_n_with_seed_is_reproducible(client, model_id):
 def test_stop_string_and_stop_token(client, model_id, tiny_offline):
     ref = offline_text(tiny_offline, PROMPTS[1], max_tokens=20).outputs[0]
     stop = ref.text[5:7]
-    r = client.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop],
-                                  extra_body=EXTRA)
+    r = client.completions.create(
+        model=model_id, prompt=PROMPTS[1], max_tokens=20, temperature=0, stop=[stop], extra_body=EXTRA
+    )
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == ref.text[:ref.text.find(stop)]
-    r = client.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=20, temperature=0,
-                                  extra_body={**EXTRA, "stop_token_ids": [ref.token_ids[3]]})
+    assert r.choices[0].text == ref.text[: ref.text.find(stop)]
+    r = client.completions.create(
+        model=model_id,
+        prompt=PROMPTS[1],
+        max_tokens=20,
+        temperature=0,
+        extra_body={**EXTRA, "stop_token_ids": [ref.token_ids[3]]},
+    )
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 4
 
 
 def test_logprobs(client, model_id, tiny_offline):
     ref = offline_text(tiny_offline, PROMPTS[0], max_tokens=4, logprobs=2).outputs[0]
-    r = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2,
-                                  extra_body=EXTRA)
+    r = client.completions.create(
+        model=model_id, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2, extra_body=EXTRA
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.top_logprobs) == 4
     assert lp.token_logprobs == pytest.approx([e[t] for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
     # the legacy format keys by token text, so tokens that all print as U+FFFD share one key
     assert all(len(d) >= 2 for d, t in zip(lp.top_logprobs, lp.tokens) if "\ufffd" not in t)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
-    c = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
-                                       top_logprobs=3, extra_body=EXTRA)
+    c = client.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, extra_body=EXTRA
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     # greedy: the chosen token is the most likely one
@@ -147,8 +169,9 @@ def test_logprobs(client, model_id, tiny_offline):
 def test_chat_stream_with_n_choices(client, model_id, tiny_offline):
     ref = offline_chat(tiny_offline, CHAT).outputs[0].text
     texts = {0: "", 1: ""}
-    for chunk in client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=MAX, temperature=0, n=2,
-                                                stream=True, extra_body=EXTRA):
+    for chunk in client.chat.completions.create(
+        model=model_id, messages=CHAT, max_tokens=MAX, temperature=0, n=2, stream=True, extra_body=EXTRA
+    ):
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
     assert texts == {0: ref, 1: ref}
@@ -157,8 +180,9 @@ def test_chat_stream_with_n_choices(client, model_id, tiny_offline):
 def test_echo_and_tokenize(client, model_id, tiny_server, tiny_offline):
     import httpx
 
-    r = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True,
-                                  extra_body=EXTRA)
+    r = client.completions.create(
+        model=model_id, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True, extra_body=EXTRA
+    )
     assert r.choices[0].text == PROMPTS[0] + offline_text(tiny_offline, PROMPTS[0], max_tokens=4).outputs[0].text
     auth = {"Authorization": f"Bearer {API_KEY}"}
     tok = httpx.post(tiny_server.url + "/tokenize", json={"prompt": PROMPTS[0]}, headers=auth).json()

@@ -1,4 +1,5 @@
 """In-process checks of the pieces the router will reuse: parsing, admission, formatting, app states."""
+
 import asyncio
 import json
 import threading
@@ -31,20 +32,26 @@ def parse_params(req):
 def test_parse_accepts_openai_shapes_and_ignores_unknown_fields():
     req = parse(P.CompletionRequest, b'{"prompt": [[1, 2], "text"], "n": 2, "future_field": {"x": 1}}')
     assert req.prompts() == [[1, 2], "text"] and req.max_tokens == 16
-    chat = parse(P.ChatCompletionRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", '
-                                          b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 3}')
+    chat = parse(
+        P.ChatCompletionRequest,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", '
+        b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 3}',
+    )
     assert chat.conversation() == [{"role": "user", "content": "ab"}]
     params = chat.sampling_params(3, chat.engine_logprobs())
     assert params.max_tokens == 3 and params.logprobs is None and params.temperature == 1.0
 
 
-@pytest.mark.parametrize("raw,param", [
-    (b'{"prompt": "x", "temperature": 1e999}', "temperature"),  # parses as inf: never reaches the sampler
-    (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
-    (b'{"prompt": "x", "echo": "yes"}', "echo"),
-    (b'{"prompt": "x", "best_of": 3}', "best_of"),
-    (b'{"prompt": []}', "prompt"),
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (b'{"prompt": "x", "temperature": 1e999}', "temperature"),  # parses as inf: never reaches the sampler
+        (b'{"prompt": "x", "top_p": 1.5}', "top_p"),
+        (b'{"prompt": "x", "echo": "yes"}', "echo"),
+        (b'{"prompt": "x", "best_of": 3}', "best_of"),
+        (b'{"prompt": []}', "prompt"),
+    ],
+)
 def test_parse_refuses(raw, param):
     err = parse(P.CompletionRequest, raw)
     if not isinstance(err, APIError):  # ranges are SamplingParams' to check
@@ -113,25 +120,32 @@ def test_templated_chunk_equals_the_dict_chunk(cls):
     from pdserve.server import format as F
 
     fmt = getattr(F, cls)("cmpl-1", 'model "x"', None, 2, None)
-    out = NS(finished=False, new_text='a"é\n\\', new_token_ids=[1],
-             outputs=[NS(finish_reason=None, stop_reason=None, logprobs=None)])
+    out = NS(
+        finished=False,
+        new_text='a"é\n\\',
+        new_token_ids=[1],
+        outputs=[NS(finish_reason=None, stop_reason=None, logprobs=None)],
+    )
     for include_usage in (False, True):
         want = fmt.chunk(1, out) | ({"usage": None} if include_usage else {})
         assert json.loads(fmt.chunk_json(1, out, include_usage)) == want
 
 
-@pytest.mark.parametrize("raw,param", [
-    (rb'{"prompt": "\ud800"}', "prompt"),
-    (rb'{"prompt": ["fine", "a\udfffb"]}', "prompt.1"),
-    (rb'{"prompt": "x", "user": "\udc00"}', "user"),  # ignored or not, it is not Unicode
-    (rb'{"prompt": "x", "extra": {"\ud800": 1}}', "extra"),  # the key itself cannot be sent back
-    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
-    (b'{"prompt": "\xed\xa0\x80"}', None),  # a surrogate encoded as UTF-8 bytes: invalid UTF-8
-    (b'{"prompt": "x", "stop": ' + json.dumps(["s"] * 100_000).encode() + b"}", "stop"),
-    (b'{"prompt": "x", "stop": "' + b"x" * 500_000 + b'"}', "stop"),
-    (b'{"prompt": "x", "priority": 9223372036854775808}', "priority"),
-    (b'{"prompt": "x", "seed": 18446744073709551615, "n": 2}', "seed"),
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        (rb'{"prompt": "\ud800"}', "prompt"),
+        (rb'{"prompt": ["fine", "a\udfffb"]}', "prompt.1"),
+        (rb'{"prompt": "x", "user": "\udc00"}', "user"),  # ignored or not, it is not Unicode
+        (rb'{"prompt": "x", "extra": {"\ud800": 1}}', "extra"),  # the key itself cannot be sent back
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+        (b'{"prompt": "\xed\xa0\x80"}', None),  # a surrogate encoded as UTF-8 bytes: invalid UTF-8
+        (b'{"prompt": "x", "stop": ' + json.dumps(["s"] * 100_000).encode() + b"}", "stop"),
+        (b'{"prompt": "x", "stop": "' + b"x" * 500_000 + b'"}', "stop"),
+        (b'{"prompt": "x", "priority": 9223372036854775808}', "priority"),
+        (b'{"prompt": "x", "seed": 18446744073709551615, "n": 2}', "seed"),
+    ],
+)
 def test_parse_refuses_what_is_not_unicode_too_deep_or_too_big(raw, param):
     err = parse(P.CompletionRequest, raw)
     if not isinstance(err, APIError):
@@ -140,18 +154,24 @@ def test_parse_refuses_what_is_not_unicode_too_deep_or_too_big(raw, param):
     json.dumps(err.body(), ensure_ascii=False).encode()  # the error itself can be sent
 
 
-@pytest.mark.parametrize("raw,prompt", [
-    (rb'{"prompt": "\ud83d\ude00"}', "\U0001F600"),  # a surrogate pair is one character
-    (rb'{"prompt": "\\ud800"}', "\\ud800"),  # an escaped backslash, then text
-    (b'\xef\xbb\xbf{"prompt": "x"}', "x"),  # a UTF-8 byte order mark
-])
+@pytest.mark.parametrize(
+    "raw,prompt",
+    [
+        (rb'{"prompt": "\ud83d\ude00"}', "\U0001f600"),  # a surrogate pair is one character
+        (rb'{"prompt": "\\ud800"}', "\\ud800"),  # an escaped backslash, then text
+        (b'\xef\xbb\xbf{"prompt": "x"}', "x"),  # a UTF-8 byte order mark
+    ],
+)
 def test_parse_accepts_valid_unicode(raw, prompt):
     assert parse(P.CompletionRequest, raw).prompt == prompt
 
 
 def test_chat_messages_are_checked_for_surrogates_and_depth():
-    err = parse(P.ChatCompletionRequest, rb'{"messages": [{"role": "user", "content": [{"type": "text", '
-                                         rb'"text": "ok"}, {"type": "text", "text": "\ud800"}]}]}')
+    err = parse(
+        P.ChatCompletionRequest,
+        rb'{"messages": [{"role": "user", "content": [{"type": "text", '
+        rb'"text": "ok"}, {"type": "text", "text": "\ud800"}]}]}',
+    )
     assert err.status == 400 and err.param == "messages.0.content.1.text"
     nested = b'{"messages": [{"role": "user", "content": ' + b"[" * 5000 + b"]" * 5000 + b"}]}"
     err = parse(P.ChatCompletionRequest, nested)
@@ -163,8 +183,11 @@ def test_openapi_describes_the_request_bodies():
 
     doc = build_app(None, ServerSettings()).openapi()
     schemas = doc["components"]["schemas"]
-    for path, model in [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
-                        ("/tokenize", "TokenizeRequest")]:
+    for path, model in [
+        ("/v1/completions", "CompletionRequest"),
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/tokenize", "TokenizeRequest"),
+    ]:
         body = doc["paths"][path]["post"]["requestBody"]
         assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
         assert model in schemas

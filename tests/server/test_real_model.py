@@ -1,4 +1,5 @@
 """End to end on the embedded SmolLM2 GGUF: the official client gets the offline engine's greedy answer."""
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -21,8 +22,9 @@ def test_real_model_chat_matches_offline(real_model_path):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
         r = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24)
-        stream = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, max_tokens=24,
-                                                stream=True)
+        stream = client.chat.completions.create(
+            model=model, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert model == "SmolLM2-135M-Instruct.Q4_1"
     assert r.choices[0].message.content == streamed == ref.outputs[0].text

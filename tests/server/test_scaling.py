@@ -1,4 +1,5 @@
 """Pools that change while serving: `pdserve scale`, and the autoscaler, under load, losing nothing."""
+
 import os
 import subprocess
 import sys
@@ -31,9 +32,15 @@ class Load:
         with httpx.Client(timeout=120) as c:
             while not self._stop.is_set():
                 try:
-                    r = c.post(self.url + "/v1/completions", json={
-                        "model": "tiny", "prompt": f"client {i} says hello", "max_tokens": self.max_tokens,
-                        "ignore_eos": True})
+                    r = c.post(
+                        self.url + "/v1/completions",
+                        json={
+                            "model": "tiny",
+                            "prompt": f"client {i} says hello",
+                            "max_tokens": self.max_tokens,
+                            "ignore_eos": True,
+                        },
+                    )
                     self.codes.append(r.status_code)
                     ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == self.max_tokens
                     if not ok:
@@ -60,8 +67,14 @@ def wait_pools(dep: Deployment, want: dict, timeout_s: float) -> dict:
 
 def scale(dep: Deployment, *args: str) -> subprocess.CompletedProcess:
     """`pdserve scale`, given the deployment's token in its environment as an operator would."""
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "scale", "--router", dep.url, *args], cwd=REPO,
-                          env={**os.environ, auth.TOKEN_ENV: dep.token}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "scale", "--router", dep.url, *args],
+        cwd=REPO,
+        env={**os.environ, auth.TOKEN_ENV: dep.token},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_scale_up_and_down_under_load_loses_nothing(tiny_model_dir):
@@ -75,8 +88,23 @@ def test_scale_up_and_down_under_load_loses_nothing(tiny_model_dir):
         time.sleep(2)  # the new decode worker takes traffic
         r = scale(dep, "--status")
         assert '"wanted"' in r.stdout and r.returncode == 0
-        bad = subprocess.run([sys.executable, "-m", "pdserve.cli", "scale", "--router", dep.url, "--decode", "+1",
-                              "--cluster-token-file", os.devnull], cwd=REPO, capture_output=True, text=True)
+        bad = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "scale",
+                "--router",
+                dep.url,
+                "--decode",
+                "+1",
+                "--cluster-token-file",
+                os.devnull,
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         assert bad.returncode != 0  # no token, no scaling
     finally:
         load.stop()
@@ -87,9 +115,25 @@ def test_scale_up_and_down_under_load_loses_nothing(tiny_model_dir):
 
 
 def test_autoscaler_grows_decode_under_load_and_shrinks_after(tiny_model_dir):
-    dep = Deployment(tiny_model_dir, "--served-model-name", "tiny", "--autoscale", "--min-decode", "1",
-                     "--max-decode", "2", "--min-prefill", "1", "--max-prefill", "1",
-                     "--autoscale-cooldown-s", "2", "--autoscale-interval-s", "0.5", num_gpu_blocks=48)
+    dep = Deployment(
+        tiny_model_dir,
+        "--served-model-name",
+        "tiny",
+        "--autoscale",
+        "--min-decode",
+        "1",
+        "--max-decode",
+        "2",
+        "--min-prefill",
+        "1",
+        "--max-prefill",
+        "1",
+        "--autoscale-cooldown-s",
+        "2",
+        "--autoscale-interval-s",
+        "0.5",
+        num_gpu_blocks=48,
+    )
     try:
         load = Load(dep.url, streams=6, max_tokens=120)  # decode-heavy: the decode pool's KV fills
         try:

@@ -1,6 +1,7 @@
 """`pdserve serve` supervises its processes: it restarts what dies, and SIGTERM drains.
 
 Real launcher, router and workers on loopback, the tiny model."""
+
 import os
 import signal
 import threading
@@ -40,8 +41,10 @@ def test_dead_processes_are_restarted_and_counted(model):
 
         # a reservation the router made just before it died: nobody will decode it
         decode_url = dep.workers()["decode-1"]["url"]
-        r = dep.http.post(decode_url + "/internal/reserve", json={
-            "request_id": "orphan", "prompt_token_ids": list(range(1, 100)), "deadline_s": 600})
+        r = dep.http.post(
+            decode_url + "/internal/reserve",
+            json={"request_id": "orphan", "prompt_token_ids": list(range(1, 100)), "deadline_s": 600},
+        )
         assert r.status_code == 200, r.text
 
         def free_blocks() -> tuple[int, int]:
@@ -156,8 +159,12 @@ def test_router_killed_mid_stream_loses_nothing(long_model):
                 time.sleep(0.2)
                 router.kill()
 
-        with httpx.stream("POST", dep.url + "/v1/completions", timeout=120,
-                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        with httpx.stream(
+            "POST",
+            dep.url + "/v1/completions",
+            timeout=120,
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
             assert r.status_code == 200
             got = _read_stream(r, kill_once)
         whole["t"].join(120)

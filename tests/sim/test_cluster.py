@@ -1,5 +1,6 @@
 """The simulated cluster: the engine's scheduler and block manager under a latency model,
 the router's placement and admission, and the interference scenario."""
+
 import numpy as np
 import pytest
 
@@ -19,8 +20,9 @@ def step_latency(prefill_tokens_per_s: float) -> ProfileLatency:
 
 
 def one_pool(mode="collocated", lat=None, blocks=20_000, sched=None, ff=None, **kw):
-    sched = sched or SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=64,
-                                     enable_chunked_prefill=mode == "chunked")
+    sched = sched or SchedulerConfig(
+        max_num_batched_tokens=16384, max_num_seqs=64, enable_chunked_prefill=mode == "chunked"
+    )
     lat = lat or ProfileLatency([0.01, 1e-4, 1e-4, 1e-7, 1e-9], model_layers=30, kv_bytes_per_token_=1e4)
     if mode == "disagg":
         pools = {"prefill": PoolConfig(1, lat, blocks, 1, sched), "decode": PoolConfig(1, lat, blocks, 1, sched)}
@@ -40,10 +42,16 @@ def test_interference_collocated_p99_step_in_seconds_disaggregated_near_p50():
     tokens/s + one 25 ms step; P50 25 ms); disaggregated, decode steps stay near the 25 ms base."""
     sched = SchedulerConfig(max_num_batched_tokens=16384, enable_chunked_prefill=False)
     col = one_pool("collocated", step_latency(4000), sched=sched).run(seed_000_6_1())
-    dis = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, step_latency(4500), 20_000, 8, sched),
-        "decode": PoolConfig(1, step_latency(4000), 20_000, 8, sched)},
-        transfer=TransferModel(45e9, layerwise=True))).run(seed_000_6_1())
+    dis = Cluster(
+        ClusterConfig(
+            "disagg",
+            {
+                "prefill": PoolConfig(1, step_latency(4500), 20_000, 8, sched),
+                "decode": PoolConfig(1, step_latency(4000), 20_000, 8, sched),
+            },
+            transfer=TransferModel(45e9, layerwise=True),
+        )
+    ).run(seed_000_6_1())
     assert col["completed"] == dis["completed"] == 20
     assert col["median_itl_ms"] == pytest.approx(25.0)
     assert col["p99_itl_ms"] == pytest.approx(4025.0, rel=0.01)  # 16,000 / 4,000 tok/s + one decode step
@@ -54,8 +62,12 @@ def test_interference_collocated_p99_step_in_seconds_disaggregated_near_p50():
 
 def _decode_heavy(n=24, seed=0):
     rng = np.random.default_rng(seed)
-    return [SimRequest(i, int(rng.integers(50, 400)), int(rng.integers(20, 300)), float(i * 0.05), "chat",
-                       token_ids=[-1 - i] * 300) for i in range(n)]
+    return [
+        SimRequest(
+            i, int(rng.integers(50, 400)), int(rng.integers(20, 300)), float(i * 0.05), "chat", token_ids=[-1 - i] * 300
+        )
+        for i in range(n)
+    ]
 
 
 def _prompt_fix(reqs):
@@ -93,8 +105,8 @@ def test_prefix_cache_hits_from_mooncake_hash_ids():
     seen, bound = set(), 0
     for r in reqs:
         full = r.prompt_len // 512
-        chains = [tuple(r.hash_ids[:k + 1]) for k in range(min(full, len(r.hash_ids)))]
-        bound += 512 * sum(1 for ch in chains[:(r.prompt_len - 1) // 512] if ch in seen)
+        chains = [tuple(r.hash_ids[: k + 1]) for k in range(min(full, len(r.hash_ids)))]
+        bound += 512 * sum(1 for ch in chains[: (r.prompt_len - 1) // 512] if ch in seen)
         seen.update(chains)
     hits = c.instances["both-0"].bm.stats.hits_tokens
     assert bound > 0 and 0.5 * bound <= hits <= bound
@@ -107,9 +119,17 @@ def test_cache_aware_placement_finds_more_prefix_hits_than_round_robin():
     reqs = [SimRequest(i, 320, 4, i * 0.5, token_ids=prefixes[(i // 2) % 8] + [-1 - i] * 64) for i in range(48)]
     hit = {}
     for policy in ("cache_aware", "round_robin"):
-        c = Cluster(ClusterConfig("disagg", {
-            "prefill": PoolConfig(2, step_latency(4000), 10_000), "decode": PoolConfig(1, step_latency(4000), 10_000)},
-            transfer=TransferModel(45e9), policy=policy))
+        c = Cluster(
+            ClusterConfig(
+                "disagg",
+                {
+                    "prefill": PoolConfig(2, step_latency(4000), 10_000),
+                    "decode": PoolConfig(1, step_latency(4000), 10_000),
+                },
+                transfer=TransferModel(45e9),
+                policy=policy,
+            )
+        )
         assert c.run(reqs)["completed"] == 48
         bms = [c.instances[f"prefill-{i}"].bm for i in range(2)]
         hit[policy] = sum(b.stats.hits_tokens for b in bms) / sum(b.stats.queries_tokens for b in bms)
@@ -119,9 +139,14 @@ def test_cache_aware_placement_finds_more_prefix_hits_than_round_robin():
 def test_early_rejection_refuses_what_would_miss_the_ttft_slo():
     reqs = [SimRequest(i, 8000, 8, 0.0, token_ids=[-1 - i] * 8000) for i in range(12)]
     adm = AdmissionConfig(slo_ttft_s=5.0)
-    c = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, step_latency(4000), 10_000), "decode": PoolConfig(1, step_latency(4000), 10_000)},
-        transfer=TransferModel(45e9), admission=adm))
+    c = Cluster(
+        ClusterConfig(
+            "disagg",
+            {"prefill": PoolConfig(1, step_latency(4000), 10_000), "decode": PoolConfig(1, step_latency(4000), 10_000)},
+            transfer=TransferModel(45e9),
+            admission=adm,
+        )
+    )
     res = c.run(reqs, goodput={"ttft": 5000})
     assert 0 < res["completed"] < 12
     assert all("429" in e for e in res["errors"] if e)
@@ -134,9 +159,16 @@ def test_eager_transfer_delays_the_second_token_more_than_layerwise():
     second = {}
     one_step = SchedulerConfig(max_num_batched_tokens=16384)
     for lw in (True, False):
-        c = Cluster(ClusterConfig("disagg", {
-            "prefill": PoolConfig(1, step_latency(4000), 10_000, 1, one_step),
-            "decode": PoolConfig(1, step_latency(4000), 10_000)}, transfer=TransferModel(10e9, layerwise=lw)))
+        c = Cluster(
+            ClusterConfig(
+                "disagg",
+                {
+                    "prefill": PoolConfig(1, step_latency(4000), 10_000, 1, one_step),
+                    "decode": PoolConfig(1, step_latency(4000), 10_000),
+                },
+                transfer=TransferModel(10e9, layerwise=lw),
+            )
+        )
         second[lw] = c.run(reqs)["itls"][0][0]
     # eager: 16,000 x 320 KiB over 10 GB/s = 0.524 s more before the decode instance starts
     assert second[False] - second[True] == pytest.approx(16000 * KV_70B / 10e9 * (1 - 1 / 80), rel=0.01)
@@ -146,9 +178,16 @@ def test_layerwise_transfer_of_chunked_prefill_overlaps_every_chunk():
     """Chunks of 2,048 tokens on a link a bit slower than the compute: each chunk's KV leaves during
     its own step, so only the last chunk's lag shows, not the whole prompt's."""
     reqs = [SimRequest(0, 16000, 4, 0.0, token_ids=[-1] * 16000)]
-    c = Cluster(ClusterConfig("disagg", {
-        "prefill": PoolConfig(1, step_latency(4000), 10_000, 1, SchedulerConfig(max_num_batched_tokens=2048)),
-        "decode": PoolConfig(1, step_latency(4000), 10_000)}, transfer=TransferModel(4e9, layerwise=True)))
+    c = Cluster(
+        ClusterConfig(
+            "disagg",
+            {
+                "prefill": PoolConfig(1, step_latency(4000), 10_000, 1, SchedulerConfig(max_num_batched_tokens=2048)),
+                "decode": PoolConfig(1, step_latency(4000), 10_000),
+            },
+            transfer=TransferModel(4e9, layerwise=True),
+        )
+    )
     gap = c.run(reqs)["itls"][0][0] - 0.025  # second token: exposed transfer + one decode step
     whole_s = 16000 * KV_70B / 4e9
     assert gap < whole_s / 2

@@ -1,4 +1,5 @@
 """The event loop and the latency models (no engine, no cluster)."""
+
 import numpy as np
 import pytest
 
@@ -64,15 +65,29 @@ def test_simulator_prices_steps_with_the_planners_fitted_model():
     """One model, two users: a default pool's step is perf.step_time, whatever the batch mix."""
     lat = roofline_for(resolve_model("llama-3-70b"), resolve_gpu("h100"), 4)
     assert isinstance(lat, FittedLatency)
-    shapes = [StepShape(prefill_tokens=512, prefill_seqs=1, prefill_attention=chunk_attention(0, 512)),
-              StepShape(decode_seqs=16, decode_context=16 * 900),
-              StepShape(prefill_tokens=256, prefill_seqs=1, prefill_attention=chunk_attention(300, 256),
-                        prefill_context=300, decode_seqs=7, decode_context=7000),
-              StepShape(prefill_tokens=64, prefill_seqs=1, prefill_attention=chunk_attention(64, 64),
-                        prefill_context=64)]
+    shapes = [
+        StepShape(prefill_tokens=512, prefill_seqs=1, prefill_attention=chunk_attention(0, 512)),
+        StepShape(decode_seqs=16, decode_context=16 * 900),
+        StepShape(
+            prefill_tokens=256,
+            prefill_seqs=1,
+            prefill_attention=chunk_attention(300, 256),
+            prefill_context=300,
+            decode_seqs=7,
+            decode_context=7000,
+        ),
+        StepShape(prefill_tokens=64, prefill_seqs=1, prefill_attention=chunk_attention(64, 64), prefill_context=64),
+    ]
     for s in shapes:
-        want = perf.step_time(lat.dep, s.prefill_tokens, s.prefill_attention, s.decode_seqs, s.decode_context,
-                              s.prefill_seqs, s.prefill_context).total_s
+        want = perf.step_time(
+            lat.dep,
+            s.prefill_tokens,
+            s.prefill_attention,
+            s.decode_seqs,
+            s.decode_context,
+            s.prefill_seqs,
+            s.prefill_context,
+        ).total_s
         assert lat.step_s(s) == pytest.approx(want, rel=1e-12)
         assert lat.step_s(s) > _dep_roofline(4).step_s(s)  # the roofline stays a lower bound
     assert isinstance(roofline_for(resolve_model("llama-3-8b"), resolve_gpu("cpu")), RooflineLatency)
@@ -81,9 +96,11 @@ def test_simulator_prices_steps_with_the_planners_fitted_model():
 
 @pytest.mark.parametrize("model", ["roofline", "fitted", "profile"])
 def test_vectorised_decode_steps_equal_single_steps(model):
-    lat = {"roofline": _dep_roofline, "fitted": lambda: roofline_for(resolve_model("llama-3-70b"),
-                                                                     resolve_gpu("h100"), 8),
-           "profile": lambda: ProfileLatency([0.01, 1e-4, 2e-4, 3e-7, 1e-9])}[model]()
+    lat = {
+        "roofline": _dep_roofline,
+        "fitted": lambda: roofline_for(resolve_model("llama-3-70b"), resolve_gpu("h100"), 8),
+        "profile": lambda: ProfileLatency([0.01, 1e-4, 2e-4, 3e-7, 1e-9]),
+    }[model]()
     got = lat.decode_steps_s(24, 24 * 700, 50)
     want = [lat.step_s(StepShape(decode_seqs=24, decode_context=24 * 700 + i * 24)) for i in range(50)]
     assert np.allclose(got, want, rtol=1e-12)
@@ -91,9 +108,19 @@ def test_vectorised_decode_steps_equal_single_steps(model):
 
 def test_profile_fit_recovers_coefficients_and_drops_negative_terms(tmp_path):
     truth = ProfileLatency([0.004, 2e-4, 1e-3, 5e-7, 3e-9, 0.05])
-    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, prefill_attention=chunk_attention(0, p),
-                        decode_seqs=b, decode_context=b * c)
-              for p in (0, 64, 512, 2048) for b in (0, 1, 8, 16) for c in (64, 512) if p or b]
+    shapes = [
+        StepShape(
+            prefill_tokens=p,
+            prefill_seqs=1 if p else 0,
+            prefill_attention=chunk_attention(0, p),
+            decode_seqs=b,
+            decode_context=b * c,
+        )
+        for p in (0, 64, 512, 2048)
+        for b in (0, 1, 8, 16)
+        for c in (64, 512)
+        if p or b
+    ]
     fit = ProfileLatency.fit([(s, truth.step_s(s)) for s in shapes])
     assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-12)
     # a term that only adds noise and comes out negative is dropped, never kept below zero
@@ -149,8 +176,11 @@ def test_profile_fit_is_unbiased_when_steps_are_noisy():
     fast ones (about -3% here); weighing by 1/predicted prices the sum of the steps right."""
     rng = np.random.default_rng(7)
     truth = ProfileLatency([0.01, 2e-3, 6e-3, 5e-6, 0.0, 0.1])
-    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * 100)
-              for p in (0, 0, 0, 64, 512) for b in range(1, 9)] * 60
+    shapes = [
+        StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * 100)
+        for p in (0, 0, 0, 64, 512)
+        for b in range(1, 9)
+    ] * 60
     measured = [(s, truth.step_s(s) * rng.uniform(0.8, 1.2)) for s in shapes]
     fit = ProfileLatency.fit(measured)
     total = sum(t for _, t in measured)
@@ -171,11 +201,16 @@ def test_profile_prices_each_pass_of_a_small_decode_batch_over_the_weights():
     assert truth.dense(17) == 1 and truth.dense(16) == 0
     # an 8-token prompt beside 3 decodes is 11 rows: the prompt path, on the tiled kernels (3 passes)
     assert truth.step_s(StepShape(prefill_tokens=8, prefill_seqs=1, decode_seqs=3)) == pytest.approx(
-        0.005 + 0.016 + 0.012 + 0.1 + 3 * 0.008)
+        0.005 + 0.016 + 0.012 + 0.1 + 3 * 0.008
+    )
     # 64 tokens: the dense weights
     assert truth.step_s(StepShape(prefill_tokens=64, prefill_seqs=1)) == pytest.approx(0.005 + 0.128 + 0.1 + 0.05)
-    shapes = [StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * c)
-              for p in (0, 8, 64, 256) for b in range(1, 13) for c in (64, 512)]
+    shapes = [
+        StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * c)
+        for p in (0, 8, 64, 256)
+        for b in range(1, 13)
+        for c in (64, 512)
+    ]
     fit = ProfileLatency.fit([(s, truth.step_s(s)) for s in shapes], row_tile=4, tile_max_rows=16)
     assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-12)
     got = fit.decode_steps_s(6, 600, 5)

@@ -1,4 +1,5 @@
 """Profiles from served steps: the step trace a server writes, and the fit on it."""
+
 import asyncio
 import json
 import time
@@ -17,8 +18,10 @@ def _write(path, records, tail=""):
 
 def test_trace_reader_skips_a_torn_last_line_and_names_any_other_bad_line(tmp_path):
     p = tmp_path / "steps.jsonl"
-    recs = [{"t0": 1.0, "t1": 1.2, "idle": True, "seqs": [[0, 32, 0]]},
-            {"t0": 1.25, "t1": 1.3, "idle": False, "seqs": [[32, 1, 1]]}]
+    recs = [
+        {"t0": 1.0, "t1": 1.2, "idle": True, "seqs": [[0, 32, 0]]},
+        {"t0": 1.25, "t1": 1.3, "idle": False, "seqs": [[32, 1, 1]]},
+    ]
     _write(p, recs, tail='{"t0": 1.4, "t1"')  # a server killed mid-write
     assert [r["t0"] for r in read(str(p))] == [1.0, 1.25]
     assert [r["t0"] for r in read(str(p), since=1.1)] == [1.25]
@@ -28,10 +31,12 @@ def test_trace_reader_skips_a_torn_last_line_and_names_any_other_bad_line(tmp_pa
 
 
 def test_a_step_lasts_until_the_next_one_starts_unless_the_engine_went_idle():
-    recs = [{"t0": 10.0, "t1": 10.5, "idle": True, "seqs": [[0, 100, 0]]},
-            {"t0": 10.6, "t1": 10.65, "idle": False, "seqs": [[100, 1, 1], [0, 20, 0]]},
-            {"t0": 10.7, "t1": 10.74, "idle": False, "seqs": [[101, 1, 1], [20, 1, 1]]},
-            {"t0": 20.0, "t1": 20.03, "idle": True, "seqs": [[5, 1, 1]]}]
+    recs = [
+        {"t0": 10.0, "t1": 10.5, "idle": True, "seqs": [[0, 100, 0]]},
+        {"t0": 10.6, "t1": 10.65, "idle": False, "seqs": [[100, 1, 1], [0, 20, 0]]},
+        {"t0": 10.7, "t1": 10.74, "idle": False, "seqs": [[101, 1, 1], [20, 1, 1]]},
+        {"t0": 20.0, "t1": 20.03, "idle": True, "seqs": [[5, 1, 1]]},
+    ]
     samples = trace_samples(recs)
     # the server's work between two steps is part of what a stream waits between two tokens
     assert [round(t, 3) for _, t in samples] == [0.6, 0.1, 0.04, 0.03]
@@ -52,8 +57,10 @@ def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_b
         slow = i >= 20
         p_recs.append({"t0": t0, "t1": t0 + (0.40 if slow else 0.30), "idle": True, "seqs": [[0, 64 + i % 4, 0]]})
         if slow:
-            d_recs += [{"t0": t0 + k * 0.05, "t1": t0 + k * 0.05 + 0.045, "idle": False, "seqs": [[70, 1, 1]]}
-                       for k in range(10)]
+            d_recs += [
+                {"t0": t0 + k * 0.05, "t1": t0 + k * 0.05 + 0.045, "idle": False, "seqs": [[70, 1, 1]]}
+                for k in range(10)
+            ]
     # a few 8-token prompts (the tiled kernels' rows) with the decode worker idle: kept all the same,
     # the only samples of that regime
     p_recs += [{"t0": 200.0 + i, "t1": 200.08 + i, "idle": True, "seqs": [[0, 8, 0]]} for i in range(3)]
@@ -82,19 +89,20 @@ def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, caps
     from tests.server.serverproc import ServerProcess
 
     trace = tmp_path / "steps.jsonl"
-    with ServerProcess("--model", tiny_dir, "--threads", "1", "--max-num-batched-tokens", "256",
-                       "--step-trace", str(trace)) as server:
+    with ServerProcess(
+        "--model", tiny_dir, "--threads", "1", "--max-num-batched-tokens", "256", "--step-trace", str(trace)
+    ) as server:
         since = time.monotonic()
-        asyncio.run(drive_grid(server.url, TokenSource.from_path(tiny_dir), log=lambda m: None,
-                               background_streams=2))
+        asyncio.run(drive_grid(server.url, TokenSource.from_path(tiny_dir), log=lambda m: None, background_streams=2))
         until = time.monotonic()
     recs = read(str(trace), since, until)
     # the background streams decode beside the grid's prompts, and stop for its decode batches,
     # which therefore run at their own sizes: 1 sequence alone for the (1, 64) and (1, 512) batches
     decode_only = [len(r["seqs"]) for r in recs if r["seqs"] and all(d for _, _, d in r["seqs"])]
     assert decode_only.count(1) >= 10
-    assert any(sum(d for _, _, d in r["seqs"]) >= 2 and [0, 128, 0] in r["seqs"]
-               for r in recs)  # the grid's 128-token prompt prefilled beside both streams
+    assert any(
+        sum(d for _, _, d in r["seqs"]) >= 2 and [0, 128, 0] in r["seqs"] for r in recs
+    )  # the grid's 128-token prompt prefilled beside both streams
     # every prompt of the grid was computed, in the server, inside the window (chunked by the budget)
     prefilled = sum(n for r in recs for _, n, decode in r["seqs"] if not decode)
     assert prefilled >= 2 * (32 + 128 + 512 + 999) + 8 * 64
@@ -107,14 +115,48 @@ def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, caps
     assert sum(r["cpu"] for r in recs) > 0.3 * sum(r["t1"] - r["t0"] for r in recs)
 
     out = tmp_path / "prof.json"
-    assert main(["sim", "--calibrate", "--from-trace", str(trace), "--model", tiny_dir, "--threads", "1",
-                 "--profile", str(out)]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--calibrate",
+                "--from-trace",
+                str(trace),
+                "--model",
+                tiny_dir,
+                "--threads",
+                "1",
+                "--profile",
+                str(out),
+            ]
+        )
+        == 0
+    )
     prof = ProfileLatency.load(str(out))
     assert prof.model_layers == 2 and len(prof.samples) >= 50
     assert prof.decode_steps_s(8, 8 * 512, 1)[0] >= prof.decode_steps_s(1, 64, 1)[0] > 0
     capsys.readouterr()
-    assert main(["sim", "--profile", str(out), "--mode", "collocated", "--dataset-name", "random",
-                 "--num-prompts", "8", "--random-input-len", "64", "--random-output-len", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--profile",
+                str(out),
+                "--mode",
+                "collocated",
+                "--dataset-name",
+                "random",
+                "--num-prompts",
+                "8",
+                "--random-input-len",
+                "64",
+                "--random-output-len",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["completed"] == 8
 
 

@@ -11,6 +11,7 @@ other people's work must not fail this test (nor hide a slowdown of ours). Block
 trace's own prefix granularity (one hash id = 512 tokens); at 16 the engine's block manager
 would hand out and hash 32x more blocks. The printed line is the issue's number.
 """
+
 import json
 import os
 import time
@@ -39,17 +40,48 @@ def test_12k_mooncake_requests_8p8d_h100_under_60s(capsys, tmp_path):
     trace = tmp_path / "trace.jsonl"
     n = tiled_trace(trace)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    rc = main(["sim", "--dataset-name", "mooncake", "--dataset-path", str(trace), "--num-prompts", str(n),
-               "--mode", "disagg", "--num-prefill", "8", "--num-decode", "8", "--prefill-tp", "4",
-               "--decode-tp", "4", "--model", "llama-3-70b", "--gpu", "h100", "--block-size", "512",
-               "--max-num-batched-tokens", "16384", "--goodput", "ttft:2000", "tpot:100", "--json"])
+    rc = main(
+        [
+            "sim",
+            "--dataset-name",
+            "mooncake",
+            "--dataset-path",
+            str(trace),
+            "--num-prompts",
+            str(n),
+            "--mode",
+            "disagg",
+            "--num-prefill",
+            "8",
+            "--num-decode",
+            "8",
+            "--prefill-tp",
+            "4",
+            "--decode-tp",
+            "4",
+            "--model",
+            "llama-3-70b",
+            "--gpu",
+            "h100",
+            "--block-size",
+            "512",
+            "--max-num-batched-tokens",
+            "16384",
+            "--goodput",
+            "ttft:2000",
+            "tpot:100",
+            "--json",
+        ]
+    )
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
     res = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert res["completed"] == n and res["failed"] == 0
     sim = res["sim"]
     with capsys.disabled():
-        print(f"\n{n:,} Mooncake requests, 8P+8D llama-3-70b on H100 tp4: {cpu_s:.1f} s CPU, {wall_s:.1f} s wall, "
-              f"{sim['requests_per_wall_s']:.0f} requests simulated per second (load {os.getloadavg()[0]:.1f})")
+        print(
+            f"\n{n:,} Mooncake requests, 8P+8D llama-3-70b on H100 tp4: {cpu_s:.1f} s CPU, {wall_s:.1f} s wall, "
+            f"{sim['requests_per_wall_s']:.0f} requests simulated per second (load {os.getloadavg()[0]:.1f})"
+        )
     assert cpu_s < 60
     assert res["mean_tpot_ms"] < res["p99_tpot_ms"] < 100  # decode never stalls behind a prefill

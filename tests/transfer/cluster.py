@@ -2,6 +2,7 @@
 
 The cluster has a secret of its own (in the children's environment); `Cluster.http`
 signs calls to the internal routes with it, as the router and workers do."""
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,14 @@ class Proc:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", host, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            preexec_fn=die_with_parent,
+        )
 
     def log(self) -> str:
         self._log.flush()
@@ -51,26 +57,56 @@ class Proc:
 class Cluster:
     """`router_args` and `worker_args` are extra CLI flags; workers register themselves."""
 
-    def __init__(self, model: str | None, prefill: int = 1, decode: int = 1, worker_args=(), prefill_args=(),
-                 decode_args=(), router_args=(), timeout_s: float = 120, env: dict | None = None,
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        model: str | None,
+        prefill: int = 1,
+        decode: int = 1,
+        worker_args=(),
+        prefill_args=(),
+        decode_args=(),
+        router_args=(),
+        timeout_s: float = 120,
+        env: dict | None = None,
+        host: str = "127.0.0.1",
+    ):
         """`host`: what every process binds (0.0.0.0 to test that binding wide opens nothing)."""
         model_args = ["--model", model] if model else []  # None: the embedded model
         token = auth.new_token()
         self.secret = token.encode()
         self.env = {auth.TOKEN_ENV: token, **(env or {})}
         self.http = httpx.Client(auth=auth.http_auth(self.secret), timeout=5)
-        self.router = Proc("router", "router", *model_args, "--worker-timeout-s", "2", *router_args, env=self.env,
-                           host=host)
+        self.router = Proc(
+            "router", "router", *model_args, "--worker-timeout-s", "2", *router_args, env=self.env, host=host
+        )
         self.url = self.router.url
         self.workers: list[Proc] = []
         try:
             for role, n, extra in (("prefill", prefill, prefill_args), ("decode", decode, decode_args)):
                 for i in range(n):
-                    self.workers.append(Proc(f"{role}{i}", "worker", "--role", role, *model_args,
-                                             "--router", self.url, "--worker-id", f"{role}{i}", "--threads", "1",
-                                             "--heartbeat-s", "0.3", "--advertise-host", "127.0.0.1",
-                                             *worker_args, *extra, env=self.env, host=host))
+                    self.workers.append(
+                        Proc(
+                            f"{role}{i}",
+                            "worker",
+                            "--role",
+                            role,
+                            *model_args,
+                            "--router",
+                            self.url,
+                            "--worker-id",
+                            f"{role}{i}",
+                            "--threads",
+                            "1",
+                            "--heartbeat-s",
+                            "0.3",
+                            "--advertise-host",
+                            "127.0.0.1",
+                            *worker_args,
+                            *extra,
+                            env=self.env,
+                            host=host,
+                        )
+                    )
             self.wait_workers(prefill, decode, timeout_s)
         except BaseException:
             self.stop()
@@ -88,8 +124,13 @@ class Cluster:
             return roles.count("prefill") >= prefill and roles.count("decode") >= decode
 
         procs = [self.router, *self.workers]
-        wait_until(registered, [p.proc for p in procs], timeout_s, "the cluster",
-                   lambda: "\n".join(f"--- {p.name}\n{p.log()}" for p in procs))
+        wait_until(
+            registered,
+            [p.proc for p in procs],
+            timeout_s,
+            "the cluster",
+            lambda: "\n".join(f"--- {p.name}\n{p.log()}" for p in procs),
+        )
 
     def worker_state(self, name: str) -> dict:
         return self.http.get(self.worker(name).url + "/internal/state").json()

@@ -14,8 +14,11 @@ from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
 SECRET = b"test-secret-0123456789"  # the cluster secret of both engines' KV endpoints
-PROMPTS = ["hello world, this is a prompt", "x",
-           "a much longer prompt that spans a good number of kv blocks of four tokens each " * 2]
+PROMPTS = [
+    "hello world, this is a prompt",
+    "x",
+    "a much longer prompt that spans a good number of kv blocks of four tokens each " * 2,
+]
 MAX = 10
 
 
@@ -35,8 +38,7 @@ def run_until_done(engine, rid):
 def disaggregated(p, d, receiver, prompt_ids, layerwise=True, rid="r"):
     params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
     dest = d.reserve_for_transfer(rid, prompt_ids, params, receiver, deadline_s=30)
-    p.add_request(rid, prompt_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                  kv_destination=dest)
+    p.add_request(rid, prompt_ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), kv_destination=dest)
     first = run_until_done(p, rid)[-1].outputs[0].token_ids[0]
     p.bridge.sender.wait_for_save(rid, timeout_s=30)
     receiver.wait_for_all(rid, timeout_s=30)

@@ -1,4 +1,5 @@
 """Router + prefill worker + decode worker as real processes, driven by the openai client."""
+
 import pytest
 
 from pdserve import LLM, SamplingParams
@@ -19,8 +20,10 @@ def cluster(tiny_model_dir):
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     llm = LLM(tiny_model_dir, dtype="float32", block_size=16, num_gpu_blocks=512)
-    return {p: o.outputs[0].text for p, o in
-            zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))}
+    return {
+        p: o.outputs[0].text
+        for p, o in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+    }
 
 
 def test_greedy_text_equals_collocated(cluster, reference):
@@ -28,11 +31,13 @@ def test_greedy_text_equals_collocated(cluster, reference):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
     model = client.models.list().data[0].id
     for prompt in PROMPTS:
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.choices[0].text == reference[prompt]
-        stream = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         assert "".join(ch.choices[0].text for ch in stream if ch.choices) == reference[prompt]
     states = cluster.wait_idle()
     for name, s in states.items():
@@ -41,20 +46,28 @@ def test_greedy_text_equals_collocated(cluster, reference):
     assert counters["kv_bytes"] > 0 and counters["kv_failed"] == 0
 
 
-@pytest.mark.parametrize("mode, transport, layerwise", [("push", "tcp", "--no-kv-layerwise"),
-                                                        ("pull", "tcp", "--kv-layerwise"),
-                                                        ("push", "nixl", "--kv-layerwise")])
+@pytest.mark.parametrize(
+    "mode, transport, layerwise",
+    [("push", "tcp", "--no-kv-layerwise"), ("pull", "tcp", "--kv-layerwise"), ("push", "nixl", "--kv-layerwise")],
+)
 def test_modes_between_processes(tiny_model_dir, reference, mode, transport, layerwise):
     if transport == "nixl":
         pytest.importorskip("nixl_cu12")
-    with Cluster(tiny_model_dir, worker_args=ENGINE + ["--kv-transport", transport],
-                 prefill_args=[layerwise], router_args=["--kv-mode", mode]) as c:
+    with Cluster(
+        tiny_model_dir,
+        worker_args=ENGINE + ["--kv-transport", transport],
+        prefill_args=[layerwise],
+        router_args=["--kv-mode", mode],
+    ) as c:
         import httpx
 
         model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
         for prompt in PROMPTS:
-            r = httpx.post(c.url + "/v1/completions", timeout=60, json={
-                "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            r = httpx.post(
+                c.url + "/v1/completions",
+                timeout=60,
+                json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == reference[prompt]
         counters = c.status()["counters"]

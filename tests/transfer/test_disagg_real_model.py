@@ -1,5 +1,6 @@
 """The embedded model, disaggregated in-process: output equals collocated for prompts of 10 to
 3,000 tokens, over every transport and mode (push/pull, layer-wise/eager, incremental)."""
+
 import pytest
 import torch
 

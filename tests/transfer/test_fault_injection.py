@@ -1,6 +1,7 @@
 """The KV sender's injected faults, in one process: parsed strictly, armed at run time,
 and each healed by the real reconnect-and-resend path (tests/transfer/test_faults.py
 runs them across real worker processes)."""
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,11 @@ from tests.transfer.test_kv_auth import BLOCK, BLOCKS, DIM, HEADS, LAYERS, SECRE
 
 def test_parse_faults():
     assert parse_faults("cut_at_layer=3,stall_at_layer=1:2.5, corrupt_at_layer=0,delay_prefill=0:1") == {
-        "cut_at_layer": (3, 0.0), "stall_at_layer": (1, 2.5), "corrupt_at_layer": (0, 0.0),
-        "delay_prefill": (0, 1.0)}
+        "cut_at_layer": (3, 0.0),
+        "stall_at_layer": (1, 2.5),
+        "corrupt_at_layer": (0, 0.0),
+        "delay_prefill": (0, 1.0),
+    }
     assert parse_faults(None) == parse_faults("") == {}
     for bad in ("cut_at_layr=1", "cut_at_layer=x", "stall_at_layer=1:soon"):
         with pytest.raises(ValueError):
@@ -54,9 +58,17 @@ def test_injected_fault_heals(transport, fault, layer, tmp_path, caplog):
     sender = ShmKVSender(secret=SECRET) if transport == "shm" else TcpKVSender(secret=SECRET)
     try:
         sender.inject_fault(f"{fault}={layer}")
-        dest = KVDestination("t1", rx.address, list(range(2, BLOCKS)), BLOCK, 0, TOKENS, shm_paths=paths,
-                             shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
-                             shm_dtype="float32" if paths else "")
+        dest = KVDestination(
+            "t1",
+            rx.address,
+            list(range(2, BLOCKS)),
+            BLOCK,
+            0,
+            TOKENS,
+            shm_paths=paths,
+            shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+            shm_dtype="float32" if paths else "",
+        )
         rx.expect(dest, destination_slots(dest, 0, TOKENS), LAYERS, deadline_s=60)
         data = [(torch.randn(TOKENS, HEADS, DIM), torch.randn(TOKENS, HEADS, DIM)) for _ in range(LAYERS)]
         sender.begin(dest, LAYERS)
@@ -69,8 +81,10 @@ def test_injected_fault_heals(transport, fault, layer, tmp_path, caplog):
         assert stats.retries >= 1 and not sender.faults  # it fired, once
         if fault == "corrupt_at_layer":
             lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-            assert any(m.startswith("closing the KV connection with 127.0.0.1:") and "bad frame: frame header is "
-                       "not JSON" in m for m in lines), lines
+            assert any(
+                m.startswith("closing the KV connection with 127.0.0.1:") and "bad frame: frame header is not JSON" in m
+                for m in lines
+            ), lines
     finally:
         sender.close()
         rx.close()

@@ -3,6 +3,7 @@
 Faults are injected inside the real sender ($PDSERVE_KV_FAULT) or by killing a
 process; everything else is the real router, workers and sockets.
 """
+
 import os
 import time
 
@@ -39,8 +40,11 @@ def model_name(url):
 
 
 def run_request(c: Cluster) -> str:
-    r = httpx.post(c.url + "/v1/completions", timeout=60, json={
-        "model": model_name(c.url), "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        c.url + "/v1/completions",
+        timeout=60,
+        json={"model": model_name(c.url), "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -112,9 +116,19 @@ def test_decode_dies_mid_stream(sharp_model_dir, reference):
     with Cluster(sharp_model_dir, worker_args=ENGINE) as c:
         model = model_name(c.url)
         text, killed = "", False
-        with httpx.stream("POST", c.url + "/v1/completions", timeout=60, json={
-                "model": model, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            c.url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": MAX,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -140,8 +154,15 @@ def test_reservation_lease_expires(sharp_model_dir):
     """A reservation whose decode never comes is freed after its deadline."""
     with Cluster(sharp_model_dir, worker_args=ENGINE) as c:
         d = c.worker("decode0")
-        r = c.http.post(d.url + "/internal/reserve", json={"request_id": "orphan", "prompt_token_ids": list(range(40)),
-                                                          "params": {"max_tokens": 4}, "deadline_s": 0.5})
+        r = c.http.post(
+            d.url + "/internal/reserve",
+            json={
+                "request_id": "orphan",
+                "prompt_token_ids": list(range(40)),
+                "params": {"max_tokens": 4},
+                "deadline_s": 0.5,
+            },
+        )
         assert r.status_code == 200
         s = c.worker_state("decode0")["stats"]
         assert s["num_free_blocks"] < s["num_blocks"]
@@ -155,14 +176,24 @@ def test_a_decode_whose_router_goes_away_while_its_kv_is_on_the_way_frees_its_bl
     never come: the blocks are freed at once, not when the 60 s lease runs out."""
     with Cluster(sharp_model_dir, worker_args=ENGINE) as c:
         d = c.worker("decode0")
-        r = c.http.post(d.url + "/internal/reserve", json={"request_id": "left", "prompt_token_ids": list(range(40)),
-                                                          "params": {"max_tokens": 4}, "deadline_s": 60})
+        r = c.http.post(
+            d.url + "/internal/reserve",
+            json={
+                "request_id": "left",
+                "prompt_token_ids": list(range(40)),
+                "params": {"max_tokens": 4},
+                "deadline_s": 60,
+            },
+        )
         assert r.status_code == 200
         s = c.worker_state("decode0")["stats"]
         assert s["num_free_blocks"] < s["num_blocks"]
         with pytest.raises(httpx.ReadTimeout):  # the decode waits for KV; we leave after 1 s
-            c.http.post(d.url + "/internal/decode", json={"request_id": "left", "first_token": 5, "timeout_s": 60},
-                        timeout=httpx.Timeout(5.0, read=1.0))
+            c.http.post(
+                d.url + "/internal/decode",
+                json={"request_id": "left", "first_token": 5, "timeout_s": 60},
+                timeout=httpx.Timeout(5.0, read=1.0),
+            )
         deadline = time.monotonic() + 10
         while (s := c.worker_state("decode0")["stats"])["num_free_blocks"] != s["num_blocks"]:
             assert time.monotonic() < deadline, "the blocks stayed reserved for a decode nobody reads"

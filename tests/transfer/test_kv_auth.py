@@ -7,6 +7,7 @@ logged and counted, and gets nothing but the challenge; nothing it sent reaches 
 cache. Senders that meet an endpoint of another cluster fail their transfer at once.
 A frame larger than its transfer can hold is refused before anything is allocated.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,9 +49,18 @@ def untouched(kv) -> bool:
 
 
 def destination(address: str, tid: str = "t1", pull: bool = False, paths=()) -> KVDestination:
-    return KVDestination(tid, address, list(range(2, 2 + BLOCKS - 2)), BLOCK, 0, TOKENS, pull=pull,
-                         shm_paths=list(paths), shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
-                         shm_dtype="float32" if paths else "")
+    return KVDestination(
+        tid,
+        address,
+        list(range(2, 2 + BLOCKS - 2)),
+        BLOCK,
+        0,
+        TOKENS,
+        pull=pull,
+        shm_paths=list(paths),
+        shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+        shm_dtype="float32" if paths else "",
+    )
 
 
 def expect(rx: KVReceiverServer, tid: str = "t1", pull: bool = False) -> KVDestination:
@@ -95,6 +105,7 @@ def read_to_end(sock: socket.socket, timeout_s: float = 10) -> bytes:
 
 
 # ---------------------------------------------------------------- peers without the secret
+
 
 def idle(address: str, frame: bytes) -> bytes:
     """Connects and says nothing: refused when the handshake times out."""
@@ -228,6 +239,7 @@ def test_nixl_receiver_gives_no_metadata_to_peers_without_the_secret(peer, quick
 
 # ---------------------------------------------------------------- senders meeting another cluster
 
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_push_to_a_receiver_of_another_cluster_fails_at_once(transport, tmp_path):
     """The handshake is mutual: our sender will not send KV to an endpoint that cannot
@@ -282,9 +294,15 @@ def test_nixl_sender_fetches_no_metadata_from_another_cluster():
         rx.close()
 
 
-@pytest.mark.parametrize("make", [
-    lambda s: KVReceiverServer(caches(), secret=s), lambda s: PullKVExporter(secret=s),
-    lambda s: TcpKVSender(secret=s), lambda s: ShmKVSender(secret=s)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: KVReceiverServer(caches(), secret=s),
+        lambda s: PullKVExporter(secret=s),
+        lambda s: TcpKVSender(secret=s),
+        lambda s: ShmKVSender(secret=s),
+    ],
+)
 @pytest.mark.parametrize("secret", [b"", b"short", "a-str-not-bytes-0123456789"])
 def test_endpoints_need_a_real_secret(make, secret):
     with pytest.raises(ValueError, match="cluster secret"):
@@ -292,6 +310,7 @@ def test_endpoints_need_a_real_secret(make, secret):
 
 
 # ---------------------------------------------------------------- bounds
+
 
 class RecordingBuffer(wire.StagingBuffer):
     """A staging buffer that remembers the most it ever held."""
@@ -320,20 +339,35 @@ def authenticated(address: str) -> socket.socket:
 ROW_BYTES = 2 * TOKENS * HEADS * DIM * 4  # K and V of the whole transfer in float32
 
 
-@pytest.mark.parametrize("header", [
-    {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "float32", "nbytes": 10 ** 13},
-    {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "float32", "nbytes": ROW_BYTES + 4},
-    {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "int8", "nbytes": ROW_BYTES},
-    {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "bogus", "nbytes": 64},
-    {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": 10 ** 9, "dtype": "float32", "nbytes": 10 ** 9},
-    {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "inplace": True, "nbytes": 64},
-    {"op": "layer", "tid": "ghost", "nbytes": 10 ** 13},
-    {"op": "layer", "tid": "t1", "nbytes": -1},
-    {"op": "layer", "tid": "t1", "nbytes": True},
-    {"op": "done", "tid": "t1", "nbytes": 1000},
-    {"op": "abort", "tid": "t1", "nbytes": 1 << 20},
-], ids=["huge", "one-row-over", "int8-sized-as-float32", "bad-dtype", "outside-transfer", "notice-with-payload",
-        "huge-unknown", "negative", "bool", "done-with-payload", "abort-with-payload"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "float32", "nbytes": 10**13},
+        {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "float32", "nbytes": ROW_BYTES + 4},
+        {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "int8", "nbytes": ROW_BYTES},
+        {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "dtype": "bogus", "nbytes": 64},
+        {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": 10**9, "dtype": "float32", "nbytes": 10**9},
+        {"op": "layer", "tid": "t1", "layer": 0, "start": 0, "n": TOKENS, "inplace": True, "nbytes": 64},
+        {"op": "layer", "tid": "ghost", "nbytes": 10**13},
+        {"op": "layer", "tid": "t1", "nbytes": -1},
+        {"op": "layer", "tid": "t1", "nbytes": True},
+        {"op": "done", "tid": "t1", "nbytes": 1000},
+        {"op": "abort", "tid": "t1", "nbytes": 1 << 20},
+    ],
+    ids=[
+        "huge",
+        "one-row-over",
+        "int8-sized-as-float32",
+        "bad-dtype",
+        "outside-transfer",
+        "notice-with-payload",
+        "huge-unknown",
+        "negative",
+        "bool",
+        "done-with-payload",
+        "abort-with-payload",
+    ],
+)
 def test_oversized_frames_are_refused_without_allocating(header, staging, caplog):
     caplog.set_level(logging.WARNING, "pdserve.transfer")
     kv = caches()
@@ -421,7 +455,7 @@ def test_sender_refuses_acknowledgements_with_a_payload():
             while (h := wire.recv_header(c)) is not None:
                 wire.discard(c, h["nbytes"])
                 if h["op"] == "done":
-                    c.sendall(wire.header_bytes({"op": "ack", "tid": h["tid"], "ok": True}, 10 ** 12))
+                    c.sendall(wire.header_bytes({"op": "ack", "tid": h["tid"], "ok": True}, 10**12))
         except OSError:
             pass
 
@@ -439,14 +473,16 @@ def test_sender_refuses_acknowledgements_with_a_payload():
 
 # ---------------------------------------------------------------- shared memory
 
+
 def test_shared_memory_kv_files_are_private(tiny_model_dir, tmp_path):
     """The decode worker's cache files: this user only, whatever the umask."""
     from pdserve import LLM
 
     old = os.umask(0)
     try:
-        engine = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=8,
-                     kv_cache_shm_dir=str(tmp_path)).engine
+        engine = LLM(
+            tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=8, kv_cache_shm_dir=str(tmp_path)
+        ).engine
     finally:
         os.umask(old)
     paths = engine.runner.kv_shm_paths

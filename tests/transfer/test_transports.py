@@ -1,6 +1,7 @@
 """Each KV transport lands exactly the bytes it was given in the reserved slots,
 whatever the slot layout: consecutive blocks (received in place, run by run),
 a few fragments, or scattered blocks (received into staging, then scattered)."""
+
 from __future__ import annotations
 
 import os
@@ -72,9 +73,17 @@ def test_transport_lands_every_layout(layout, transport, shm_paths):
     rx = KVReceiverServer(kv, scheme=transport, secret=SECRET)
     sender = ShmKVSender(secret=SECRET) if transport == "shm" else TcpKVSender(secret=SECRET)
     tokens, start = 37, 5  # the receiver already holds tokens [0, 5): incremental
-    dest = KVDestination("t1", rx.address, LAYOUTS[layout], BLOCK, start, tokens,
-                         shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
-                         shm_dtype="float32" if paths else "")
+    dest = KVDestination(
+        "t1",
+        rx.address,
+        LAYOUTS[layout],
+        BLOCK,
+        start,
+        tokens,
+        shm_paths=paths,
+        shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+        shm_dtype="float32" if paths else "",
+    )
     slots = destination_slots(dest, start, tokens - start)
     rx.expect(dest, slots, LAYERS, deadline_s=30)
     sent = {}
@@ -88,7 +97,7 @@ def test_transport_lands_every_layout(layout, transport, shm_paths):
     rx.wait_for_all("t1", 30)
     sender.wait_for_save("t1", 30)
     for (layer, lo), (k, v) in sent.items():
-        s = slots[lo - start: lo - start + k.shape[0]]
+        s = slots[lo - start : lo - start + k.shape[0]]
         k_cache, v_cache = kv[layer]
         assert torch.equal(k_cache.view(-1, HEADS, DIM)[s], k), (layer, lo)
         assert torch.equal(v_cache.view(-1, HEADS, DIM)[s], v), (layer, lo)
@@ -109,8 +118,9 @@ def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
 
     from pdserve.engine.model_runner import sweep_stale_kv_files
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     stale = tmp_path / f"pdserve-kv-{dead}-0123abcd-7k"
     live = tmp_path / f"pdserve-kv-{os.getpid()}-0123abcd-7v"
     other = tmp_path / "not-ours-123"
@@ -120,10 +130,7 @@ def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
     assert not stale.exists() and live.exists() and other.exists()
 
 
-
-
-@pytest.mark.parametrize("layout,window", [("consecutive", 2), ("scattered", 2), ("scattered", 1),
-                                           ("consecutive", 0)])
+@pytest.mark.parametrize("layout,window", [("consecutive", 2), ("scattered", 2), ("scattered", 1), ("consecutive", 0)])
 def test_nixl_write_lands_every_layout(layout, window):
     """NIXL (UCX over TCP on host memory) WRITEs into the reserved slots; the notice
     frame only follows a completed WRITE; no more than `window` WRITEs are posted at
@@ -220,8 +227,17 @@ def _shm_transfer(paths, sender, between_layers=None, rx=None, kv=None):
     kv = kv or _caches(paths)
     rx = rx or KVReceiverServer(kv, scheme="shm", secret=SECRET)
     tokens = 30
-    dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, tokens, shm_paths=paths,
-                         shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
+    dest = KVDestination(
+        "t1",
+        rx.address,
+        LAYOUTS["consecutive"],
+        BLOCK,
+        0,
+        tokens,
+        shm_paths=paths,
+        shm_shape=[BLOCKS, BLOCK, HEADS, DIM],
+        shm_dtype="float32",
+    )
     rx.expect(dest, destination_slots(dest, 0, tokens), LAYERS, deadline_s=30)
     sender.begin(dest, LAYERS)
     sent = []
@@ -255,7 +271,7 @@ def test_shm_notices_sent_inline_survive_a_broken_connection(shm_paths):
     def between(layer):
         deadline = time.monotonic() + 10
         while sender._queued and time.monotonic() < deadline:  # the thread drains, as between layers
-            time.sleep(0.01)                                    # a prefill apart
+            time.sleep(0.01)  # a prefill apart
         if layer == 1:  # the connection breaks between two inline notices
             sender._socks[next(iter(sender._socks))].shutdown(socket.SHUT_RDWR)
 
@@ -285,9 +301,18 @@ def test_sender_abort_reaches_the_receiver(transport, shm_paths):
     kv = _caches(paths)
     rx = KVReceiverServer(kv, scheme="shm" if paths else "tcp", secret=SECRET)
     sender = {"shm": ShmKVSender, "tcp": TcpKVSender, "pull": PullKVExporter}[transport](secret=SECRET)
-    dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, pull=transport == "pull",
-                         shm_paths=paths, shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
-                         shm_dtype="float32" if paths else "")
+    dest = KVDestination(
+        "t1",
+        rx.address,
+        LAYOUTS["consecutive"],
+        BLOCK,
+        0,
+        30,
+        pull=transport == "pull",
+        shm_paths=paths,
+        shm_shape=[BLOCKS, BLOCK, HEADS, DIM] if paths else [],
+        shm_dtype="float32" if paths else "",
+    )
     rx.expect(dest, destination_slots(dest, 0, 30), LAYERS, deadline_s=60)
     if transport == "pull":
         rx.pull(sender.address, "t1")
@@ -309,13 +334,24 @@ def test_malformed_notices_close_their_connection_only(shm_paths):
 
     kv = _caches(shm_paths)
     rx = KVReceiverServer(kv, scheme="shm", secret=SECRET)
-    dest = KVDestination("t1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, shm_paths=shm_paths,
-                         shm_shape=[BLOCKS, BLOCK, HEADS, DIM], shm_dtype="float32")
+    dest = KVDestination(
+        "t1",
+        rx.address,
+        LAYOUTS["consecutive"],
+        BLOCK,
+        0,
+        30,
+        shm_paths=shm_paths,
+        shm_shape=[BLOCKS, BLOCK, HEADS, DIM],
+        shm_dtype="float32",
+    )
     rx.expect(dest, destination_slots(dest, 0, 30), LAYERS, deadline_s=30)
     host, port = rx.address.split("://")[1].rsplit(":", 1)
-    for bad in ({"op": "layer", "tid": "t1", "start": 0, "n": 30, "layers": [0, 1]},  # not in place
-                {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": ["x"]},
-                {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": [LAYERS]}):
+    for bad in (
+        {"op": "layer", "tid": "t1", "start": 0, "n": 30, "layers": [0, 1]},  # not in place
+        {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": ["x"]},
+        {"op": "layer", "tid": "t1", "start": 0, "n": 30, "inplace": True, "layers": [LAYERS]},
+    ):
         with socketlib.create_connection((host, int(port))) as s:
             auth.kv_connect(s, SECRET)
             wire.send_frame(s, bad)

@@ -6,6 +6,7 @@ closes that connection: no exception escapes its threads, it allocates no more t
 its transfer can hold, writes nothing outside the reserved slots, and takes a valid
 transfer afterwards.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,28 @@ TOKENS, START = 10, 2  # the fuzzed transfer: tokens [2, 10) of a 10-token promp
 FUZZ_BLOCKS, FINAL_BLOCKS = [1, 2, 3], [5, 6, 7]
 # the largest frame the transfer can take: every token of K and V in float32 with scales
 BOUND = 2 * (TOKENS - START) * (HEADS * DIM * 4 + HEADS * 4)
-FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # ---------------------------------------------------------------- strategies
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
 small_ints = st.integers(-3, TOKENS + 3)
 
 
@@ -46,20 +60,26 @@ def _field(values):
     return st.one_of(values, json_values)
 
 
-headers = st.fixed_dictionaries({}, optional={
-    "op": _field(st.sampled_from(["layer", "done", "abort", "pull", "nixl_md", "ack"])),
-    "tid": _field(st.sampled_from(["t1", "ghost"])),
-    "layer": _field(small_ints),
-    "layers": _field(st.lists(small_ints, max_size=4)),
-    "start": _field(small_ints),
-    "n": _field(small_ints),
-    "dtype": _field(st.sampled_from(sorted(wire.DTYPES) + ["bogus"])),
-    "scaled": _field(st.booleans()),
-    "inplace": _field(st.booleans()),
-    "reason": json_values,
-    "nbytes": _field(st.one_of(st.integers(-2, BOUND + 8), st.sampled_from([10 ** 13, wire.MAX_FRAME_BYTES,
-                                                                            wire.MAX_FRAME_BYTES + 1]))),
-})
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "op": _field(st.sampled_from(["layer", "done", "abort", "pull", "nixl_md", "ack"])),
+        "tid": _field(st.sampled_from(["t1", "ghost"])),
+        "layer": _field(small_ints),
+        "layers": _field(st.lists(small_ints, max_size=4)),
+        "start": _field(small_ints),
+        "n": _field(small_ints),
+        "dtype": _field(st.sampled_from(sorted(wire.DTYPES) + ["bogus"])),
+        "scaled": _field(st.booleans()),
+        "inplace": _field(st.booleans()),
+        "reason": json_values,
+        "nbytes": _field(
+            st.one_of(
+                st.integers(-2, BOUND + 8), st.sampled_from([10**13, wire.MAX_FRAME_BYTES, wire.MAX_FRAME_BYTES + 1])
+            )
+        ),
+    },
+)
 
 
 @st.composite
@@ -68,8 +88,15 @@ def fitting_layer_frames(draw):
     reach the landing paths (in place, staged, notices) and the size checks."""
     n = draw(st.integers(0, TOKENS - START))
     start = draw(st.integers(START, TOKENS - n))
-    h = {"op": "layer", "tid": "t1", "layer": draw(st.integers(0, LAYERS - 1)), "start": start, "n": n,
-         "dtype": draw(st.sampled_from(["float32"] * 3 + sorted(wire.DTYPES))), "scaled": draw(st.booleans())}
+    h = {
+        "op": "layer",
+        "tid": "t1",
+        "layer": draw(st.integers(0, LAYERS - 1)),
+        "start": start,
+        "n": n,
+        "dtype": draw(st.sampled_from(["float32"] * 3 + sorted(wire.DTYPES))),
+        "scaled": draw(st.booleans()),
+    }
     size = wire.layer_frame_bytes(h, n, (HEADS, DIM))
     shape = draw(st.sampled_from(["exact", "exact", "notice", "notice of several", "empty", "off"]))
     if shape.startswith("notice"):
@@ -89,8 +116,11 @@ def frames(draw) -> bytes:
     else:
         header = draw(fitting_layer_frames() if kind == "fitting" else headers)
         raw = json.dumps(header).encode()
-    length = {"true": len(raw), "near": max(0, len(raw) + draw(st.integers(-4, 4))),
-              "any": draw(st.integers(0, 2 ** 32 - 1))}[draw(st.sampled_from(["true"] * 4 + ["near", "any"]))]
+    length = {
+        "true": len(raw),
+        "near": max(0, len(raw) + draw(st.integers(-4, 4))),
+        "any": draw(st.integers(0, 2**32 - 1)),
+    }[draw(st.sampled_from(["true"] * 4 + ["near", "any"]))]
     nbytes = header.get("nbytes") if kind != "garbage" else None
     if isinstance(nbytes, int) and 0 <= nbytes <= BOUND and draw(st.sampled_from([True, True, True, False])):
         payload = draw(st.binary(min_size=nbytes, max_size=nbytes))  # as much as announced
@@ -100,6 +130,7 @@ def frames(draw) -> bytes:
 
 
 # ---------------------------------------------------------------- the parser alone
+
 
 @FUZZ
 @given(st.one_of(st.binary(max_size=300), frames()))
@@ -112,16 +143,27 @@ def test_frame_parser_returns_a_header_or_refuses_the_frame(data):
             h = wire.recv_header(b)
         except wire.FrameError:
             return
-        assert h is None or (isinstance(h, dict) and type(h["nbytes"]) is int
-                             and 0 <= h["nbytes"] <= wire.MAX_FRAME_BYTES
-                             and all(isinstance(h.get(k, ""), str) for k in ("op", "tid")))
+        assert h is None or (
+            isinstance(h, dict)
+            and type(h["nbytes"]) is int
+            and 0 <= h["nbytes"] <= wire.MAX_FRAME_BYTES
+            and all(isinstance(h.get(k, ""), str) for k in ("op", "tid"))
+        )
     finally:
         b.close()
 
 
 def test_frame_parser_refuses_pathological_headers():
-    for raw in (b"[" * 60000, b'{"nbytes": NaN}', b'{"nbytes": 1e999}', b'{"nbytes": true}', b"[1]",
-                b'{"op": 1}', b'{"tid": ["t1"]}', b"\xff\xfe\x00"):
+    for raw in (
+        b"[" * 60000,
+        b'{"nbytes": NaN}',
+        b'{"nbytes": 1e999}',
+        b'{"nbytes": true}',
+        b"[1]",
+        b'{"op": 1}',
+        b'{"tid": ["t1"]}',
+        b"\xff\xfe\x00",
+    ):
         a, b = socket.socketpair()
         a.sendall(struct.pack("!I", len(raw)) + raw)
         a.close()
@@ -137,6 +179,7 @@ def test_frame_parser_refuses_pathological_headers():
 
 # ---------------------------------------------------------------- the receiver
 
+
 def test_receiver_survives_fuzzed_frames(monkeypatch):
     escaped: list = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
@@ -148,6 +191,7 @@ def test_receiver_survives_fuzzed_frames(monkeypatch):
     fuzzed = KVDestination("t1", rx.address, [0] + FUZZ_BLOCKS, BLOCK, START, TOKENS)
     fuzz_slots = destination_slots(fuzzed, START, TOKENS - START)
     try:
+
         @FUZZ
         @given(st.lists(frames(), min_size=1, max_size=3))
         def throw(batch):
