@@ -139,8 +139,11 @@ class BlockManager:
             return False
         for b in cached:
             self._touch(b)
-        sb.blocks.extend(cached)
-        sb.num_cached_blocks = len(sb.blocks)
+        if cached:  # the sequence owned nothing (checked above): these are its registered prefix
+            sb.blocks.extend(cached)
+            sb.num_cached_blocks = len(cached)
+        # blocks it owns already are registered by cache_full_blocks once full, not here: a
+        # block half filled by the last chunk or decode step is not in the prefix cache yet
         sb.blocks.extend(self._pop_free() for _ in range(need_new))
         return True
 

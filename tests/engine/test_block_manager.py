@@ -37,6 +37,22 @@ def test_prefix_hit_after_full_blocks_cached():
     assert bm.stats.hits_tokens == 8
 
 
+def test_blocks_filled_across_chunks_and_decode_steps_are_all_cached():
+    """A block half filled by one chunk (or decode step) and completed by the next is registered
+    too: a 12-token prompt prefilled in chunks of 6, then 4 generated tokens, is cached whole."""
+    bm = BlockManager(16, 4)
+    toks = list(range(16))
+    bm.find_cached_prefix("a", toks[:12])
+    for done in (6, 12):  # chunked prefill: blocks 0-1, then 1-2; block 1 is full only after the second
+        assert bm.allocate("a", done)
+        bm.cache_full_blocks("a", toks[:done], done)
+    for n in range(13, 17):  # decode: one token a step, block 3 fills at the fourth
+        assert bm.allocate("a", n)
+        bm.cache_full_blocks("a", toks[:n], n)
+    hit, n = bm.find_cached_prefix("b", toks + [99])
+    assert n == 16 and [b.block_id for b in hit] == bm.block_table("a")
+
+
 def test_a_full_prompt_hit_still_leaves_one_token_to_compute():
     bm = BlockManager(16, 4)
     toks = list(range(8))
