@@ -234,7 +234,8 @@ class SimInstance:
             return False
         bs, need = bm.block_size, 0
         for seq in running:
-            need += -(-(seq.num_computed_tokens + k) // bs) - len(bm.seqs[seq.seq_id].blocks)
+            # a sequence that owns more blocks than it needs frees none for the others
+            need += max(0, -(-(seq.num_computed_tokens + k) // bs) - len(bm.seqs[seq.seq_id].blocks))
         if need > bm.num_free_blocks:
             return False
         for seq in running:

@@ -96,6 +96,16 @@ def test_preemption_under_a_small_kv_pool_still_finishes_everything():
     assert c.instances["both-0"].bm.num_free_blocks == 60  # every block back when all is done
 
 
+@pytest.mark.parametrize("mode", ["collocated", "disagg"])
+def test_the_fast_path_declines_when_the_pool_is_short(mode):
+    """Its free-block check once summed each sequence's need, negative for one that owned more
+    blocks than it needed: a short pool passed the check, and the allocation then failed (disagg,
+    60 blocks). Now the fast path declines and the steps run one by one."""
+    c = one_pool(mode, blocks=60, block_size=16)
+    res = c.run(_prompt_fix(_decode_heavy(16)))
+    assert res["completed"] == 16
+
+
 def test_prefix_cache_hits_from_mooncake_hash_ids():
     reqs = mooncake_trace(TRACE, 40)
     c = one_pool("chunked", block_size=512)
