@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -433,13 +432,11 @@ def serve_and_calibrate(
 ) -> ProfileLatency:
     """`pdserve sim --calibrate --served`: start `pdserve serve --mode collocated` on a free
     loopback port with a step trace, calibrate through it, stop it."""
-    import httpx
+    from pdserve.ports import free_port, health_is, wait_until
 
     with tempfile.TemporaryDirectory(prefix="pdserve-cal-") as tmp:
         trace = os.path.join(tmp, "steps.jsonl")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         cmd = [
             sys.executable,
             "-m",
@@ -462,18 +459,7 @@ def serve_and_calibrate(
         log("$ " + " ".join(cmd))
         proc = subprocess.Popen(cmd, start_new_session=True)
         try:
-            deadline = time.monotonic() + startup_timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-                try:
-                    if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server was not ready after {startup_timeout_s:.0f} s")
-                time.sleep(0.5)
+            wait_until(lambda: health_is(url), [proc], startup_timeout_s, interval_s=0.5)
             prof = calibrate_served(url, [trace], threads=threads, model=model, log=log)
         finally:
             if proc.poll() is None:
