@@ -361,9 +361,12 @@ class _FrontThread:
         )
         self.thread.start()
 
-    def drain(self, deadline_s: float) -> None:
-        """New requests get 503 from now; wait (up to the deadline) for those in flight."""
+    def refuse_new(self) -> None:
+        """New generation requests get 503 with Retry-After from now on."""
         self.front.draining = True
+
+    def wait_idle(self, deadline_s: float) -> None:
+        """Until the requests in flight are done, or the deadline."""
         while self.front.in_flight and time.monotonic() < deadline_s:
             time.sleep(0.05)
 
@@ -398,11 +401,11 @@ def _supervise(router: Child, pools: _Pools, grace_s: float, front: _FrontThread
         time.sleep(0.2)
     # The front refuses new requests (503, Retry-After) and the router drains: what is in
     # flight finishes on the workers, which go last.
-    front.front.draining = True
+    front.refuse_new()
     router.signal(signal.SIGTERM)
     internal.close()
     deadline = time.monotonic() + grace_s + 10
-    front.drain(deadline)
+    front.wait_idle(deadline)
     router.wait(deadline)
     front.stop()
     for w in pools.workers:
