@@ -40,6 +40,7 @@ from pdserve.control_api import (
     parse_tokens_comment,
 )
 from pdserve.server.errors import APIError
+from pdserve.server.streaming import wait_disconnect
 
 log = logging.getLogger("pdserve.front")
 
@@ -227,7 +228,7 @@ class Front:
             )
         self.in_flight += 1
         relay = asyncio.ensure_future(self._relay(scope, body, send))
-        gone = asyncio.ensure_future(_disconnected(receive))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -336,11 +337,6 @@ async def _read_body(receive, limit: int) -> bytes:
         parts.append(part)
         more = msg.get("more_body", False)
     return b"".join(parts)
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _start(send, status: int, headers: httpx.Headers, length: int | None) -> None:

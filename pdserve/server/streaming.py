@@ -99,7 +99,7 @@ async def sse_events(
 async def collect(group: RequestStream, receive) -> list:
     """Final output per choice for a non-streamed response; aborts if the client disconnects first."""
     finals: dict[int, object] = {}
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
     try:
         while True:
             getter = asyncio.ensure_future(group.next_batch())
@@ -118,7 +118,8 @@ async def collect(group: RequestStream, receive) -> list:
         group.abort()
 
 
-async def _wait_disconnect(receive) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
+async def wait_disconnect(receive) -> None:
+    """Returns when the client closes the connection. For after the body was read: the next
+    ASGI message can then only be the disconnect."""
     while (await receive())["type"] != "http.disconnect":
         pass

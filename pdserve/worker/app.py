@@ -62,6 +62,7 @@ from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, EngineInput
 from pdserve.server.errors import APIError, from_validation_errors, install_handlers
+from pdserve.server.streaming import wait_disconnect
 from pdserve.transfer.connector import KVDestination, KVTransferError
 
 log = logging.getLogger("pdserve.worker")
@@ -231,7 +232,7 @@ class WorkerApi:
         """True once the KV landed. If the caller (the router) goes away meanwhile (it died),
         nobody will read this decode: free its blocks now, not when the wait runs out."""
         wait = asyncio.ensure_future(asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s))
-        gone = asyncio.ensure_future(_disconnected(request.receive))
+        gone = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
             await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -372,10 +373,3 @@ def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown
     ):
         app.add_api_route(path, fn, methods=[method])
     return app
-
-
-async def _disconnected(receive) -> None:
-    """Returns when the client closes the connection (the body was read already, so the next
-    ASGI message can only be the disconnect)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
