@@ -1,4 +1,5 @@
-"""pdserve in bf16 (`dtype="auto"` on CPUs with AVX512-BF16/AMX) vs the exact float32 mode.
+"""pdserve's faster compute modes against the exact float32 mode: bf16 (`dtype="auto"` on CPUs
+with AVX512-BF16/AMX) and int8 activations (`--int8-activations`; `dtype="auto"` on AVX2-only CPUs).
 
 Both engines are loaded in one process on the same weights (the embedded
 SmolLM2-135M GGUF) and run the same workloads alternately, round by round
@@ -27,6 +28,13 @@ import torch
 from pdserve import LLM
 
 
+MODES = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "int8_activations": True},
+}
+
+
 def _engine_bench():
     spec = importlib.util.spec_from_file_location("engine_bench", os.path.join(os.path.dirname(__file__), "engine.py"))
     mod = importlib.util.module_from_spec(spec)
@@ -38,7 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=sorted(MODES),
+        help="int8: float32 with int8 activations",
+    )
     ap.add_argument("--only", nargs="*", default=[], help="workload names to run (default: all)")
     ap.add_argument("--workload-n", type=int, default=64, help="requests in the 256/128 workload")
     ap.add_argument("--json", default="")
@@ -46,7 +60,7 @@ def main() -> None:
     eb = _engine_bench()
     torch.set_num_threads(args.threads)
     # no prefix caching: every round re-runs the same prompts, which would otherwise be cache hits
-    llms = {m: LLM(dtype=m, threads=args.threads, max_num_seqs=64, enable_prefix_caching=False) for m in args.modes}
+    llms = {m: LLM(threads=args.threads, max_num_seqs=64, enable_prefix_caching=False, **MODES[m]) for m in args.modes}
     work = {
         "prefill_512": lambda llm: eb.ours_prefill(llm, 512),
         "prefill_2048": lambda llm: eb.ours_prefill(llm, 2048),

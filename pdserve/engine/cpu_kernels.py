@@ -27,6 +27,7 @@ _SOURCES = (
     "pool_check.cpp",
     "prefill_attention.cpp",
     "elementwise.cpp",
+    "int8_gemm.cpp",
 )
 _HEADERS = ("pool.h", "simd_exp.h")  # part of the cache key, not compiled on their own
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]

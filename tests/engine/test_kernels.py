@@ -80,6 +80,55 @@ def test_int8_activation_matmul_does_the_int8_arithmetic(qtype, rows, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 256), (4, 16, 64), (7, 33, 288), (37, 97, 64), (70, 40, 576)])
+def test_int8_gemm_does_the_int8_arithmetic(qtype, rows, n, k):
+    """The many-row int8 kernel computes the same rounded-activation products as the
+    small-batch one (rows in tiles of 4 and a remainder, channels in tiles of 16 and a
+    partial last tile that must not write past N), for any number of rows."""
+    w = np.random.default_rng(5).standard_normal((n, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    x[0, 5] = 40.0
+    packed = kernels.q8_gemm_pack(torch.from_numpy(raw), int(t), k)
+    got = kernels.q8_gemm(x, packed, int(t), k, n)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, _int8_reference(x, raw, qtype), rtol=1e-4, atol=1e-3)
+    small = kernels.q8_matmul(x, kernels.q8_repack(torch.from_numpy(raw), int(t), k), int(t), k)
+    torch.testing.assert_close(got, small, rtol=1e-4, atol=1e-3)
+    with pytest.raises(RuntimeError, match="q8_gemm_pack"):
+        kernels.q8_gemm(x, packed[:-1].contiguous(), int(t), k, n)
+    with pytest.raises(RuntimeError, match="q8_gemm_pack"):
+        kernels.q8_gemm(x, packed, int(t), k, n + 16)
+    assert kernels.q8_gemm(x[:0], packed, int(t), k, n).shape == (0, n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("int8", [False, True])
+def test_many_row_products_in_int8_mode_take_the_int8_gemm(int8):
+    """In int8 mode a product of more rows than the block kernels take runs the int8
+    GEMM (the same arithmetic, row by row, as a few rows); the exact mode keeps fp32."""
+    from pdserve.engine.model import Linear
+
+    k, n = 128, 48
+    w = np.random.default_rng(6).standard_normal((n, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType.Q4_1
+    raw = gguf.quants.quantize(w, t)
+    lin = Linear(k, n, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(dequantize(raw.reshape(-1), "Q4_1", w.size).view(n, k))
+        lin.bias.normal_()
+    assert lin.set_quantized([(int(t), torch.from_numpy(raw))], kernels, int8_activations=int8)
+    assert (lin.gemm_weight is not None) == int8
+    x = torch.randn(Linear.max_rows + 9, k)
+    rows = torch.cat([lin(x[i : i + 3]) for i in range(0, x.shape[0], 3)])  # each call: few rows
+    torch.testing.assert_close(lin(x), rows, rtol=1e-4, atol=1e-3)
+    if not int8:
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("threads", [2, 4])
 def test_parallel_loop_runs_every_index_once_before_returning(threads):
     """pool.h under stress: chunk counts that change from loop to loop, more threads

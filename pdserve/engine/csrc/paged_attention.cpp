@@ -390,6 +390,7 @@ torch::Tensor q8_repack(torch::Tensor w, int64_t qtype, int64_t K);
 void register_decode_layer(pybind11::module& m);
 void register_prefill_attention(pybind11::module& m);
 void register_elementwise(pybind11::module& m);
+void register_int8_gemm(pybind11::module& m);
 int64_t pool_check(int64_t n, int64_t grain, int64_t loops, int64_t work);
 int64_t set_gguf_expand_rows(int64_t rows);
 int64_t set_prefetch_bytes(int64_t bytes);
@@ -403,6 +404,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_layer(m);
   register_prefill_attention(m);
   register_elementwise(m);
+  register_int8_gemm(m);
   m.def("set_gguf_expand_rows", &set_gguf_expand_rows,
         "gguf_matmul expands weights to fp32 from this many rows on; returns the previous value");
   m.def("set_prefetch_bytes", &set_prefetch_bytes,
