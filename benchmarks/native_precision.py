@@ -27,7 +27,6 @@ import torch
 
 from pdserve import LLM
 
-
 MODES = {
     "float32": {"dtype": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
