@@ -21,7 +21,7 @@ import torch
 
 from pdserve import LLM
 from pdserve.engine.loader import default_model_path
-from pdserve.testing.agreement import engine_outputs, load_reference, measure, parity_prompts
+from pdserve.testing.agreement import ENGINE_MODES, engine_outputs, load_reference, measure, parity_prompts
 
 
 def main() -> None:
@@ -32,7 +32,8 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["bfloat16", "float32"],
-        help="engine dtypes to measure (float32 is the exact baseline: expect 100%%)",
+        choices=sorted(ENGINE_MODES),
+        help="engine modes to measure (float32 is the exact baseline: expect 100%%; int8: fp32 with int8 activations)",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -42,10 +43,11 @@ def main() -> None:
     results = {}
     prompts = None
     for mode in args.modes:
-        llm = LLM(dtype=mode, threads=args.threads, block_size=16, max_num_batched_tokens=2048)
+        kwargs, same_dtype = ENGINE_MODES[mode]
+        llm = LLM(threads=args.threads, block_size=16, max_num_batched_tokens=2048, **kwargs)
         prompts = prompts or parity_prompts(llm.tokenizer)
         outs = engine_outputs(llm, prompts, args.tokens)
-        for ref_dtype in sorted({mode, "float32"}):
+        for ref_dtype in sorted({same_dtype, "float32"}):
             r = measure(refs[ref_dtype], prompts, outs).summary()
             results[f"pdserve {mode} vs transformers {ref_dtype}"] = r
             print(f"pdserve {mode:8s} vs transformers {ref_dtype:8s}: {r}", flush=True)

@@ -26,12 +26,9 @@ import time
 import torch
 
 from pdserve import LLM
+from pdserve.testing.agreement import ENGINE_MODES
 
-MODES = {
-    "float32": {"dtype": "float32"},
-    "bfloat16": {"dtype": "bfloat16"},
-    "int8": {"dtype": "float32", "int8_activations": True},
-}
+MODES = {name: kwargs for name, (kwargs, _) in ENGINE_MODES.items()}
 
 
 def _engine_bench():

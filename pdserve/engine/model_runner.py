@@ -61,12 +61,14 @@ class ModelRunner:
             ]
 
     def _prefill_kernel(self, model_config: ModelConfig):
-        """The C++ module if it runs this model's prefill attention: bf16 caches only (fp32
-        stays on torch's SDPA, token-identical to transformers; fp16 has no kernel)."""
+        """The C++ module if it runs this model's prefill attention: bf16 caches, and fp32 ones
+        in int8 mode (exact fp32 stays on torch's SDPA, token-identical to transformers; fp16
+        has no kernel)."""
         k = self.decode_kernel
+        inexact_fp32 = self.dtype == torch.float32 and self.config.int8_activations
         if (
             k is None
-            or self.dtype != torch.bfloat16
+            or not (self.dtype == torch.bfloat16 or inexact_fp32)
             or not hasattr(k, "prefill_attention")
             or model_config.head_dim not in k.prefill_attention_head_dims
         ):

@@ -24,6 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The engine's numeric modes by name: keyword arguments for `LLM`, and the transformers dtype a
+# mode is judged against besides float32. "int8": fp32 with activations rounded to int8 per 32
+# values for every product on GGUF blocks (what dtype="auto" picks on CPUs without native bf16).
+ENGINE_MODES = {
+    "float32": ({"dtype": "float32"}, "float32"),
+    "bfloat16": ({"dtype": "bfloat16"}, "bfloat16"),
+    "int8": ({"dtype": "float32", "int8_activations": True}, "float32"),
+}
+
 PARITY_TEXT = (
     "The history of computing is a story of people building tools to think faster. "
     "Charles Babbage designed engines of brass; Ada Lovelace saw that they could compose music. "

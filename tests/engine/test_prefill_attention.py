@@ -38,13 +38,13 @@ def reference(q, kc, vc, spans, tables):
     return out
 
 
-def make_case(heads, kv_heads, d, bs, first_row=2, seed=0):
-    """Random bf16 q and caches, SPANS laid out from row `first_row` on (rows before it stand for
+def make_case(heads, kv_heads, d, bs, first_row=2, seed=0, dtype=torch.bfloat16):
+    """Random q and caches (bf16 unless told), SPANS laid out from row `first_row` on (rows before it stand for
     decode tokens the kernel must not touch), each span's blocks scattered over the cache."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum((pre + n + bs - 1) // bs for n, pre in SPANS) + 5
-    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=g).bfloat16()
-    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=g).bfloat16()
+    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     spans, tables, row = [], [], first_row
     for n, pre in SPANS:
@@ -52,7 +52,7 @@ def make_case(heads, kv_heads, d, bs, first_row=2, seed=0):
         tables.append(torch.tensor([free.pop() for _ in range((ctx + bs - 1) // bs)]))
         spans.append((row, row + n, ctx))
         row += n
-    q = (torch.randn(row, heads, d, generator=g) * 2).bfloat16()  # * 2: peakier softmax rows
+    q = (torch.randn(row, heads, d, generator=g) * 2).to(dtype)  # * 2: peakier softmax rows
     width = max(len(t) for t in tables)
     padded = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
     return q, kc, vc, spans, tables, padded
@@ -73,6 +73,22 @@ def test_matches_float64_attention(heads, kv_heads, d, bs):
     assert (out[first:].double() - ref[first:]).abs().mean() < 2e-3  # no bias beyond rounding
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(2, 2), (9, 3)], ids=["group1", "group3"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp32_caches_match_float64_attention(heads, kv_heads, d):
+    """fp32 q and caches (int8 mode on a CPU without native bf16): P stays fp32, so the
+    kernel is within float rounding of float64 attention."""
+    q, kc, vc, spans, tables, padded = make_case(heads, kv_heads, d, 16, dtype=torch.float32)
+    out = torch.full_like(q, float("nan"))
+    kernels.prefill_attention(out, q, kc, vc, torch.tensor(spans), padded, d**-0.5)
+    ref = reference(q, kc, vc, spans, tables)
+    first = spans[0][0]
+    assert out[:first].isnan().all()
+    torch.testing.assert_close(out[first:].double(), ref[first:], rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.prefill_attention(out, q, kc.bfloat16(), vc.bfloat16(), torch.tensor(spans), padded, d**-0.5)
+
+
 def test_unsupported_head_dim_is_named():
     assert 48 not in kernels.prefill_attention_head_dims
     q = torch.zeros(4, 2, 48, dtype=torch.bfloat16)
@@ -89,9 +105,13 @@ def test_unsupported_head_dim_is_named():
         )
 
 
-def test_engine_tokens_match_the_torch_path(tmp_path, monkeypatch):
-    """bf16 engine, head_dim 64 and 3 query heads per KV head: the kernel against torch's SDPA,
-    over fresh prompts, prefill chunks (a span with earlier context) and prefix-cache hits."""
+@pytest.mark.parametrize(
+    "mode", [{"dtype": "bfloat16"}, {"dtype": "float32", "int8_activations": True}], ids=["bf16", "fp32-int8"]
+)
+def test_engine_tokens_match_the_torch_path(tmp_path, monkeypatch, mode):
+    """bf16 engine (and fp32 in int8 mode, whose fp32 caches the kernel reads too), head_dim 64
+    and 3 query heads per KV head: the kernel against torch's SDPA, over fresh prompts, prefill
+    chunks (a span with earlier context) and prefix-cache hits."""
     d = write_tiny_model(str(tmp_path / "m"), hidden=384, heads=6, kv_heads=2, seed=5, logit_scale=4.0)
     prompts = [
         "the quick brown fox jumps over the lazy dog " * 4,
@@ -104,11 +124,11 @@ def test_engine_tokens_match_the_torch_path(tmp_path, monkeypatch):
     def run():
         llm = LLM(
             d,
-            dtype="bfloat16",
             block_size=16,
             num_gpu_blocks=128,
             max_num_batched_tokens=96,
             long_prefill_token_threshold=64,
+            **mode,
         )
         return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
 

@@ -1,4 +1,4 @@
-// Causal prefill attention on CPU for bf16 KV caches: flash-style, over the paged cache.
+// Causal prefill attention on CPU for bf16 (and fp32) KV caches: flash-style, over the paged cache.
 //
 // torch's CPU flash attention runs bf16 no faster than fp32 (~115 GFLOP/s on the
 // 2-core Zen 5 machines here, ~63% of a 2,048-token prefill). Here both products
@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 
 #include "pool.h"
+#include "simd_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -198,28 +199,91 @@ struct Bf16Dot {
 };
 #endif
 
-// Portable path: fp32 tiles (K transposed to [D][64], V as [64][D]), P kept fp32.
+inline float to_f32(const bf16& x) { return widen(reinterpret_cast<const uint16_t&>(x)); }
+inline float to_f32(const float& x) { return x; }
+
+// fp32 path: fp32 tiles (K transposed to [D][64], V as [64][D]), P kept fp32. For fp32 caches
+// (int8 mode on a CPU without native bf16), and for bf16 caches without AVX512-BF16 (bf16
+// widened exactly). With AVX2 each row's 64 scores are 8 vector accumulators, exp is
+// vectorised (simd_exp.h): a scalar exp per score cost more than both products together.
+template <class T>
 struct F32Dot {
   using Elem = float;
 
-  static void pack(const bf16* const* krows, const bf16* const* vrows, int64_t n, int64_t D, Elem* kp, Elem* vp) {
+  static void pack(const T* const* krows, const T* const* vrows, int64_t n, int64_t D, Elem* kp, Elem* vp) {
     std::fill(kp, kp + kKeyTile * D, 0.f);
     std::fill(vp, vp + kKeyTile * D, 0.f);
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* k = reinterpret_cast<const uint16_t*>(krows[j]);
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(vrows[j]);
+    for (int64_t j = 0; j < n; ++j)
       for (int64_t d = 0; d < D; ++d) {
-        kp[d * kKeyTile + j] = widen(k[d]);
-        vp[j * D + d] = widen(v[d]);
+        kp[d * kKeyTile + j] = to_f32(krows[j][d]);
+        vp[j * D + d] = to_f32(vrows[j][d]);
+      }
+  }
+
+  static void load_q(const T* src, int64_t count, Elem* dst) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = to_f32(src[i]);
+  }
+
+#ifdef PDS_SIMD_EXP
+  template <int MR>
+  static void rows(const Elem* q, const Elem* kp, const Elem* vp, const int* valid, int64_t D, float c,
+                   float* m, float* l, float* o) {
+    constexpr int V = kKeyTile / 8;  // score vectors per row
+    const __m256 ln2 = _mm256_set1_ps(0.69314718055994531f), cv = _mm256_set1_ps(c);
+    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < MR; ++i) {
+      const int n = valid[i];
+      if (n == 0) continue;  // the whole tile is in this row's future
+      __m256 sc[V];
+      for (int v = 0; v < V; ++v) sc[v] = _mm256_setzero_ps();
+      const float* qi = q + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 qd = _mm256_broadcast_ss(qi + d);
+        const float* kr = kp + d * kKeyTile;
+        for (int v = 0; v < V; ++v) sc[v] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr + 8 * v), sc[v]);
+      }
+      __m256 mx = neg_inf;
+      for (int v = 0; v < V; ++v) {  // log2-domain scores; keys at or past n masked to -inf
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * v), lane));
+        sc[v] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(sc[v], cv), keep);
+        mx = _mm256_max_ps(mx, sc[v]);
+      }
+      mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+      mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+      mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+      const float m_new = std::max(m[i], _mm256_cvtss_f32(mx));
+      const float alpha = std::exp2(m[i] - m_new);  // 0 on the first tile (m = -inf; o, l are 0)
+      m[i] = m_new;
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      alignas(32) float p[kKeyTile];
+      for (int v = 0; v < V; ++v) {  // masked again: exp8 clamps -inf to a tiny positive weight
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - 8 * v), lane));
+        const __m256 e = _mm256_and_ps(pds::exp8(_mm256_mul_ps(_mm256_sub_ps(sc[v], mv), ln2)), keep);
+        sum = _mm256_add_ps(sum, e);
+        _mm256_store_ps(p + 8 * v, e);
+      }
+      alignas(32) float part[8];
+      _mm256_store_ps(part, sum);
+      float total = 0;
+      for (float x : part) total += x;
+      l[i] = l[i] * alpha + total;
+      const __m256 av = _mm256_set1_ps(alpha);
+      for (int64_t c0 = 0; c0 < D; c0 += 64) {  // o = o * alpha + P.V, 64 columns at a time
+        float* orow = o + i * D + c0;
+        __m256 acc[8];
+        for (int v = 0; v < 8; ++v) acc[v] = _mm256_mul_ps(_mm256_loadu_ps(orow + 8 * v), av);
+        for (int j = 0; j < n; ++j) {
+          const __m256 w = _mm256_broadcast_ss(p + j);
+          const float* vr = vp + j * D + c0;
+          for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+        }
+        for (int v = 0; v < 8; ++v) _mm256_storeu_ps(orow + 8 * v, acc[v]);
       }
     }
   }
-
-  static void load_q(const bf16* src, int64_t count, Elem* dst) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < count; ++i) dst[i] = widen(s[i]);
-  }
-
+#else
   template <int MR>
   static void rows(const Elem* q, const Elem* kp, const Elem* vp, const int* valid, int64_t D, float c,
                    float* m, float* l, float* o) {
@@ -255,6 +319,7 @@ struct F32Dot {
       }
     }
   }
+#endif
 
   static constexpr int kRows = 4;
 };
@@ -281,15 +346,15 @@ void rows_dispatch(int64_t n, const typename Path::Elem* q, const typename Path:
   }
 }
 
-template <class Path>
+template <class Path, class T>
 void prefill(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
              const torch::Tensor& v_cache, const std::vector<Span>& spans, const Shape& sh, float scale) {
   using Elem = typename Path::Elem;
   const int64_t S = static_cast<int64_t>(spans.size()), D = sh.D, G = sh.G, KVH = sh.KVH;
-  const bf16* qp = q.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  const bf16* kc = k_cache.data_ptr<bf16>();
-  const bf16* vc = v_cache.data_ptr<bf16>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
   const int64_t tile_elems = kKeyTile * D;
 
   // packed K/V tiles: span s, KV head h, tile t at slot (tile_base[s] * KVH + h * tiles(s) + t)
@@ -299,8 +364,8 @@ void prefill(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
   // (not zero-filled first: pack() writes every element of a tile)
   std::unique_ptr<Elem[]> kpack(new Elem[slots * tile_elems]), vpack(new Elem[slots * tile_elems]);
   pds::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
-    const bf16* krows[kKeyTile];
-    const bf16* vrows[kKeyTile];
+    const T* krows[kKeyTile];
+    const T* vrows[kKeyTile];
     for (int64_t slot = begin; slot < end; ++slot) {
       const int64_t s = std::upper_bound(tile_base.begin(), tile_base.end(), slot / KVH) - tile_base.begin() - 1;
       const int64_t tiles = tile_base[s + 1] - tile_base[s], local = slot - tile_base[s] * KVH;
@@ -355,8 +420,8 @@ void prefill(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
       }
       for (int64_t r = 0; r < M; ++r) {
         const float inv = 1.f / l[r];
-        bf16* dst = op + ((sp.start + item.q0 + r / G) * sh.H + item.head * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(o[r * D + d] * inv);
+        T* dst = op + ((sp.start + item.q0 + r / G) * sh.H + item.head * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
       }
     }
   });
@@ -366,16 +431,17 @@ bool supported_head_dim(int64_t d) { return d == 64 || d == 128; }
 
 }  // namespace
 
-// out, q: [T, H, D] bf16; k_cache, v_cache: [num_blocks, block_size, KVH, D] bf16 holding
+// out, q: [T, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D], all bf16 or all fp32, holding
 // every span's K/V already; spans: [S, 3] int64 (first row, end row, context length);
 // block_tables: [S, max_blocks] int64. Writes the spans' rows of out.
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor spans, torch::Tensor block_tables, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of one shape");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v caches must be [NB, BS, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
-                  k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
-              "prefill_attention takes bf16 q, out and caches");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == torch::kBFloat16 || dt == torch::kFloat32) && out.scalar_type() == dt &&
+                  k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "prefill_attention takes q, out and caches of one dtype, bf16 or float32");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
   TORCH_CHECK(spans.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt64 &&
@@ -402,15 +468,20 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
     list.push_back({start, end - start, ctx, table});
   }
   const Shape sh{H, KVH, H / KVH, D, BS, KVH * D, BS * KVH * D};
+  const float sc = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kFloat32) {
+    prefill<F32Dot<float>, float>(out, q, k_cache, v_cache, list, sh, sc);
+    return;
+  }
 #ifdef PDS_BF16_DOT
-  prefill<Bf16Dot>(out, q, k_cache, v_cache, list, sh, static_cast<float>(scale));
+  prefill<Bf16Dot, bf16>(out, q, k_cache, v_cache, list, sh, sc);
 #else
-  prefill<F32Dot>(out, q, k_cache, v_cache, list, sh, static_cast<float>(scale));
+  prefill<F32Dot<bf16>, bf16>(out, q, k_cache, v_cache, list, sh, sc);
 #endif
 }
 
 void register_prefill_attention(pybind11::module& m) {
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of prefill spans over the paged bf16 KV cache, written into out (CPU)");
+        "causal attention of prefill spans over the paged bf16 or fp32 KV cache, written into out (CPU)");
   m.attr("prefill_attention_head_dims") = pybind11::make_tuple(64, 128);
 }
