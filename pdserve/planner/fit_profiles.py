@@ -126,7 +126,7 @@ def fit_attention(rows: list[dict], peak: float, bw: float) -> dict:
     causal_eff + cached pairs / cached_eff) / peak``; decode: ``fixed + KV bytes / (eff x bw)``.
     The chunk's own causal pairs and its pairs against cached tokens get separate
     shares of peak: one share for both misprices prompts with no cached prefix by
-    up to 45% in this very profile (Vidur's rows are mostly chunks after a cache)."""
+    up to 44% in this very profile (Vidur's rows are mostly chunks after a cache)."""
     import numpy as np
 
     pre_a, pre_y, dec_x, dec_y = [], [], [], []

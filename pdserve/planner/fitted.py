@@ -50,7 +50,7 @@ SOURCES = {
 #   at `attention_commit`). Prefill: a launch, a per-query-token-per-head term, and
 #   two shares of peak, one for the pairs among a chunk's new tokens (causal) and
 #   one for its pairs against cached tokens (RMS error 7.8% on the 4,418 rows; one
-#   share for both had 22.8% and priced prompts without a cache 44% low). H100
+#   share for both had 22.8% and priced prompts without a cache up to 44% low). H100
 #   takes A100's shares x 0.35 / 0.73, FlashAttention-2's best share of peak on
 #   H100 over A100 (FA3 paper, arXiv 2407.08608, and FA2 paper, arXiv 2307.08691,
 #   abstracts: that kernel generation uses no Hopper TMA / warp-group MMA); decode
