@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="vidur",
         help="host-side costs the fitted model adds: vidur (Vidur's CPU profile, default) or "
         "vllm-2023 (plus the per-sequence and per-prefill costs of 2023 vLLM, fitted on "
-        "Splitwise's BLOOM-176B runs; measured for batches up to 64)",
+        "Splitwise's BLOOM-176B runs; measured for batches up to 64), or vllm-2023-overlap "
+        "(the same runs read with the eager engine's kernel issue overlapping the GPU)",
     )
     a(
         "--gpu-memory-utilization",

@@ -18,8 +18,10 @@ KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
 LATENCY_MODELS = ("fitted", "roofline")
 # Whose host-side costs the fitted model adds (fitted.ENGINES): "vidur", the
 # per-step CPU work Vidur profiled; "vllm-2023", that plus the per-sequence and
-# per-prefill costs of the vLLM Splitwise measured (fitted on its BLOOM runs).
-ENGINES = ("vidur", "vllm-2023")
+# per-prefill costs of the vLLM Splitwise measured (fitted on its BLOOM runs);
+# "vllm-2023-overlap", the same runs read with that eager engine's kernel-issue
+# window overlapping the GPU (the fit data cannot tell the two readings apart).
+ENGINES = ("vidur", "vllm-2023", "vllm-2023-overlap")
 
 # vLLM's default --gpu-memory-utilization: the other 10% is left to
 # activations, temporary buffers and the framework: a plan that fills memory

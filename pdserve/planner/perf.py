@@ -9,6 +9,13 @@ that does not shrink with TP. This module prices an iteration with those
 terms, their constants fitted per GPU kind on operator profiles
 (``fitted.py``). The planner and the simulator both call ``step_time``.
 
+Host and GPU overlap where the hardware lets them: kernel launches are
+asynchronous, so the CPU time an eager engine spends issuing a step's kernels
+(``launch_s``) runs while the GPU executes the kernels already issued. A step
+costs ``overhead_s + max(GPU time, launch_s)``: the synchronous host work
+(scheduling, input preparation, sampling, output processing) plus whichever of
+the GPU and the launching CPU finishes last.
+
 Standard library only: ``pdserve plan`` starts without numpy or torch.
 """
 
@@ -32,15 +39,20 @@ class StepCost:
     attention_s: float  # prefill (FLOP-bound) and decode (KV-read-bound) attention
     elementwise_s: float  # norms, RoPE, activation, residual adds
     comm_s: float  # TP all-reduces, two per layer
-    overhead_s: float  # host work: schedule, sample, prepare, TP hop, engine terms
+    overhead_s: float  # synchronous host work: schedule, sample, prepare, TP hop, a prefill's extra
     pp_s: float = 0.0  # activations handed between pipeline stages
+    launch_s: float = 0.0  # host time issuing the kernels, overlapping the GPU (eager engines only)
+
+    @property
+    def gpu_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.comm_s
 
     @property
     def total_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.elementwise_s + self.comm_s + self.overhead_s + self.pp_s
+        return self.overhead_s + max(self.gpu_s, self.launch_s) + self.pp_s
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "total_s": self.total_s}
+        return {**asdict(self), "gpu_s": self.gpu_s, "total_s": self.total_s}
 
 
 def fit_for(gpu_name: str) -> tuple[str, dict]:
@@ -122,12 +134,29 @@ def _cpu_s(dep: Deployment, fit: dict, seqs: int) -> float:
     return c["fixed_s"] + c["per_seq_s"] * seqs
 
 
-def _engine_s(dep: Deployment, kind: str, seqs: int, prefills: bool) -> float:
-    """Host costs of the serving engine beyond the CPU terms above (fitted.ENGINES)."""
+def _engine_s(dep: Deployment, kind: str, seqs: int, prefills: bool) -> tuple[float, float]:
+    """(synchronous, overlapping) host seconds the serving engine adds beyond the
+    CPU terms above (fitted.ENGINES): per step, per sequence and per prefilling
+    step, plus, for an engine read as issuing kernels eagerly, the issue window."""
     e = fitted.ENGINES[dep.engine].get(kind)
     if not e:
-        return 0.0
-    return e["fixed_s"] + e["per_seq_s"] * seqs + (e["prefill_fixed_s"] if prefills else 0.0)
+        return 0.0, 0.0
+    sync = e.get("fixed_s", 0.0) + e["per_seq_s"] * seqs + (e["prefill_fixed_s"] if prefills else 0.0)
+    return sync, e.get("launch_per_layer_s", 0.0) * dep.model.layers
+
+
+def _prefill_attention_s(dep: Deployment, a: dict, tokens: int, causal_pairs: float, cached_pairs: float) -> float:
+    """One layer's prefill attention: a launch, per-query work, and the query-key
+    pairs within the new tokens (causal, half their tiles masked) and against
+    cached tokens (dense), each at its own share of peak."""
+    m, peak = dep.model, dep.gpu.peak_flops(dep.dtype)
+    heads = m.heads / dep.tp
+    per_pair = 2.0 * heads * (m.qk_dim + m.v_dim) / peak
+    return (
+        a["fixed_s"]
+        + a["per_token_head_s"] * tokens * heads
+        + per_pair * (causal_pairs / a["causal_eff"] + cached_pairs / a["cached_eff"])
+    )
 
 
 def step_time(
@@ -138,10 +167,12 @@ def step_time(
     decode_context: float = 0.0,
     prefill_seqs: int = 0,
     prefill_context: float = 0.0,
+    prefill_cached_pairs: float = 0.0,
 ) -> StepCost:
     """One iteration over ``prefill_tokens`` prompt tokens (``prefill_pairs``
-    causal query-key pairs, ``prefill_context`` cached tokens read) and
-    ``decode_seqs`` decoding sequences holding ``decode_context`` tokens in all."""
+    causal query-key pairs, of them ``prefill_cached_pairs`` against the
+    ``prefill_context`` cached tokens read) and ``decode_seqs`` decoding
+    sequences holding ``decode_context`` tokens in all."""
     tokens = prefill_tokens + decode_seqs
     if tokens == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
@@ -158,8 +189,8 @@ def step_time(
     a = fit["attention"]
     attn = 0.0
     if prefill_tokens:
-        flops = 2.0 * m.heads * (m.qk_dim + m.v_dim) / dep.tp * prefill_pairs
-        attn += a["prefill"]["fixed_s"] + flops / (a["prefill"]["eff"] * peak)
+        cached = min(prefill_cached_pairs, prefill_pairs)
+        attn += _prefill_attention_s(dep, a["prefill"], prefill_tokens, prefill_pairs - cached, cached)
     kv_read = decode_context + prefill_context
     if decode_seqs or kv_read:
         kv = kv_bytes_per_token_layer(m, dep.kv_bytes_per_element) / kv_shards(m, dep.tp)
@@ -167,21 +198,34 @@ def step_time(
     e = fit["elementwise"]
     elem = e["fixed_s"] + e["bytes_per_token_hidden"] * tokens * m.hidden / bw
     comm = 2 * _allreduce_s(dep, fit, tokens * m.hidden * ACTIVATION_BYTES)
-    host = _cpu_s(dep, fit, prefill_seqs + decode_seqs) + _engine_s(
-        dep, kind, prefill_seqs + decode_seqs, prefill_tokens > 0
-    )
-    return StepCost(gemm, m.layers * attn, m.layers * elem, m.layers * comm, host, pp_hop_time_s(dep, tokens))
+    sync, launch = _engine_s(dep, kind, prefill_seqs + decode_seqs, prefill_tokens > 0)
+    host = _cpu_s(dep, fit, prefill_seqs + decode_seqs) + sync
+    return StepCost(gemm, m.layers * attn, m.layers * elem, m.layers * comm, host, pp_hop_time_s(dep, tokens), launch)
 
 
-def attention_rates(dep: Deployment) -> tuple[float, float, float]:
-    """(s per causal query-key pair, s per cached token read, fixed s of a KV-read
-    kernel), over all layers: the parts of ``step_time`` that grow with context."""
+@dataclass(frozen=True)
+class AttentionRates:
+    """The parts of ``step_time`` that grow with context, over all layers (seconds)."""
+
+    causal_pair_s: float  # per query-key pair among a chunk's new tokens
+    cached_pair_s: float  # per query-key pair against a cached token
+    kv_token_s: float  # per cached token read
+    kv_fixed_s: float  # one KV-read kernel
+
+
+def attention_rates(dep: Deployment) -> AttentionRates:
+    """Per-unit attention costs, so a caller can add them to a memoised step (the simulator)."""
     m = dep.model
     a = fit_for(dep.gpu.name)[1]["attention"]
     peak, bw = dep.gpu.peak_flops(dep.dtype), dep.gpu.memory_bytes_per_s
-    pair = 2.0 * m.heads * (m.qk_dim + m.v_dim) / dep.tp / (a["prefill"]["eff"] * peak)
+    pair = m.layers * 2.0 * m.heads * (m.qk_dim + m.v_dim) / dep.tp / peak
     kv = kv_bytes_per_token_layer(m, dep.kv_bytes_per_element) / kv_shards(m, dep.tp)
-    return (m.layers * pair, m.layers * kv / (a["decode"]["eff"] * bw), m.layers * a["decode"]["fixed_s"])
+    return AttentionRates(
+        pair / a["prefill"]["causal_eff"],
+        pair / a["prefill"]["cached_eff"],
+        m.layers * kv / (a["decode"]["eff"] * bw),
+        m.layers * a["decode"]["fixed_s"],
+    )
 
 
 def prefill_cost(dep: Deployment, tokens: int) -> StepCost:

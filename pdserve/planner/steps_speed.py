@@ -60,14 +60,14 @@ def _time_lines(dep: Deployment, st: rl.StepTime, cost: perf.StepCost | None, na
     if cost is not None:
         kind, _ = perf.fit_for(dep.gpu.name)
         kind += "" if perf.is_profiled(dep.gpu.name) else ", borrowed"
-        lines += equation(
-            f"{name} (fitted, {kind} profiles)",
-            "GEMMs + attention + element-wise + all-reduces + per-step CPU + PP",
-            f"{fmt_s(cost.gemm_s)} + {fmt_s(cost.attention_s)} + "
-            f"{fmt_s(cost.elementwise_s)} + {fmt_s(cost.comm_s)} + "
-            f"{fmt_s(cost.overhead_s)} + {fmt_s(cost.pp_s)}",
-            fmt_s(cost.total_s),
-        )
+        gpu = f"{fmt_s(cost.gemm_s)} + {fmt_s(cost.attention_s)} + {fmt_s(cost.elementwise_s)} + {fmt_s(cost.comm_s)}"
+        if cost.launch_s:  # an eager engine: its kernel issue overlaps the GPU
+            formula = "per-step CPU + max(GEMMs + attention + element-wise + all-reduces, kernel issue) + PP"
+            values = f"{fmt_s(cost.overhead_s)} + max({gpu}, {fmt_s(cost.launch_s)}) + {fmt_s(cost.pp_s)}"
+        else:
+            formula = "GEMMs + attention + element-wise + all-reduces + per-step CPU + PP"
+            values = f"{gpu} + {fmt_s(cost.overhead_s)} + {fmt_s(cost.pp_s)}"
+        lines += equation(f"{name} (fitted, {kind} profiles)", formula, values, fmt_s(cost.total_s))
         lines.append(f"fitted / roofline = {cost.total_s / st.total_s:.2f}")
     return lines
 

@@ -26,11 +26,14 @@ def predict(kind: str, tp: int, phase: str, tokens: int, batch: int, engine: str
     return (perf.decode_cost(dep, batch, tokens).total_s, rl.decode_step_time(dep, batch, tokens).total_s)
 
 
-def rows() -> list[dict]:
+def rows(engines: dict[str, str] | None = None) -> list[dict]:
+    """Every held-out point; ``engines`` maps a set's engine profile to another
+    to price it with (the vLLM points under the overlapping reading, say)."""
     out = []
     for s in SETS:
+        profile = (engines or {}).get(s["engine_profile"], s["engine_profile"])
         for kind, tp, phase, tokens, batch, measured in s["points"]:
-            fitted, roof = predict(kind, tp, phase, tokens, batch, s["engine_profile"])
+            fitted, roof = predict(kind, tp, phase, tokens, batch, profile)
             out.append(
                 {
                     "engine": s["engine"],
@@ -86,6 +89,17 @@ def main() -> int:
         )
     s = summary(rs)
     print(f"all: {s['points']} points, median ratio {s['median']:.2f}, {s['in_band']} within band")
+    # the other reading of the same engine fit (fitted.ENGINES), not the one the table shows
+    alt = rows({"vllm-2023": "vllm-2023-overlap"})
+    misses = [r for r in alt if not BAND[0] <= r["ratio"] <= BAND[1]]
+    s = summary(alt)
+    print(
+        f"all, vLLM priced with vllm-2023-overlap: median ratio {s['median']:.2f}, {s['in_band']} within band; "
+        "misses: "
+        + ", ".join(
+            f"{r['gpu'].upper()} TP{r['tp']} {r['phase']} {r['tokens']}x{r['batch']} {r['ratio']:.2f}" for r in misses
+        )
+    )
     return 0
 
 

@@ -43,6 +43,7 @@ class StepShape:
     decode_seqs: int = 0
     decode_context: int = 0  # tokens already cached, summed over the decoding sequences
     prefill_context: int = 0  # tokens cached before each prompt chunk, summed (read, not recomputed)
+    prefill_cached_pairs: float = 0.0  # the pairs of `prefill_attention` against those cached tokens
 
     @property
     def tokens(self) -> int:
@@ -58,6 +59,7 @@ class StepShape:
             self.prefill_seqs += 1
             self.prefill_context += done
             self.prefill_attention += chunk_attention(done, n)
+            self.prefill_cached_pairs += float(n * done)
 
     def features(self) -> list[float]:
         return [
@@ -158,8 +160,8 @@ class FittedLatency(LatencyModel):
         kind, _ = perf.fit_for(dep.gpu.name)
         m = dep.model
         self.name = f"fitted ({kind} profiles) {m.name} on {dep.gpu.name} tp={dep.tp}"
-        self._pair_s, self._kv_token_s, self._kv_fixed_s = perf.attention_rates(dep)
-        self._base: dict[tuple[int, int, int], float] = {}
+        self._rates = perf.attention_rates(dep)
+        self._base: dict[tuple[int, int, int], perf.StepCost] = {}
 
     def step_s(self, s: StepShape) -> float:
         if s.prefill_tokens + s.decode_seqs == 0:
@@ -167,19 +169,25 @@ class FittedLatency(LatencyModel):
         key = (s.prefill_tokens, s.decode_seqs, s.prefill_seqs)
         base = self._base.get(key)
         if base is None:  # memoised: all but the context-dependent attention terms
-            base = self._base[key] = (
-                perf.step_time(self.dep, s.prefill_tokens, 0.0, s.decode_seqs, 0.0, s.prefill_seqs).total_s
-                + self.overhead_s
-            )
+            base = self._base[key] = perf.step_time(self.dep, s.prefill_tokens, 0.0, s.decode_seqs, 0.0, s.prefill_seqs)
+        r = self._rates
         kv_read = s.decode_context + s.prefill_context
-        extra = self._kv_fixed_s if kv_read and not s.decode_seqs else 0.0
-        return base + extra + self._pair_s * s.prefill_attention + self._kv_token_s * kv_read
+        cached = min(s.prefill_cached_pairs, s.prefill_attention)
+        attn = (
+            (r.kv_fixed_s if kv_read and not s.decode_seqs else 0.0)
+            + r.causal_pair_s * (s.prefill_attention - cached)
+            + r.cached_pair_s * cached
+            + r.kv_token_s * kv_read
+        )
+        # attention is GPU work: it adds to the GPU side of the step's host/GPU overlap
+        return base.overhead_s + max(base.gpu_s + attn, base.launch_s) + base.pp_s + self.overhead_s
 
     def decode_steps_s(self, batch: int, context0: int, k: int) -> np.ndarray:
-        # only the KV read grows with the context, linearly: two evaluations give the line
-        t0 = self.step_s(StepShape(decode_seqs=batch, decode_context=context0))
-        t1 = self.step_s(StepShape(decode_seqs=batch, decode_context=context0 + batch))
-        return t0 + (t1 - t0) * np.arange(k, dtype=np.float64)
+        # only the KV read grows with the context, linearly, on the GPU side of the overlap
+        base = self.step_s(StepShape(decode_seqs=batch, decode_context=context0))  # memoises the step
+        c = self._base[(0, batch, 0)]
+        gpu = c.gpu_s + self._rates.kv_token_s * (context0 + batch * np.arange(k, dtype=np.float64))
+        return np.maximum(gpu, c.launch_s) + (base - max(c.gpu_s + self._rates.kv_token_s * context0, c.launch_s))
 
     def layers(self) -> int:
         return self.dep.model.layers

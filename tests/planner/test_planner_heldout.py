@@ -23,8 +23,16 @@ MISSES = {
     ("vLLM", "a100", 8, "decode", 576, 1),
     ("vLLM", "a100", 8, "decode", 576, 4),
     ("vLLM", "h100", 8, "prefill", 128, 1),
-    ("vLLM", "a100", 8, "prefill", 8192, 1),
-    ("vLLM", "h100", 4, "prefill", 8192, 1),
+    ("vLLM", "h100", 8, "prefill", 8192, 1),
+    ("TurboMind", "a100", 4, "prefill", 128, 1),
+    ("TurboMind", "a100", 4, "decode", 64, 1),
+}
+# The same points with the vLLM ones priced by the other reading of the same
+# engine fit (host kernel issue overlapping the GPU, "vllm-2023-overlap").
+OVERLAP_MISSES = {
+    ("vLLM", "a100", 2, "decode", 576, 64),
+    ("vLLM", "h100", 2, "decode", 576, 64),
+    ("vLLM", "h100", 8, "decode", 576, 1),
     ("vLLM", "h100", 8, "prefill", 8192, 1),
     ("TurboMind", "a100", 4, "prefill", 128, 1),
     ("TurboMind", "a100", 4, "decode", 64, 1),
@@ -48,9 +56,24 @@ def test_median_in_the_target_band_and_the_misses_are_the_known_ones(rows):
     s = validate.summary(rows)
     assert s["points"] == 54
     assert 0.90 <= s["median"] <= 1.10
-    assert s["in_band"] == 44
+    assert s["in_band"] == 46
     assert {_key(r) for r in rows if not 0.75 <= r["ratio"] <= 1.33} == MISSES
-    assert 0.45 <= s["min"] and s["max"] <= 1.50
+    assert 0.55 <= s["min"] and s["max"] <= 1.50
+
+
+def test_the_overlapping_reading_is_pinned_too():
+    rows = validate.rows({"vllm-2023": "vllm-2023-overlap"})
+    s = validate.summary(rows)
+    assert s["in_band"] == 48 and 0.90 <= s["median"] <= 1.10
+    assert {_key(r) for r in rows if not 0.75 <= r["ratio"] <= 1.33} == OVERLAP_MISSES
+
+
+def test_long_prompts_at_tp_4_and_8_are_within_the_band_but_h100_tp8(rows):
+    # what the attention refit (causal and cached pairs apart) and FlashAttention-2's
+    # H100 share of peak brought in; H100 TP 8 at 8,192 tokens still misses
+    pts = [r for r in rows if r["phase"] == "prefill" and r["tokens"] == 8192 and r["tp"] >= 4]
+    inside = {(r["gpu"], r["tp"]) for r in pts if 0.75 <= r["ratio"] <= 1.33}
+    assert inside == {("a100", 4), ("a100", 8), ("h100", 4)}
 
 
 def test_decode_at_batch_16_and_64_with_tp_4_or_8_is_within_the_band(rows):
