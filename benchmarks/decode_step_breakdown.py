@@ -29,7 +29,7 @@ def main() -> int:
     p.add_argument("--int8-activations", action="store_true", help="the opt-in int8 GGUF kernels")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(max_num_seqs=max(args.batch), int8_activations=args.int8_activations)
+    llm = LLM(max_num_seqs=max(args.batch), int8_activations=args.int8_activations or None)
     eng = llm.llm_engine if hasattr(llm, "llm_engine") else llm.engine
     acc: dict[str, float] = {}
 

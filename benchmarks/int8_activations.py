@@ -47,7 +47,10 @@ def _engine_bench():
 
 def speed(threads: int, batches: list[int], rounds: int, steps: int) -> None:
     decode = _engine_bench().ours_decode
-    llms = {mode: LLM(threads=threads, max_num_seqs=64, int8_activations=(mode == "int8")) for mode in ("fp32", "int8")}
+    llms = {
+        mode: LLM(dtype="float32", threads=threads, max_num_seqs=64, int8_activations=(mode == "int8"))
+        for mode in ("fp32", "int8")
+    }
     for b in batches:
         runs: dict[str, list[float]] = {"fp32": [], "int8": []}
         for _ in range(rounds):
@@ -62,8 +65,8 @@ def speed(threads: int, batches: list[int], rounds: int, steps: int) -> None:
 
 
 def agreement(threads: int, max_tokens: int) -> None:
-    fp32 = LLM(threads=threads)
-    int8 = LLM(threads=threads, int8_activations=True)
+    fp32 = LLM(dtype="float32", threads=threads)
+    int8 = LLM(dtype="float32", threads=threads, int8_activations=True)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     same = total = 0
     first_split, gaps = [], []

@@ -202,16 +202,22 @@ class EngineConfig:
     seed: int = 0
     # Small-batch matmuls read a GGUF file's Q4_0/Q4_1/Q8_0 blocks directly (CPU, fp32).
     use_gguf_kernels: bool = True
-    # Opt-in: those kernels round the activations to int8 per 32 values (llama.cpp's
-    # Q8 x Q4 dot products): ~2x faster small-batch decode on AVX2, but no longer the
-    # exact fp32 arithmetic, so not token-identical to transformers (docs/performance.md).
-    int8_activations: bool = False
+    # Products on those blocks round the activations to int8 per 32 values (llama.cpp's Q8 x Q4
+    # dot products), for any number of rows: faster prefill and decode where bf16 is not native,
+    # but not the exact fp32 arithmetic, so not token-identical to transformers (agreement in
+    # docs/performance.md). None: decided with dtype "auto" (on where it resolves to float32 on
+    # an AVX2 CPU; an explicit dtype means off).
+    int8_activations: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     tiers: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self):
+        if self.int8_activations is None:
+            self.int8_activations, why = auto_int8(self.device)
+            if why:
+                self.device.dtype_reason += f"; {why}"
         if self.tiers.enabled and not self.cache.enable_prefix_caching:
             raise ConfigError("KV tiers find blocks by their prefix hash: they need prefix caching on")
 
@@ -263,7 +269,7 @@ def native_bf16(device: str, flags: set[str] | None = None, onednn_bf16: bool | 
 
     if device.startswith("cuda"):
         return True, "CUDA device"
-    if os.environ.get("PDSERVE_AUTO_DTYPE") in ("float32", "bfloat16"):  # operator override of "auto"
+    if os.environ.get("PDSERVE_AUTO_DTYPE") in ("float32", "bfloat16", "int8"):  # operator override of "auto"
         forced = os.environ["PDSERVE_AUTO_DTYPE"]
         return forced == "bfloat16", f"PDSERVE_AUTO_DTYPE={forced}"
     flags = cpu_flags() if flags is None else flags
@@ -280,6 +286,24 @@ def native_bf16(device: str, flags: set[str] | None = None, onednn_bf16: bool | 
     if onednn_bf16:
         return False, "no avx512_bf16/amx_bf16 in the CPU flags (oneDNN would emulate bf16): float32 is faster"
     return False, "no native bf16 on this CPU (AVX2-class): bf16 would be emulated, float32 is faster"
+
+
+def auto_int8(device: DeviceConfig, flags: set[str] | None = None) -> tuple[bool, str]:
+    """Whether int8 activations are on when the caller did not say, and why (for the start-up log).
+
+    Only under dtype "auto" resolved to float32 on a CPU with AVX2 (`vpmaddubsw`): there fp32
+    is the fastest float GEMM and int8 products on the GGUF blocks run ~1.5-3x faster, at the
+    agreement measured in docs/performance.md. An explicit dtype (float32 is the exact mode)
+    keeps them off; PDSERVE_AUTO_DTYPE=float32 makes "auto" exact too."""
+    if not device.dtype_reason.startswith("auto") or device.dtype != "float32" or device.device != "cpu":
+        return False, ""
+    if os.environ.get("PDSERVE_AUTO_DTYPE") == "float32":
+        return False, ""
+    if os.environ.get("PDSERVE_AUTO_DTYPE") == "int8":
+        return True, "int8 activations (PDSERVE_AUTO_DTYPE=int8)"
+    if "avx2" not in (cpu_flags() if flags is None else flags):
+        return False, ""
+    return True, "int8 activations on the GGUF blocks (AVX2 vpmaddubsw; --no-int8-activations for exact fp32)"
 
 
 def default_threads() -> int:

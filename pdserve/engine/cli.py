@@ -62,9 +62,11 @@ def add_engine_arguments(p) -> None:
     )
     p.add_argument(
         "--int8-activations",
-        action="store_true",
-        help="GGUF kernels round activations to int8 (faster small-batch decode on CPU; "
-        "not token-identical to the fp32 default)",
+        action=_BoolAction,
+        default=None,
+        help="products on GGUF blocks round activations to int8 per 32 values (faster prefill and decode "
+        "on CPUs without native bf16; not token-identical to exact fp32). Default: on under --dtype auto "
+        "on an AVX2 CPU where auto resolves to float32, else off",
     )
 
 

@@ -69,8 +69,8 @@ def _engine_args(args) -> list[str]:
         out.append("--no-enable-chunked-prefill")
     if not args.enable_prefix_caching:
         out.append("--no-enable-prefix-caching")
-    if getattr(args, "int8_activations", False):
-        out.append("--int8-activations")
+    if getattr(args, "int8_activations", None) is not None:
+        out.append("--int8-activations" if args.int8_activations else "--no-int8-activations")
     if getattr(args, "policy", "fcfs") != "fcfs":
         out += ["--scheduling-policy", args.policy]
     for name in TIER_FLAGS + ("kv_transfer_headroom",):

@@ -318,4 +318,8 @@ def test_serve_hands_its_engine_flags_to_the_workers_it_starts():
     w = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1", *flags])
     assert (w.int8_activations, w.policy, w.enable_prefix_caching, w.max_num_seqs) == (True, "priority", False, 8)
     defaults = wp.parse_args(["--role", "decode", "--router", "http://127.0.0.1:1", *_engine_args(p.parse_args([]))])
-    assert (defaults.int8_activations, defaults.policy) == (False, "fcfs")
+    assert (defaults.int8_activations, defaults.policy) == (None, "fcfs")  # None: decided by --dtype auto
+    off = wp.parse_args(
+        ["--role", "decode", "--router", "http://127.0.0.1:1", *_engine_args(p.parse_args(["--no-int8-activations"]))]
+    )
+    assert off.int8_activations is False
