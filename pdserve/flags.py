@@ -163,6 +163,8 @@ def _help(s: Setting) -> str:
     if s.meta["env"]:
         text += f" (env {s.meta['env']})"
     if s.is_bool:
+        if s.default is None:  # `bool | None = None`: decided later; the help says by what
+            return text
         return text + (" (default: on)" if s.default else " (default: off)")
     if "%(default)" in text or s.default in (None, "", ()) or s.meta["secret"]:
         return text

@@ -296,3 +296,36 @@ def test_kv_timeout_has_one_default_whoever_starts_the_router():
 
     assert inspect.signature(DisaggEngine).parameters["kv_timeout_s"].default == KV_TIMEOUT_S
     assert parser("router").get_default("kv_timeout_s") == parser("serve").get_default("kv_timeout_s") == KV_TIMEOUT_S
+
+
+def test_every_serve_setting_reaches_a_child_or_is_the_launchers_own():
+    """A setting added to serve but to neither child would be accepted and then do nothing:
+    each serve setting is the router's, a worker's, or one of what serve itself decides."""
+    from pdserve.settings import DeploymentConfig, RayConfig
+
+    children = set(flags.registered(parser("router"))) | set(flags.registered(parser("worker")))
+    own = {s.flag for section in (DeploymentConfig, RayConfig) for s in flags.settings(flags.Section(section))}
+    serve = set(flags.registered(parser("serve")))
+    assert serve - children - own == set()
+    assert own & children == set(), "a launcher setting that a child also takes would be handed on"
+
+
+def test_a_bool_decided_later_is_a_flag_pair_whose_default_is_none(tmp_path):
+    """`bool | None = None` (decided from other settings when left out): --x and --no-x, and
+    null in a config file leaves it undecided."""
+
+    @dataclasses.dataclass
+    class Later:
+        """Later."""
+
+        fast: bool | None = flags.setting(None, help="faster (default: decided by --dtype)")
+
+    p = argparse.ArgumentParser()
+    flags.add_arguments(p, [flags.Section(Later)], config_file=True)
+    assert [p.parse_args(a).fast for a in ([], ["--fast"], ["--no-fast"])] == [None, True, False]
+    assert "(default: off)" not in p.format_help()
+    path = tmp_path / "c.json"
+    for value in (None, True):
+        path.write_text(json.dumps({"fast": value}))
+        assert p.parse_args(["--config", str(path)]).fast is value
+    assert flags.build(Later, p.parse_args(["--no-fast"])) == Later(fast=False)

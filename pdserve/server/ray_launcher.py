@@ -97,6 +97,9 @@ class PdserveProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            # here too, not only in _watch: Ray may end the actor before that thread runs
+            self.configs.remove()
 
 
 def _actor_class(max_restarts: int):

@@ -4,8 +4,11 @@ child logs at start-up (its non-default settings) and in how it behaves.
 Real launcher, router and workers on loopback, the tiny model."""
 
 import json
+import os
+import stat
 
 import httpx
+import psutil
 import pytest
 
 from tests.server.deployment import Deployment
@@ -22,6 +25,16 @@ def _settings_logged(log: str, logger: str) -> list[dict]:
             continue
         if rec.get("logger") == logger and rec.get("msg") == "non-default settings":
             out.append(rec["settings"])
+    return out
+
+
+def _config_files(dep: Deployment) -> list[str]:
+    """The `--config FILE` of each process the launcher started."""
+    out = []
+    for child in psutil.Process(dep.proc.pid).children():
+        cmd = child.cmdline()
+        assert "--config" in cmd, cmd
+        out.append(cmd[cmd.index("--config") + 1])
     return out
 
 
@@ -76,5 +89,18 @@ def test_serve_flags_reach_the_router_and_every_worker(tiny_model_dir):
             assert (w["max-waiting-requests"], w["shutdown-timeout"], w["heartbeat-s"]) == (11, 9.0, 0.5), w
             assert (w["dtype"], w["max-num-seqs"], w["kv-layerwise"], w["log-format"]) == ("float32", 7, False, "json")
             assert "api-key" not in w and "cluster-token-file" not in w
+
+        # the children's config files: private, JSON, no secret in them
+        files = _config_files(dep)
+        assert sorted(os.path.basename(f) for f in files) == ["decode-1.json", "prefill-0.json", "router.json"]
+        directory = os.path.dirname(files[0])
+        assert {os.path.dirname(f) for f in files} == {directory}
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        for path in files:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+            with open(path) as f:
+                text = f.read()
+            assert dep.token not in text and isinstance(json.loads(text), dict)
     finally:
         assert dep.stop() == 0
+    assert not os.path.exists(directory), "the config files outlived the deployment"
