@@ -329,3 +329,16 @@ def test_a_bool_decided_later_is_a_flag_pair_whose_default_is_none(tmp_path):
         path.write_text(json.dumps({"fast": value}))
         assert p.parse_args(["--config", str(path)]).fast is value
     assert flags.build(Later, p.parse_args(["--no-fast"])) == Later(fast=False)
+
+
+@pytest.mark.parametrize("argv, want", [([], None), (["--int8-activations"], True), (["--no-int8-activations"], False)])
+def test_int8_activations_reaches_a_worker_on_off_or_undecided(tmp_path, argv, want):
+    """None (decided by --dtype auto in the worker), on and off are three settings: an explicit
+    off must not arrive as undecided, which auto may turn on."""
+    from pdserve.server.launcher import worker_settings
+
+    args = parser("serve").parse_args(argv)
+    args.host = "127.0.0.1"
+    doc = worker_settings(args, "prefill", 0, "http://127.0.0.1:9", threads=1)
+    assert doc["int8-activations"] is want
+    assert _child("worker", doc, tmp_path).int8_activations is want
