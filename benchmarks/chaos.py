@@ -159,7 +159,8 @@ class Deployment:
         return live
 
     def process(self, name: str) -> psutil.Process | None:
-        """The router ("router": a word of its command line) or a worker (`--worker-id NAME`)."""
+        """The router ("router": a word of its command line) or a worker (`--worker-id NAME`, or
+        `--config <dir>/NAME.json` as pdserve serve starts it)."""
         for p in self.children():
             try:
                 cmd = p.cmdline()
@@ -168,6 +169,8 @@ class Deployment:
             if name == "router" and "router" in cmd:
                 return p
             if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1 :][:1] == [name]:
+                return p
+            if any(a.endswith(f"/{name}.json") for a in cmd):
                 return p
         return None
 

@@ -16,14 +16,18 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 import numpy as np
 
+from pdserve import flags
+from pdserve.config import ENGINE_SECTIONS
 from pdserve.engine.cli import add_engine_arguments, engine_kwargs
 from pdserve.ports import health_is, wait_until
 
@@ -136,18 +140,18 @@ async def _drive(url: str, prompts, output_len: int, watch: CpuWatch | None = No
 
 def run_server(args, prompts, llm=None) -> dict:
     port = args.port
-    flags = []
-    for k, v in engine_kwargs(args).items():
-        flag = "--" + ("scheduling-policy" if k == "policy" else k.replace("_", "-"))
-        if isinstance(v, bool):
-            flags.append(flag if v else flag.replace("--", "--no-", 1))
-        elif v is not None:
-            flags += [flag, str(v)]
+    # the server gets this run's engine settings as its config file, each flag as parsed here
+    config_dir = tempfile.mkdtemp(prefix="server-overhead-")
+    config = flags.write_private_json(
+        os.path.join(config_dir, "engine.json"), flags.document(ENGINE_SECTIONS, vars(args))
+    )
     cmd = [
         sys.executable,
         "-m",
         "pdserve.cli",
         "serve",
+        "--config",
+        config,
         "--mode",
         "collocated",
         "--port",
@@ -156,10 +160,7 @@ def run_server(args, prompts, llm=None) -> dict:
         "warning",
         "--max-waiting-requests",
         str(len(prompts) * 2),
-        *flags,
     ]
-    if args.model:
-        cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, cwd=REPO)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -171,6 +172,7 @@ def run_server(args, prompts, llm=None) -> dict:
     finally:
         proc.terminate()
         proc.wait(60)
+        shutil.rmtree(config_dir, ignore_errors=True)
     tokens = sum(r["completion_tokens"] for r in results)
     itl = [x for r in results for x in r["read_gaps_s"]]
     preempt = [line for line in metrics.splitlines() if line.startswith("pdserve:num_preemptions_total")]

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from pdserve.flags import config_first
+
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "serve": ("pdserve.server.cli", "serve the OpenAI-compatible API"),
@@ -45,7 +47,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = config_first(sys.argv[1:] if argv is None else list(argv))  # the command line wins over --config
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command).parse_args(argv)
     if getattr(args, "_missing", None):

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.flags import Section, internal, setting, settings
+
 
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent."""
@@ -94,17 +96,36 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
+# One spelling of each dtype in help and output (vLLM's and torch's), the short ones also accepted.
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16", "float": "float32"}
+# fp8: the accelerators plan and sim model; the engine computes in the other three
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+
+
+def canonical_dtype(name: str) -> str:
+    """`bf16` -> `bfloat16` and the like; other names unchanged."""
+    return DTYPE_SPELLINGS.get(name, name)
+
+
 @dataclass
 class CacheConfig:
-    """Paged KV cache: block size and how many blocks the pool holds."""
+    """Paged KV cache.
 
-    block_size: int = 16
-    num_gpu_blocks: int | None = None  # None -> derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30  # 1 GiB default on CPU
-    enable_prefix_caching: bool = True
-    # Put the KV cache in files under this directory (e.g. /dev/shm) so a prefill
-    # worker on the same host can write into it directly ("" -> private memory).
-    kv_cache_shm_dir: str = ""
+    Block size and how many blocks the pool holds."""
+
+    block_size: int = setting(16, help="tokens per KV cache block (a power of two)")
+    num_gpu_blocks: int | None = setting(
+        None,
+        help="KV cache blocks (default: as many as --kv-cache-memory-bytes holds; sim: as many as the "
+        "accelerator's memory left after the weights holds)",
+    )
+    kv_cache_memory_bytes: int = setting(1 << 30, help="memory for the KV cache when --num-gpu-blocks is not given")
+    enable_prefix_caching: bool = setting(True, help="reuse the KV blocks of a prompt prefix seen before")
+    kv_cache_shm_dir: str = internal(
+        "",
+        why="a decode worker sets it from --kv-shm-dir (files a prefill worker on the same host "
+        "writes into directly; '' -> private memory)",
+    )
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -115,18 +136,27 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Token-budget scheduler: one loop for collocated, prefill and decode roles."""
+    """Scheduler.
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    enable_chunked_prefill: bool = True
-    # Largest slice of one prompt scheduled in a step when chunking is on
-    # (vLLM's long_prefill_token_threshold); 0 -> the whole token budget.
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"  # "fcfs" or "priority"
-    # Share of the KV pool that admitting remote KV (a P->D transfer) leaves free for the
-    # running sequences to grow into.
-    kv_transfer_headroom: float = 0.05
+    A token budget per step: one loop for collocated, prefill and decode roles."""
+
+    max_num_batched_tokens: int = setting(2048, help="tokens one engine step may process (the token budget)")
+    max_num_seqs: int = setting(64, help="sequences one engine step may run")
+    enable_chunked_prefill: bool = setting(True, help="split long prompts over steps within the token budget")
+    long_prefill_token_threshold: int = setting(
+        0, help="largest slice of one prompt per step with chunked prefill (0: the whole token budget)"
+    )
+    policy: str = setting(
+        "fcfs",
+        flag="--scheduling-policy",
+        choices=("fcfs", "priority"),
+        help="the engine's order of waiting requests (the router's placement is --policy)",
+    )
+    kv_transfer_headroom: float = setting(
+        0.05,
+        help="share of the KV pool that admitting remote KV (a P->D transfer) leaves free for the running "
+        "sequences to grow into",
+    )
 
     def __post_init__(self):
         if not 0.0 <= self.kv_transfer_headroom < 1.0:
@@ -141,15 +171,23 @@ class SchedulerConfig:
 
 @dataclass
 class KVTierConfig:
-    """Tiers of KV below the worker's pool (see pdserve/kvstore): off unless named."""
+    """KV tiers below the pool (pdserve/kvstore).
 
-    kv_offload_bytes: int = 0  # L2: host memory for evicted blocks (0: none)
-    kv_disk_dir: str = ""  # L3: a directory for blocks the host tier drops ("" -> none)
-    kv_disk_bytes: int = 4 << 30  # the bound on that directory
-    kv_store: str = ""  # the shared tier: "" or "mooncake"
-    kv_store_master: str = ""  # Mooncake master, HOST:PORT
-    kv_store_metadata_url: str = ""  # its metadata server ("" -> http://<master host>:8080/metadata)
-    kv_store_segment_bytes: int = 256 << 20  # memory this worker lends to the shared store
+    Each off unless named."""
+
+    kv_offload_bytes: int = setting(0, help="host memory for blocks evicted from the pool (L2; 0: none)")
+    kv_disk_dir: str = setting(
+        "",
+        help="directory for blocks the host tier drops (L3; kept across restarts; "
+        "pdserve serve gives each worker a subdirectory)",
+    )
+    kv_disk_bytes: int = setting(4 << 30, help="bound on --kv-disk-dir")
+    kv_store: str = setting("", choices=("", "mooncake"), help="shared tier every worker can load from: Mooncake Store")
+    kv_store_master: str = setting(
+        "", metavar="HOST:PORT", help="the Mooncake master to join (serve starts one on loopback when not given)"
+    )
+    kv_store_metadata_url: str = setting("", help="its metadata server (default http://<master host>:8080/metadata)")
+    kv_store_segment_bytes: int = setting(256 << 20, help="memory this worker lends to the shared store")
 
     def __post_init__(self):
         if self.kv_offload_bytes < 0 or self.kv_disk_bytes <= 0 or self.kv_store_segment_bytes <= 0:
@@ -166,14 +204,23 @@ class KVTierConfig:
 
 @dataclass
 class DeviceConfig:
-    device: str = "auto"  # "auto" -> cuda when present, else cpu
-    dtype: str = "auto"  # "auto" -> bfloat16 where the hardware computes it natively, else float32
-    threads: int = 0  # CPU threads for torch; 0 -> leave torch's default
-    dtype_reason: str = ""  # why this dtype: set when "auto" is resolved, logged at start-up
+    """Device, dtype and threads."""
+
+    device: str = setting("auto", help="auto (cuda when present, else cpu), cpu, cuda, cuda:N")
+    dtype: str = setting(
+        "auto",
+        choices=DTYPES,
+        spellings=DTYPE_SPELLINGS,
+        help="compute dtype; auto: bfloat16 where the hardware computes it natively, else float32 "
+        "(plan and sim: bfloat16); fp8: the accelerators plan and sim model, not the engine",
+    )
+    threads: int = setting(0, help="CPU threads for torch (0: torch's default)")
+    dtype_reason: str = internal("", why="set when 'auto' is resolved, logged at start-up")
 
     def __post_init__(self):
         import torch
 
+        self.dtype = canonical_dtype(self.dtype)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
@@ -183,7 +230,7 @@ class DeviceConfig:
         elif not self.dtype_reason:
             self.dtype_reason = "set explicitly"
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"unsupported dtype {self.dtype!r}")
+            raise ConfigError(f"unsupported dtype {self.dtype!r}: the engine computes in float32, bfloat16 or float16")
 
     @property
     def torch_dtype(self):
@@ -194,24 +241,32 @@ class DeviceConfig:
 
 @dataclass
 class EngineConfig:
-    """Everything one worker's engine needs, composed from the parts above."""
+    """The model and the engine.
 
-    model: str | None = None  # None -> the embedded SmolLM2-135M-Instruct GGUF
-    tokenizer: str | None = None
-    max_model_len: int | None = None
-    seed: int = 0
-    # Small-batch matmuls read a GGUF file's Q4_0/Q4_1/Q8_0 blocks directly (CPU, fp32).
-    use_gguf_kernels: bool = True
-    # Products on those blocks round the activations to int8 per 32 values (llama.cpp's Q8 x Q4
-    # dot products), for any number of rows: faster prefill and decode where bf16 is not native,
-    # but not the exact fp32 arithmetic, so not token-identical to transformers (agreement in
-    # docs/performance.md). None: decided with dtype "auto" (on where it resolves to float32 on
-    # an AVX2 CPU; an explicit dtype means off).
-    int8_activations: bool | None = None
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: DeviceConfig = field(default_factory=DeviceConfig)
-    tiers: KVTierConfig = field(default_factory=KVTierConfig)
+    Everything one worker's engine needs, composed from the parts above."""
+
+    model: str | None = setting(
+        None, help="GGUF file or Hugging Face directory of the weights (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = internal(
+        None, why="set from Python: the router reads its tokenizer from --model, one flag would have to reach both"
+    )
+    max_model_len: int | None = setting(None, help="context length (default: the model's)")
+    seed: int = internal(0, why="set from Python; `generate --seed` is the sampling seed of each prompt")
+    use_gguf_kernels: bool = setting(
+        True, help="small-batch matmuls read a GGUF file's Q4_0/Q4_1/Q8_0 blocks directly (CPU, fp32)"
+    )
+    int8_activations: bool | None = setting(
+        None,
+        help="products on GGUF blocks round activations to int8 per 32 values (llama.cpp's Q8 x Q4 dot "
+        "products), for any number of rows: faster prefill and decode on CPUs without native bf16, not "
+        "token-identical to exact fp32 (agreement: docs/performance.md). Default: on under --dtype auto "
+        "where it resolves to float32 on an AVX2 CPU, else off",
+    )
+    cache: CacheConfig = internal(default_factory=CacheConfig, why="a section of its own")
+    scheduler: SchedulerConfig = internal(default_factory=SchedulerConfig, why="a section of its own")
+    device: DeviceConfig = internal(default_factory=DeviceConfig, why="a section of its own")
+    tiers: KVTierConfig = internal(default_factory=KVTierConfig, why="a section of its own")
 
     def __post_init__(self):
         if self.int8_activations is None:
@@ -224,21 +279,36 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Accept flat vLLM-style keyword arguments and route each to its part."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig, "tiers": KVTierConfig}
-        split: dict[str, dict] = {name: {} for name in parts}
+        split: dict[str, dict] = {name: {} for name in ENGINE_PARTS}
         top: dict[str, Any] = {}
-        top_names = {f.name for f in dataclasses.fields(cls)} - set(parts)
+        top_names = {f.name for f in dataclasses.fields(cls)} - set(ENGINE_PARTS)
         for key, value in kwargs.items():
             if key in top_names:
                 top[key] = value
                 continue
-            for name, klass in parts.items():
+            for name, klass in ENGINE_PARTS.items():
                 if key in {f.name for f in dataclasses.fields(klass)}:
                     split[name][key] = value
                     break
             else:
                 raise ConfigError(f"unknown engine argument {key!r}")
-        return cls(**top, **{name: parts[name](**kw) for name, kw in split.items()})
+        return cls(**top, **{name: ENGINE_PARTS[name](**kw) for name, kw in split.items()})
+
+
+ENGINE_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig, "tiers": KVTierConfig}
+# the engine's flags, section by section (serve, worker and generate all take these)
+ENGINE_SECTIONS = tuple(Section(c) for c in (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, KVTierConfig))
+
+
+def engine_kwargs(args) -> dict:
+    """The engine's settings found in a parsed namespace, flat, all but the model:
+    `EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))`, `LLM(args.model, **...)`."""
+    out = {}
+    for section in ENGINE_SECTIONS:
+        for s in settings(section):
+            if s.name != "model" and hasattr(args, s.name):
+                out[s.name] = getattr(args, s.name)
+    return out
 
 
 def cpu_flags() -> set[str]:

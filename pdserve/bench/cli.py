@@ -42,7 +42,16 @@ def add_arguments(p) -> None:
         help="draw random prompt token ids below this (default: the tokenizer's, else 32000)",
     )
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
+    add_workload_arguments(p)
+    add_arrival_arguments(p)
+    g = p.add_argument_group("sampling")
+    g.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (vLLM extension)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    add_result_arguments(p, replot=True)
 
+
+def add_workload_arguments(p) -> None:
+    """What requests to send: the datasets and their lengths (`pdserve sim` takes them too)."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "mooncake", "mixed"])
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON or Mooncake trace JSONL")
@@ -90,6 +99,9 @@ def add_arguments(p) -> None:
         default = getattr(m, field)
         g.add_argument(f"--mixed-{name}", type=type(default), default=default, help=f"mixed: {help_text}")
 
+
+def add_arrival_arguments(p) -> None:
+    """When requests arrive (`pdserve sim` takes them too)."""
     g = p.add_argument_group("arrivals")
     g.add_argument(
         "--request-rate",
@@ -101,10 +113,10 @@ def add_arguments(p) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape: 1 Poisson, <1 burstier, >1 steadier")
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
 
-    g = p.add_argument_group("sampling")
-    g.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (vLLM extension)")
-    g.add_argument("--temperature", type=float, default=0.0)
 
+def add_result_arguments(p, replot: bool) -> None:
+    """Goodput, percentiles, where the result goes (`pdserve sim` takes them too, without
+    --replot and the progress bar)."""
     g = p.add_argument_group("results")
     g.add_argument(
         "--goodput",
@@ -121,8 +133,9 @@ def add_arguments(p) -> None:
     g.add_argument("--result-dir", default=None)
     g.add_argument("--result-filename", default=None)
     g.add_argument("--plot", action="store_true", help="also write TTFT/TPOT/ITL CDF and token timeline PNGs")
-    g.add_argument("--replot", default=None, metavar="RESULT.json", help="only redraw the plots of a saved result")
-    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    if replot:
+        g.add_argument("--replot", default=None, metavar="RESULT.json", help="only redraw the plots of a saved result")
+        g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def build_requests(args, tokens) -> tuple[list[datasets.Request], dict, dict]:

@@ -42,11 +42,15 @@ def convert(model: str | None, out_dir: str, dtype: str = "float32") -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
+    from pdserve import flags
+    from pdserve.config import EngineConfig, canonical_dtype
+
+    flags.add_arguments(p, [flags.Section(EngineConfig, only=("model",))])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(
         "--dtype",
         default="float32",
+        type=canonical_dtype,  # bf16 is bfloat16, as everywhere
         choices=DTYPES,
         help="weight dtype on disk; float32 keeps the dequantized GGUF values exactly",
     )

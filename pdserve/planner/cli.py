@@ -9,39 +9,50 @@ import argparse
 import json
 import sys
 
+from pdserve import flags
+from pdserve.config import DeviceConfig
+from pdserve.flags import Section
 from pdserve.planner.deployment import (
-    COMPUTE_DTYPES,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     ENGINES,
-    KV_DTYPES,
     LATENCY_MODELS,
     WEIGHT_QUANTS,
     Deployment,
+    modelled_dtype,
 )
 from pdserve.planner.hardware import GPU_ALIASES, GPUS, resolve_gpu
 from pdserve.planner.models import MODEL_ALIASES, MODELS, param_count, resolve_model
 from pdserve.planner.plan import PlanInputs, make_plan
 from pdserve.planner.transfer import link
 from pdserve.planner.units import GiB, fmt_count, fmt_si
+from pdserve.settings import ModelledConfig, SLOConfig
+
+PLAN_SECTIONS = (
+    Section(ModelledConfig),
+    Section(DeviceConfig, only=("dtype",)),
+    Section(SLOConfig, only=("slo_ttft_ms", "slo_tpot_ms")),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--list", action="store_true", help="list catalog models and GPUs, then exit")
-    a("--model", help="catalog name (see --list) or path to a Hugging Face config.json")
-    a("--gpu", help="accelerator of the prefill pool, or of both pools (see --list)")
+    flags.add_arguments(parser, PLAN_SECTIONS)
+    a(
+        "--model",
+        dest="model_config",
+        action=flags.Deprecated,
+        replacement="--model-config",
+        help=argparse.SUPPRESS,  # `--model` is the weights to serve everywhere else
+    )
     a("--decode-gpu", help="accelerator of the decode pool, if it differs (e.g. H100 prefill, H20 decode)")
     a("--context", type=int, help="tokens a request holds in KV (default: lin + lout)")
     a("--tp", type=int, default=1, help="tensor-parallel GPUs per instance")
     a("--pp", type=int, default=1, help="pipeline stages per instance")
-    a("--dtype", choices=COMPUTE_DTYPES, default="bf16", help="compute dtype")
     a("--weight-quant", choices=WEIGHT_QUANTS, default="none", help="weight storage; none = the compute dtype")
-    a("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache dtype")
     a("--lin", type=int, help="mean prompt tokens")
     a("--lout", type=int, help="mean output tokens")
     a("--qps", type=float, help="peak requests per second (needs --lin/--lout)")
-    a("--slo-ttft-ms", type=float, help="time-to-first-token target, ms")
-    a("--slo-tpot-ms", type=float, help="time-per-output-token target, ms")
     a(
         "--link-gbps",
         "--network-gbps",
@@ -140,14 +151,14 @@ def _print_catalog(as_json: bool) -> None:
 
 def build_inputs(args: argparse.Namespace) -> PlanInputs:
     """PlanInputs from parsed flags; ValueError with a clear message if wrong."""
-    if not args.model or not args.gpu:
-        raise ValueError("--model and --gpu are required (or --list)")
-    model = resolve_model(args.model)
+    if not args.model_config or not args.gpu:
+        raise ValueError("--model-config and --gpu are required (or --list)")
+    model = resolve_model(args.model_config)
     common = dict(
         model=model,
         tp=args.tp,
         pp=args.pp,
-        dtype=args.dtype,
+        dtype=modelled_dtype(args.dtype),
         weight_quant=args.weight_quant,
         kv_dtype=args.kv_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.config import canonical_dtype
 from pdserve.planner.hardware import Accelerator
 from pdserve.planner.models import ModelShape
 from pdserve.planner.units import element_bytes
 
-COMPUTE_DTYPES = ("bf16", "fp8")
+COMPUTE_DTYPES = ("bfloat16", "fp8")
 WEIGHT_QUANTS = ("none", "int8", "fp8", "int4")
-KV_DTYPES = ("bf16", "fp16", "fp8", "int8", "int4")
+KV_DTYPES = ("bfloat16", "float16", "fp8", "int8", "int4")
 LATENCY_MODELS = ("fitted", "roofline")
 # Whose host-side costs the fitted model adds (fitted.ENGINES): "vidur", the
 # per-step CPU work Vidur profiled; "vllm-2023", that plus the per-sequence and
@@ -29,15 +30,22 @@ ENGINES = ("vidur", "vllm-2023", "vllm-2023-overlap")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
+def modelled_dtype(name: str) -> str:
+    """A compute dtype as the planner names it: `--dtype auto` is bfloat16, which every
+    catalog accelerator computes natively; `bf16` is spelt bfloat16."""
+    name = canonical_dtype(name)
+    return "bfloat16" if name == "auto" else name
+
+
 @dataclass(frozen=True)
 class Deployment:
     model: ModelShape
     gpu: Accelerator
     tp: int = 1
     pp: int = 1
-    dtype: str = "bf16"  # compute and activation dtype
+    dtype: str = "bfloat16"  # compute and activation dtype ("auto": bfloat16, native on every catalog chip)
     weight_quant: str = "none"  # "none": weights stored in `dtype`
-    kv_dtype: str = "bf16"
+    kv_dtype: str = "bfloat16"
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # Fractions of peak FLOP/s and bandwidth reached; 1.0 is the pure roofline.
     compute_efficiency: float = 1.0
@@ -48,6 +56,9 @@ class Deployment:
     engine: str = "vidur"
 
     def __post_init__(self) -> None:
+        # one spelling of each dtype (bf16 -> bfloat16), as the engine's --dtype has it
+        object.__setattr__(self, "dtype", modelled_dtype(self.dtype))
+        object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.pp > self.model.layers:

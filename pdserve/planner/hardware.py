@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.config import canonical_dtype
 from pdserve.planner.units import GB, TB, GiB, catalog_lookup
 
 
@@ -27,13 +28,14 @@ class Accelerator:
     source: str
 
     def peak_flops(self, dtype: str) -> float:
-        if dtype == "bf16" or dtype == "fp16":
+        dtype = canonical_dtype(dtype)
+        if dtype in ("bfloat16", "float16"):
             return self.bf16_flops
         if dtype == "fp8":
             if self.fp8_flops is None:
-                raise ValueError(f"{self.name} has no FP8 tensor cores; use --dtype bf16")
+                raise ValueError(f"{self.name} has no FP8 tensor cores; use --dtype bfloat16")
             return self.fp8_flops
-        raise ValueError(f"unknown compute dtype {dtype!r}; use bf16 or fp8")
+        raise ValueError(f"unknown compute dtype {dtype!r}; use bfloat16 or fp8")
 
 
 _HGX = "; NIC: one 400 Gb/s ConnectX-7 per GPU as in HGX/DGX 8-GPU nodes"

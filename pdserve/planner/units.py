@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import math
 
+from pdserve.config import canonical_dtype
+
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
-# Bytes per stored element: FP16 2, FP8 1, INT4 0.5.
+# Bytes per stored element: FP16 2, FP8 1, INT4 0.5 (names as config.py spells them).
 BYTES_PER_ELEMENT = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
     "fp8": 1.0,
     "int8": 1.0,
     "int4": 0.5,
@@ -28,7 +30,7 @@ BYTES_PER_ELEMENT = {
 def element_bytes(dtype: str) -> float:
     """Bytes per element of ``dtype``; ValueError naming the known ones."""
     try:
-        return BYTES_PER_ELEMENT[dtype]
+        return BYTES_PER_ELEMENT[canonical_dtype(dtype)]
     except KeyError:
         known = ", ".join(BYTES_PER_ELEMENT)
         raise ValueError(f"unknown dtype {dtype!r}; known: {known}") from None

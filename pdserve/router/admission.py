@@ -27,6 +27,7 @@ from pdserve.kv.hashing import block_hashes
 from pdserve.router import conductor
 from pdserve.router.placement import Placer
 from pdserve.router.registry import Registry, WorkerInfo
+from pdserve.settings import SLOConfig
 
 # until a transfer has been measured and none is configured: a 10 Gbit/s link
 DEFAULT_KV_BANDWIDTH_BYTES_PER_S = 10e9 / 8
@@ -37,7 +38,7 @@ class AdmissionConfig:
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     kv_watermark: float | None = None  # decode pool KV usage above which long requests are refused
-    long_request_tokens: int = 1024  # prompt + max_tokens at or above this is "long"
+    long_request_tokens: int = SLOConfig.long_request_tokens  # prompt + max_tokens at or above this is "long"
     transfer_s: float = 0.0  # fixed exposed transfer latency per request, on top of the bytes
     kv_bandwidth_bytes_per_s: float | None = None  # None: measured from transfers
 

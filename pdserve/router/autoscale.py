@@ -17,18 +17,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pdserve.flags import internal, setting
+
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    min_prefill: int = 1
-    max_prefill: int = 4
-    min_decode: int = 1
-    max_decode: int = 4
-    cooldown_s: float = 60.0  # after any change, before the next
-    interval_s: float = 5.0  # how often the router decides
-    kv_high: float = 0.80  # decode KV usage that calls for another decode worker
-    kv_low: float = 0.30  # usage the remaining decode workers must stay under to shrink
-    queue_high: float = 2.0  # waiting requests per worker that call for another worker
+    """Autoscaling (--autoscale).
+
+    The bounds of each pool and how often it may change."""
+
+    min_prefill: int = setting(1, help="autoscale: fewest prefill workers")
+    max_prefill: int = setting(4, help="autoscale: most prefill workers")
+    min_decode: int = setting(1, help="autoscale: fewest decode workers")
+    max_decode: int = setting(4, help="autoscale: most decode workers")
+    cooldown_s: float = setting(60.0, flag="--autoscale-cooldown-s", help="after any change, before the next")
+    interval_s: float = setting(5.0, flag="--autoscale-interval-s", help="how often the router decides")
+    kv_high: float = internal(0.80, why="decode KV usage that calls for another decode worker; tuned here")
+    kv_low: float = internal(0.30, why="usage the remaining decode workers must stay under to shrink; tuned here")
+    queue_high: float = internal(2.0, why="waiting requests per worker that call for another worker; tuned here")
 
     def __post_init__(self):
         if not (0 <= self.min_prefill <= self.max_prefill and 0 <= self.min_decode <= self.max_decode):

@@ -54,16 +54,10 @@ from pdserve.engine.sequence import CompletionOutput, RequestOutput, choice_requ
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
 from pdserve.server.errors import APIError
+from pdserve.settings import KV_TIMEOUT_S  # `--kv-timeout-s`: its one default
 
 log = logging.getLogger("pdserve.router")
 Reply = TypeVar("Reply", bound=BaseModel)
-
-
-# How long a decode worker keeps blocks reserved for KV that has not arrived (the
-# lease the router asks for; `--kv-timeout-s` of `pdserve router` and `pdserve serve`).
-# A transfer that breaks is reported at once, so this only bounds a silent hang, and a
-# CPU prefill queued behind long prompts can take tens of seconds.
-KV_TIMEOUT_S = 120.0
 
 
 class WorkerGone(Exception):

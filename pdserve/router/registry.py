@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pdserve.settings import RouterConfig
+
 ROLES = ("prefill", "decode", "both")
 
 
@@ -44,7 +46,7 @@ class WorkerInfo:
 
 
 class Registry:
-    def __init__(self, timeout_s: float = 3.0):
+    def __init__(self, timeout_s: float = RouterConfig.worker_timeout_s):
         self.timeout_s = timeout_s
         self._workers: dict[str, WorkerInfo] = {}
         self._lock = threading.Lock()

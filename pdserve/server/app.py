@@ -27,6 +27,7 @@ from pdserve.server.errors import APIError, bad_request, install_handlers
 from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.streaming import collect, read_body, sse_events
+from pdserve.settings import FrontendConfig
 
 log = logging.getLogger("pdserve.server")
 _LONG_PROMPT_CHARS = 16_384  # tokenize longer prompts off the event loop
@@ -36,10 +37,22 @@ _LONG_PROMPT_CHARS = 16_384  # tokenize longer prompts off the event loop
 class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
     api_key: str | None = None
-    max_request_body_bytes: int = 1 << 20
+    # the flags' defaults (settings.py): one default each
+    max_request_body_bytes: int = FrontendConfig.max_request_body_bytes
     # prompts x n: each is an engine sequence that waits, runs and is aborted on its own
-    max_seqs_per_request: int = 256
-    metrics_require_key: bool = False  # /metrics behind api_key too
+    max_seqs_per_request: int = FrontendConfig.max_seqs_per_request
+    metrics_require_key: bool = FrontendConfig.metrics_require_key  # /metrics behind api_key too
+
+    @classmethod
+    def from_args(cls, args) -> ServerSettings:
+        """From the parsed flags of the front-end section (settings.FrontendConfig)."""
+        return cls(
+            served_model_names=args.served_model_name or [],
+            api_key=args.api_key,
+            max_request_body_bytes=args.max_request_body_bytes,
+            max_seqs_per_request=args.max_seqs_per_request,
+            metrics_require_key=args.metrics_require_key,
+        )
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:

@@ -31,6 +31,7 @@ from pdserve.engine.step_trace import StepTraceWriter
 from pdserve.server.admission import RateMeter, admit, retry_after_s
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
+from pdserve.settings import EngineServerConfig
 
 log = logging.getLogger("pdserve.server")
 
@@ -110,7 +111,7 @@ class AsyncEngine:
         self,
         make_engine: Callable[[], object],
         metrics_factory: Callable[[str], ServerMetrics],
-        max_waiting_requests: int = 256,
+        max_waiting_requests: int = EngineServerConfig.max_waiting_requests,
         step_trace: StepTraceWriter | None = None,
     ):
         self._make_engine = make_engine

@@ -6,8 +6,12 @@ the cores, and supervises. Clients connect to the launcher itself: its front
 (front.py) forwards every request to the router on a loopback port and resumes
 the streams of a router that dies, so a router crash costs a pause, not answers.
 
+- each child gets its settings as a config file (`pdserve worker --config FILE`,
+  JSON, 0600 in a private directory removed when the deployment stops): every
+  setting it shares with serve, by the same definition (pdserve/settings.py), so
+  none can be left out;
 - a fresh cluster secret per deployment (unless one is given), handed to the
-  children in their environment, never on a command line;
+  children in their environment, never on a command line or in a file;
 - a child that exits is restarted with exponential backoff (reset once it has
   run for a minute); the restart count reaches the router's /metrics;
 
@@ -21,34 +25,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import httpx
 
-from pdserve import auth
+from pdserve import auth, flags
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
-from pdserve.engine.cli import TIER_FLAGS
 from pdserve.ports import die_with_parent
 from pdserve.server.front import Front
+from pdserve.settings import COMMANDS
 
 log = logging.getLogger("pdserve.launcher")
 
-ENGINE_FLAGS = (
-    "dtype",
-    "device",
-    "block_size",
-    "num_gpu_blocks",
-    "kv_cache_memory_bytes",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "long_prefill_token_threshold",
-)
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
 RESTARTS_ENV = "PDSERVE_RESTARTS"  # in each worker's environment: how often it was restarted (it tells the router)
 LOOPBACK = "127.0.0.1"
@@ -59,144 +54,85 @@ class ConfigError(RuntimeError):
     """A child refused its configuration."""
 
 
-def _engine_args(args) -> list[str]:
-    out = []
-    for name in ENGINE_FLAGS:
-        v = getattr(args, name, None)
-        if v is not None:
-            out += [f"--{name.replace('_', '-')}", str(v)]
-    if not args.enable_chunked_prefill:
-        out.append("--no-enable-chunked-prefill")
-    if not args.enable_prefix_caching:
-        out.append("--no-enable-prefix-caching")
-    if getattr(args, "int8_activations", None) is not None:
-        out.append("--int8-activations" if args.int8_activations else "--no-int8-activations")
-    if getattr(args, "policy", "fcfs") != "fcfs":
-        out += ["--scheduling-policy", args.policy]
-    for name in TIER_FLAGS + ("kv_transfer_headroom",):
-        v = getattr(args, name, None)
-        if v not in (None, ""):
-            out += [f"--{name.replace('_', '-')}", str(v)]
-    return out + (["--model", args.model] if args.model else [])
+def child_settings(args, command: str, **overrides) -> dict:
+    """A child's config file (`pdserve <command> --config FILE`): every setting that serve
+    and the child both have, with serve's value, then what differs per child (by dest).
+    Nothing is listed by hand, so no flag can be left behind; secrets stay out (they
+    travel in the environment)."""
+    return flags.document(COMMANDS[command], {**vars(args), **overrides})
 
 
-def _flags(args, names) -> list[str]:
-    """`--name value` for each of the flags that were set."""
-    out = []
-    for name in names:
-        v = getattr(args, name, None)
-        if v is not None:
-            out += ["--" + name.replace("_", "-"), str(v)]
-    return out
+def router_settings(args, host: str, port: int) -> dict:
+    """The router listens on host:port; the rest is the deployment's."""
+    return child_settings(args, "router", host=host, port=port)
 
 
-def _router_cmd(py, args, host: str | None = None, port: int | None = None) -> list[str]:
-    """The router's flags that were set: early rejection (each off unless given), the KV
-    bandwidth for its TTFT model, its timeouts and limits (the router's defaults otherwise).
-    It listens on host:port (default: the deployment's --host and --port)."""
-    host, port = host or args.host, port or args.port
-    cmd = py + [
-        "router",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--policy",
-        args.router_policy,
-        "--kv-mode",
-        args.kv_mode,
-        "--log-level",
-        args.log_level,
-        "--log-format",
-        args.log_format,
-        *_flags(
-            args,
-            (
-                "slo_ttft_ms",
-                "slo_tpot_ms",
-                "kv_watermark",
-                "kv_bandwidth_gbps",
-                "worker_timeout_s",
-                "kv_timeout_s",
-                "max_request_body_bytes",
-                "shutdown_timeout",
-                "max_seqs_per_request",
-            ),
-        ),
-    ]
-    if getattr(args, "metrics_require_key", False):
-        cmd.append("--metrics-require-key")
-    if getattr(args, "autoscale", False):
-        cmd += [
-            "--autoscale",
-            *_flags(
-                args,
-                (
-                    "min_prefill",
-                    "max_prefill",
-                    "min_decode",
-                    "max_decode",
-                    "autoscale_cooldown_s",
-                    "autoscale_interval_s",
-                ),
-            ),
-        ]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.served_model_name:
-        cmd += ["--served-model-name", *args.served_model_name]
-    return cmd
+def worker_settings(
+    args, role: str, index: int, router_url: str, *, threads: int, cores=None, host=None, advertise_host=None
+) -> dict:
+    """Worker `<role>-<index>`: its identity, its threads and cores, a step trace and a disk
+    tier of its own; the rest is the deployment's."""
+    name = f"{role}-{index}"
+    over = {
+        "role": role,
+        "router": router_url,
+        "worker_id": name,
+        "port": 0,  # the deployment's port is the front's; a worker's control API takes any free one
+        "threads": threads,
+        "cpu_cores": ",".join(str(c) for c in cores) if cores else None,
+    }
+    if host is not None:
+        over["host"] = host
+    if advertise_host is not None:
+        over["advertise_host"] = advertise_host
+    if args.step_trace:
+        over["step_trace"] = f"{args.step_trace}.{name}.jsonl"
+    if args.kv_disk_dir:  # a directory each: a disk tier's bound is its own
+        over["kv_disk_dir"] = os.path.join(args.kv_disk_dir, name)
+    return child_settings(args, "worker", **over)
 
 
-def _worker_cmd(py, args, role: str, index: int, pinned_cores: list[int] | None, router_url: str) -> list[str]:
-    cmd = py + [
-        "worker",
-        "--role",
-        role,
-        "--router",
-        router_url,
-        "--host",
-        args.host,
-        "--worker-id",
-        f"{role}-{index}",
-        "--log-level",
-        args.log_level,
-        "--log-format",
-        args.log_format,
-        *_flags(args, ("shutdown_timeout", "max_waiting_requests")),
-        *_engine_args(args),
-    ]
-    cores = _cores()
-    # one core each while cores last; the threads flag still wins if given
-    threads = args.threads or max(1, len(cores) // max(1, args.prefill + args.decode))
-    cmd += ["--threads", str(threads)]
-    if pinned_cores:
-        cmd += ["--cpu-cores", ",".join(str(c) for c in pinned_cores)]
-    if not args.kv_layerwise:
-        cmd.append("--no-kv-layerwise")
-    cmd += ["--kv-wire", args.kv_wire, "--kv-transport", args.kv_transport]
-    if getattr(args, "step_trace", None):
-        cmd += ["--step-trace", f"{args.step_trace}.{role}-{index}.jsonl"]
-    if getattr(args, "kv_disk_dir", ""):  # a directory each: a disk tier's bound is its own
-        cmd += ["--kv-disk-dir", os.path.join(args.kv_disk_dir, f"{role}-{index}")]
-    return cmd
+class ConfigDir:
+    """The children's config files: one private directory (0700, files 0600) for the
+    deployment's life, removed when it stops."""
+
+    def __init__(self):
+        self.path = tempfile.mkdtemp(prefix="pdserve-serve-")
+
+    def write(self, name: str, doc: dict) -> str:
+        """`<dir>/<name>.json`: the child's name shows in its command line (ps, tools)."""
+        return flags.write_private_json(os.path.join(self.path, f"{name}.json"), doc)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
 
 
-def _initial_workers(py, args, router_url: str) -> list[tuple[str, str, list[str]]]:
-    """(role, worker id, command) of the workers the deployment starts with."""
+def _threads(args) -> int:
+    """One core each while cores last; --threads wins if given."""
+    return args.threads or max(1, len(_cores()) // max(1, args.prefill + args.decode))
+
+
+def _initial_workers(args, router_url: str) -> list[tuple[str, str, dict]]:
+    """(role, worker id, settings) of the workers the deployment starts with."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    cores = _cores()
-    threads = args.threads or max(1, len(cores) // len(roles))
-    pin = len(roles) <= len(cores) and not args.no_pin
+    cores, threads = _cores(), _threads(args)
+    pin = len(roles) <= len(cores) and args.pin
     return [
         (
             role,
             f"{role}-{i}",
-            _worker_cmd(py, args, role, i, cores[i * threads : (i + 1) * threads] if pin else None, router_url),
+            worker_settings(
+                args,
+                role,
+                i,
+                router_url,
+                threads=threads,
+                cores=cores[i * threads : (i + 1) * threads] if pin else None,
+            ),
         )
         for i, role in enumerate(roles)
     ]
@@ -273,7 +209,6 @@ class Child:
 
 
 def launch(args) -> int:
-    py = [sys.executable, "-m", "pdserve.cli"]
     env = _child_env(args)
     os.environ.update({k: env[k] for k in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV) if k in env})
     try:
@@ -281,13 +216,29 @@ def launch(args) -> int:
     except OSError as e:
         print(f"pdserve serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return USAGE_ERROR
+    configs = ConfigDir()
+    try:
+        return _launch(args, env, listener, configs)
+    finally:
+        configs.remove()
+
+
+def _command(configs: ConfigDir, command: str, name: str, settings: dict) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", command, "--config", configs.write(name, settings)]
+
+
+def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int:
     internal = _listen(LOOPBACK, 0)
     fd, port = internal.fileno(), internal.getsockname()[1]
     router_url = f"http://{LOOPBACK}:{port}"  # the workers started here skip the front
     secret = auth.load_cluster_secret()
-    router = Child("router", _router_cmd(py, args, LOOPBACK, port) + ["--fd", str(fd)], env, pass_fds=(fd,))
-    workers = [Child(name, cmd, env, role) for role, name, cmd in _initial_workers(py, args, router_url)]
-    pools = _Pools(py, args, env, workers, secret, router_url)
+    router_cmd = _command(configs, "router", "router", router_settings(args, LOOPBACK, port))
+    router = Child("router", router_cmd + ["--fd", str(fd)], env, pass_fds=(fd,))
+    workers = [
+        Child(name, _command(configs, "worker", name, settings), env, role)
+        for role, name, settings in _initial_workers(args, router_url)
+    ]
+    pools = _Pools(args, env, workers, secret, router_url, configs)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request is noise
     front = _FrontThread(Front(router_url, secret, args.max_request_body_bytes), listener)
     return _supervise(router, pools, args.shutdown_timeout, front, internal)
@@ -307,8 +258,8 @@ class _Pools:
     """The workers, kept at the router's wanted pool sizes: new ones started when a pool
     grows (the router drains the ones it removes itself)."""
 
-    def __init__(self, py, args, env, workers: list[Child], secret: bytes, router_url: str):
-        self.py, self.args, self.env = py, args, env
+    def __init__(self, args, env, workers: list[Child], secret: bytes, router_url: str, configs: ConfigDir):
+        self.args, self.env, self.configs = args, env, configs
         self.workers = workers
         self.next_index = len(workers)
         self.router_url = router_url
@@ -335,14 +286,10 @@ class _Pools:
             for _ in range(max(0, (wanted or {}).get(role, 0) - running[role])):
                 name = f"{role}-{self.next_index}"
                 log.info("pool %s grows: starting %s", role, name)
-                self.workers.append(
-                    Child(
-                        name,
-                        _worker_cmd(self.py, self.args, role, self.next_index, None, self.router_url),
-                        self.env,
-                        role,
-                    )
+                settings = worker_settings(
+                    self.args, role, self.next_index, self.router_url, threads=_threads(self.args)
                 )
+                self.workers.append(Child(name, _command(self.configs, "worker", name, settings), self.env, role))
                 self.next_index += 1
 
 

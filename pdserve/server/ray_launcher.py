@@ -22,7 +22,6 @@ authentication on and its dashboard on loopback.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -38,24 +37,28 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from pdserve import auth
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
 from pdserve.ports import die_with_parent
-from pdserve.server.launcher import RESTARTS_ENV, _engine_args, _flags, _router_cmd
+from pdserve.server.launcher import RESTARTS_ENV, ConfigDir, router_settings, worker_settings
 
 log = logging.getLogger("pdserve.ray")
 NODE_IP = "{node_ip}"  # replaced, in an actor, by the address of the node it landed on
 
 
 class PdserveProcess:
-    """A Ray actor around one pdserve process (made a remote class in `_actor_class`)."""
+    """A Ray actor around one pdserve process (made a remote class in `_actor_class`).
 
-    def __init__(self, name: str, role: str, argv: list[str], env: dict):
+    It gets the process's settings as a dict (inside Ray's authenticated control plane)
+    and hands them on as a config file on its own node, as `pdserve serve` does."""
+
+    def __init__(self, name: str, role: str, command: str, settings: dict, env: dict):
         self.name, self.role = name, role
         self.node_ip = ray.util.get_node_ip_address()
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
         restarts = 1 if ctx.was_current_actor_reconstructed else 0
-        argv = [a.replace(NODE_IP, self.node_ip) for a in argv]
+        settings = {k: v.replace(NODE_IP, self.node_ip) if isinstance(v, str) else v for k, v in settings.items()}
+        self.configs = ConfigDir()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *argv],
+            [sys.executable, "-m", "pdserve.cli", command, "--config", self.configs.write(name, settings)],
             env={**os.environ, **env, RESTARTS_ENV: str(restarts)},
             preexec_fn=die_with_parent,
         )
@@ -64,6 +67,7 @@ class PdserveProcess:
 
     def _watch(self) -> None:
         code = self.proc.wait()
+        self.configs.remove()
         if code != 0 and not self.stopping:
             # the process crashed: take the actor down with it, and Ray restarts both
             print(
@@ -93,6 +97,9 @@ class PdserveProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            # here too, not only in _watch: Ray may end the actor before that thread runs
+            self.configs.remove()
 
 
 def _actor_class(max_restarts: int):
@@ -112,37 +119,12 @@ def _connect(args):
     )
 
 
-def _worker_argv(args, role: str, index: int, router_url: str) -> list[str]:
+def _worker_settings(args, role: str, index: int, router_url: str) -> dict:
     host = args.host or NODE_IP  # None: joined a cluster, and each node serves on its Ray address
     advertise = NODE_IP if host in ("0.0.0.0", "::") else host
-    argv = [
-        "worker",
-        "--role",
-        role,
-        "--router",
-        router_url,
-        "--host",
-        host,
-        "--advertise-host",
-        advertise,
-        "--worker-id",
-        f"{role}-{index}",
-        "--threads",
-        str(args.threads or 1),
-        "--log-level",
-        args.log_level,
-        "--log-format",
-        args.log_format,
-        "--kv-wire",
-        args.kv_wire,
-        "--kv-transport",
-        args.kv_transport,
-        *_flags(args, ("shutdown_timeout", "max_waiting_requests")),
-        *_engine_args(args),
-    ]
-    if not args.kv_layerwise:
-        argv.append("--no-kv-layerwise")
-    return argv
+    return worker_settings(
+        args, role, index, router_url, threads=args.threads or 1, host=host, advertise_host=advertise
+    )
 
 
 def launch(args) -> int:
@@ -157,10 +139,9 @@ def launch(args) -> int:
     node_ip = ray.util.get_node_ip_address()
     host = args.host or node_ip
     router_url = f"http://{node_ip if host in ('0.0.0.0', '::') else host}:{args.port}"
-    router_argv = _router_cmd([], argparse.Namespace(**{**vars(args), "host": host}))
     router = Actor.options(
         name="pdserve-router", num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
-    ).remote("router", "router", router_argv, env)
+    ).remote("router", "router", "router", router_settings(args, host, args.port), env)
 
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cpus = args.threads or 1
@@ -178,7 +159,7 @@ def launch(args) -> int:
             name=f"pdserve-{role}-{i}",
             num_cpus=cpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-        ).remote(f"{role}-{i}", role, _worker_argv(args, role, i, router_url), env)
+        ).remote(f"{role}-{i}", role, "worker", _worker_settings(args, role, i, router_url), env)
     log.info(
         "pdserve on Ray",
         extra={"fields": {"router": router_url, "workers": list(workers), "placement": args.placement}},
@@ -230,7 +211,7 @@ def _supervise(args, Actor, router, workers: dict, router_url: str, http, env: d
                 name = f"{role}-{next_index}"
                 log.info("pool %s grows: starting %s", role, name)
                 workers[name] = Actor.options(name=f"pdserve-{name}", num_cpus=args.threads or 1).remote(
-                    name, role, _worker_argv(args, role, next_index, router_url), env
+                    name, role, "worker", _worker_settings(args, role, next_index, router_url), env
                 )
                 next_index += 1
     grace = args.shutdown_timeout + 10

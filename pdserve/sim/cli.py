@@ -6,29 +6,67 @@ met the target), 1 otherwise, 2 for bad flags or a bad workload.
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import math
 import os
 import sys
 import time
 
+from pdserve import flags
 from pdserve.bench import cli as bench_cli
 from pdserve.bench import metrics, report
-from pdserve.config import ConfigError, SchedulerConfig
+from pdserve.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.flags import Section
+from pdserve.planner.deployment import modelled_dtype
 from pdserve.router.admission import AdmissionConfig
-from pdserve.router.policy import POLICIES
+from pdserve.settings import ModelledConfig, RouterConfig, SLOConfig
 from pdserve.sim import workload
 from pdserve.sim.cluster import MODES, Cluster
 from pdserve.sim.deploy import Hardware, Layout, build
 from pdserve.sim.latency import ProfileLatency
 
 SCENARIOS = ("seed-000-6.1",)
+log = logging.getLogger("pdserve.sim")
+
+
+# The engine settings the simulator models, as config.py defines them. Its defaults are
+# vLLM's on a GPU, the accelerators it models; the engine's own are sized for a CPU.
+SIM_SECTIONS = (
+    Section(
+        SchedulerConfig,
+        only=("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold"),
+        defaults={"max_num_batched_tokens": 8192, "max_num_seqs": 256},
+        why="each simulated instance is a GPU engine: vLLM's defaults there",
+    ),
+    Section(CacheConfig, only=("block_size", "num_gpu_blocks", "enable_prefix_caching")),
+    Section(RouterConfig, only=("router_policy",)),
+    Section(SLOConfig),
+    Section(
+        ModelledConfig,
+        defaults={"model_config": "llama-3-70b", "gpu": "h100"},
+        why="the simulator's worked example: Llama-3-70B on H100s",
+    ),
+    Section(EngineConfig, only=("model",)),
+    Section(
+        DeviceConfig,
+        only=("dtype", "threads"),
+        defaults={"threads": 1},
+        why="--calibrate measures one engine thread unless told (the profile is named by it)",
+    ),
+)
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--mode", default="disagg", choices=MODES)
+    g.add_argument(
+        "--mode",
+        default="disagg",
+        type=lambda m: "disagg" if m == "disaggregated" else m,  # serve's spelling
+        choices=MODES,
+        help="disagg (also: disaggregated, as serve spells it): prefill and decode pools; collocated: one "
+        "engine per instance; chunked: collocated with chunked prefill",
+    )
     g.add_argument("--num-instances", type=int, default=1, help="collocated/chunked: instances")
     g.add_argument("--tp", type=int, default=1, help="collocated/chunked: GPUs per instance")
     g.add_argument("--num-prefill", type=int, default=1)
@@ -41,30 +79,15 @@ def add_arguments(p) -> None:
     )
     g.add_argument("--kv-bytes-per-s", type=float, default=None, help="KV link bandwidth, overrides --network-gbps")
     g.add_argument("--kv-transfer-latency-ms", type=float, default=0.0, help="fixed cost of each KV transfer")
-    g.add_argument("--policy", default="cache_aware", choices=POLICIES, help="prefill placement (the router's)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="early rejection: refuse predicted TTFT misses")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="early rejection: refuse predicted TPOT misses")
-    g.add_argument("--kv-watermark", type=float, default=None, help="refuse long requests above this decode KV use")
     g.add_argument(
         "--client-rtt-ms",
         type=float,
         default=None,
         help="client <-> engine round trip per request (default: a served profile's own, else 0)",
     )
-
-    g = p.add_argument_group("engine (each instance; vLLM's names)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per instance (default: from memory)")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    flags.add_arguments(p, SIM_SECTIONS)
 
     g = p.add_argument_group("latency model")
-    g.add_argument("--model", default="llama-3-70b", help="catalog name or config.json (pdserve plan --list)")
-    g.add_argument("--gpu", default="h100")
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
-    g.add_argument("--kv-dtype", default="bf16")
     g.add_argument("--compute-efficiency", type=float, default=None, help="share of peak FLOP/s reached")
     g.add_argument("--bandwidth-efficiency", type=float, default=None, help="share of peak memory bandwidth reached")
     g.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per iteration (roofline)")
@@ -75,8 +98,11 @@ def add_arguments(p) -> None:
         metavar="FILE",
         help="disagg: the decode pool's own profile (default: --profile for both pools)",
     )
-    g.add_argument("--calibrate", action="store_true", help="measure our engine here, write --profile FILE, exit")
-    g.add_argument("--threads", type=int, default=1, help="--calibrate: engine threads")
+    g.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure our engine here (--model, --threads), write --profile FILE, exit",
+    )
     g.add_argument(
         "--served",
         action="store_true",
@@ -99,15 +125,9 @@ def add_arguments(p) -> None:
     )
 
     # the workload and result flags of `pdserve bench`, the very same definitions
-    tmp = argparse.ArgumentParser(add_help=False)
-    bench_cli.add_arguments(tmp)
-    keep = {"workload": None, "arrivals": None, "results": {"replot", "disable_tqdm"}}
-    for group in tmp._action_groups:
-        if group.title in keep:
-            ng = p.add_argument_group(group.title)
-            for action in group._group_actions:
-                if action.dest not in (keep[group.title] or ()):
-                    ng._add_action(action)
+    bench_cli.add_workload_arguments(p)
+    bench_cli.add_arrival_arguments(p)
+    bench_cli.add_result_arguments(p, replot=False)
     g = p.add_argument_group("simulator workload and output")
     g.add_argument("--workload-json", default=None, help="replay the requests of a measured run (see docs/sim.md)")
     g.add_argument("--scenario", default=None, choices=SCENARIOS, help="a worked example's traffic")
@@ -119,6 +139,18 @@ def add_arguments(p) -> None:
     g.add_argument("--search-tp", default="1,2,4,8", help="TP sizes to try per pool")
     g.add_argument("--search-max-gpus", type=int, default=32)
     g.add_argument("--search-target-pct", type=float, default=90.0, help="SLO attainment to reach (needs --goodput)")
+
+
+def _model_config(args) -> str:
+    """The modelled model; `--model NAME` meant it before `--model` meant the weights."""
+    if args.model and args.model_config == "llama-3-70b" and not args.calibrate:
+        log.warning(
+            "pdserve sim: --model for the simulated model is deprecated: use --model-config %s "
+            "(--model is the weights --calibrate measures)",
+            args.model,
+        )
+        return args.model
+    return args.model_config
 
 
 def _requests(args) -> tuple[list[workload.SimRequest], dict[str, int]]:
@@ -155,9 +187,9 @@ def _hardware(args) -> Hardware:
     if dprof is not None and prof is None:
         raise ValueError("--decode-profile needs --profile (the prefill pool's)")
     return Hardware(
-        args.model,
+        _model_config(args),
         args.gpu,
-        args.dtype,
+        modelled_dtype(args.dtype),
         args.kv_dtype,
         eff,
         args.step_overhead_ms / 1000,
@@ -175,7 +207,7 @@ def _layout(args) -> Layout:
 
 def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
     sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True, args.long_prefill_token_threshold)
-    adm = AdmissionConfig(_s(args.slo_ttft_ms), _s(args.slo_tpot_ms), args.kv_watermark)
+    adm = AdmissionConfig(_s(args.slo_ttft_ms), _s(args.slo_tpot_ms), args.kv_watermark, args.long_request_tokens)
     hw = _hardware(args)
     rtt_s = (
         args.client_rtt_ms / 1000
@@ -195,7 +227,7 @@ def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
         kv_bytes_per_s=args.kv_bytes_per_s,
         layerwise=args.kv_transfer == "layerwise",
         transfer_latency_s=args.kv_transfer_latency_ms / 1000,
-        policy=args.policy,
+        policy=args.router_policy,
         admission=adm,
         max_concurrency=args.max_concurrency,
         tag_concurrency=tag_limits,
@@ -225,6 +257,7 @@ def simulate(args, layout: Layout, requests, tag_limits, goodput, percentiles, n
 def run(args) -> int:
     if args.calibrate:
         return _calibrate(args)
+    args.model_config = _model_config(args)
     try:
         goodput = metrics.parse_goodput(args.goodput)
         percentiles = metrics.parse_percentiles(args.metric_percentiles)
@@ -243,7 +276,7 @@ def run(args) -> int:
     result = {
         "date": time.strftime("%Y%m%d-%H%M%S"),
         "backend": "pdserve-sim",
-        "model_id": args.model,
+        "model_id": args.model_config,
         "dataset_name": args.scenario or ("workload-json" if args.workload_json else args.dataset_name),
         "request_rate": "inf" if args.request_rate is None else args.request_rate,
         "max_concurrency": args.max_concurrency,
@@ -276,7 +309,7 @@ def _calibrate(args) -> int:
     from pdserve.sim.calibrate import calibrate, fit_trace, serve_and_calibrate
 
     path = args.profile or f"sim-profile-threads{args.threads}.json"
-    model = None if args.model == "llama-3-70b" else args.model
+    model = args.model
     log = lambda m: print(m, file=sys.stderr)
     try:
         if args.from_trace:

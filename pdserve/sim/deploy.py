@@ -25,8 +25,8 @@ class Hardware:
 
     model: str = "llama-3-70b"
     gpu: str = "h100"
-    dtype: str = "bf16"
-    kv_dtype: str = "bf16"
+    dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
     efficiency: tuple[float, float] | None = None
     overhead_s: float = 0.0
     profile: ProfileLatency | None = None

@@ -6,7 +6,6 @@ start them anywhere the router and the other workers can reach.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -51,79 +50,23 @@ class WorkerState:
 
 
 def add_arguments(p) -> None:
-    from pdserve.engine.cli import add_engine_arguments
+    from pdserve import flags
+    from pdserve.settings import WORKER_SECTIONS
 
-    add_engine_arguments(p)
-    p.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
-    p.add_argument("--router", default=None, help="router URL to register with, e.g. http://127.0.0.1:8000")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (control API and KV)")
-    p.add_argument("--port", type=int, default=0, help="control API port (0: any free port)")
-    p.add_argument("--advertise-host", default=None, help="address others use to reach this worker")
-    p.add_argument("--worker-id", default=None)
-    p.add_argument(
-        "--kv-transport",
-        choices=["auto", "tcp", "nixl"],
-        default="auto",
-        help="auto: shared memory when the decode worker is on this host, else TCP; "
-        "nixl: the decode worker's cache is a NIXL WRITE target (needs nixl-cu12), "
-        "prefill workers write into it one-sided",
-    )
-    p.add_argument(
-        "--kv-layerwise",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send each layer's KV as soon as it is computed (--no-kv-layerwise: eager)",
-    )
-    p.add_argument("--kv-wire", choices=["none", "int8", "fp8"], default="none", help="KV compression on the wire")
-    p.add_argument(
-        "--kv-shm-dir", default="/dev/shm", help="decode side: directory for the shared KV cache ('' to disable)"
-    )
-    p.add_argument("--cpu-cores", default=None, help="pin this process to these cores, e.g. 0 or 0,1")
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument(
-        "--calibrate",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="measure the cost models at start-up for the router's placement and admission: "
-        "D_prefill(L) on prefill roles, decode step time vs batch and context on decode roles",
-    )
-    p.add_argument(
-        "--step-trace",
-        default=None,
-        metavar="FILE",
-        help="append one JSON line per engine step (timing and batch shape), for the simulator",
-    )
-    p.add_argument(
-        "--max-kv-lease-s",
-        type=float,
-        default=600.0,
-        help="cap on the lease of a KV reservation and on a decode's wait for its KV, whatever "
-        "the router asks (blocks reserved for KV that never comes are freed by then)",
-    )
-    p.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=256,
-        help="sequences that may wait in this worker's engine before new ones get 429",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM; the router stops placing new ones here at once",
-    )
-    from pdserve.router.cli import add_cluster_token_argument
-
-    add_cluster_token_argument(p)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    flags.add_arguments(p, WORKER_SECTIONS, config_file=True)
 
 
 def run(args) -> int:
+    from pdserve import flags
     from pdserve.server import logs, serving
+    from pdserve.settings import WORKER_SECTIONS
 
     logs.configure(args.log_level, args.log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
+    if args.role is None:
+        print("pdserve worker: --role is required (prefill, decode or both)", file=sys.stderr)
+        return 2
+    flags.log_settings(log, WORKER_SECTIONS, args)
     if args.cpu_cores:
         os.sched_setaffinity(0, {int(c) for c in args.cpu_cores.split(",")})
     port = args.port or free_port(args.host)
@@ -147,8 +90,7 @@ def run(args) -> int:
 def build(args, port: int):
     """The worker's app, its API object, and an event that sends a heartbeat at once when set."""
     from pdserve import auth
-    from pdserve.config import EngineConfig
-    from pdserve.engine.cli import engine_kwargs
+    from pdserve.config import EngineConfig, engine_kwargs
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.step_trace import open_step_trace
     from pdserve.server.async_engine import AsyncEngine

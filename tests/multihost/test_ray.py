@@ -40,7 +40,12 @@ def _pdserve_pids(host, role: str) -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"pdserve.cli" in cmd and b"worker" in cmd and role.encode() in cmd:
+        # pdserve.cli worker --config <dir>/<role>-<i>.json
+        if (
+            b"pdserve.cli" in cmd
+            and b"worker" in cmd
+            and any(os.path.basename(a).startswith(role.encode()) for a in cmd)
+        ):
             out.append(int(pid))
     return out
 

@@ -58,15 +58,18 @@ class Deployment:
             self.stop()
             raise
 
-    def log(self) -> str:
+    def log(self, tail: int | None = 6000) -> str:
+        """The deployment's output (the launcher's and every child's), its last `tail` characters."""
         self._log.flush()
         self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-6000:]
+        text = self._log.read().decode(errors="replace")
+        return text[-tail:] if tail else text
 
     def child(self, worker_id: str) -> psutil.Process:
         for p in psutil.Process(self.proc.pid).children():
             cmd = p.cmdline()
-            if worker_id == "router" and "router" in cmd or worker_id in cmd:
+            # a worker's command line names its config file after it: worker --config <dir>/decode-1.json
+            if worker_id == "router" and "router" in cmd or any(a.endswith(f"/{worker_id}.json") for a in cmd):
                 return p
         raise LookupError(worker_id)
 
