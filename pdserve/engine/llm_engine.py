@@ -128,8 +128,9 @@ class LLMEngine:
             # UTF-8 character would hold back all of its text, and the whole of it would be
             # streamed again
             detok = self._detok[request_id]
-            seq.output_text = "".join(detok.step([t]) for t in seq.output_token_ids)
-            seq.emitted_text_len = len(seq.output_text)
+            for t in seq.output_token_ids:
+                seq.text.append(detok.step([t]))
+            seq.emitted_text_len = len(seq.text)
         if kv_destination is not None:
             if self.bridge is None:
                 raise InvalidRequest("this worker cannot send KV (it has no KV bridge)", "kv_transfer")
@@ -430,16 +431,16 @@ class LLMEngine:
         finished = seq.is_finished
         # While a stop string could still be completing, hold back its length - 1 chars:
         # a stream must never send text that the stop string later removes.
-        text = seq.output_text
+        emitted = seq.emitted_text_len
         hold = max((len(s) for s in seq.params.stop), default=1) - 1 if not finished else 0
-        end = max(seq.emitted_text_len, len(text) - hold)
-        delta = text[seq.emitted_text_len : end]
+        end = max(emitted, len(seq.text) - hold)
+        delta = seq.text.tail(emitted)[: end - emitted]
         seq.emitted_text_len = end
         want_lp = seq.params.logprobs is not None
         if finished:  # the whole completion, once
             comp = CompletionOutput(
                 index=0,
-                text=text,
+                text=str(seq.text),
                 token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.logprobs) if want_lp else None,
             )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.kv.hashing import block_hashes
+from pdserve.kv.hashing import block_hashes, extend_block_hashes
 
 
 @dataclass
@@ -156,7 +156,7 @@ class BlockManager:
         if num_full <= sb.num_cached_blocks:
             return
         if len(sb.hashes) < num_full:
-            sb.hashes = block_hashes(token_ids[: num_full * self.block_size], self.block_size, start=sb.hashes)
+            extend_block_hashes(sb.hashes, token_ids, num_full, self.block_size)
         first = sb.num_cached_blocks
         stored = []
         for i in range(first, num_full):
