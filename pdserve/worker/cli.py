@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from pdserve.ports import free_port
 
 if TYPE_CHECKING:
-    from pdserve.router.conductor import DecodeCostModel
+    from pdserve.costmodel import DecodeCostModel
     from pdserve.server.async_engine import HeartbeatSnapshot
     from pdserve.server.calibrate import DecodeStepRecorder
 
@@ -227,7 +227,7 @@ def build(args, port: int):
         if not args.router:
             return
         await engine.ready.wait()
-        from pdserve.router import conductor
+        from pdserve import costmodel
         from pdserve.server import calibrate
 
         if args.calibrate and role != "decode":
@@ -236,7 +236,7 @@ def build(args, port: int):
         if args.calibrate and role != "prefill":
             samples = await api.engine.calibrate_decode(state.steps)
             if len(samples) >= 3:
-                state.decode_model = conductor.fit_decode_cost(samples)
+                state.decode_model = costmodel.fit_decode_cost(samples)
                 log.info("decode calibration: %s from %s", state.decode_model, samples)
         state.steps.prefill_samples.clear()  # live rescaling is about traffic, not calibration
         await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, state, secret, beat_now, host)

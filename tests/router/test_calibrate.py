@@ -44,7 +44,7 @@ def test_prefill_stats_rescale_the_calibration():
 
 
 def test_measure_decode_on_tiny_engine_fits_and_leaves_cache_empty(tiny_llm):
-    from pdserve.router import conductor
+    from pdserve.costmodel import fit_decode_cost
     from pdserve.server.calibrate import DecodeStepRecorder, decode_stats, measure_decode
 
     engine = tiny_llm.engine
@@ -57,5 +57,5 @@ def test_measure_decode_on_tiny_engine_fits_and_leaves_cache_empty(tiny_llm):
     assert not engine.block_manager.cached and not engine.block_manager.drain_events()
     assert not engine.has_unfinished_requests() and not rec.recent()
     assert engine.block_manager.stats.queries_tokens == 0
-    st = decode_stats(conductor.fit_decode_cost(samples), [], max_num_seqs=8)
+    st = decode_stats(fit_decode_cost(samples), [], max_num_seqs=8)
     assert len(st["decode_cost_s"]) == 3 and st["decode_tokens_per_s"] > 0 and st["decode_live_scale"] == 1.0

@@ -140,7 +140,7 @@ def test_every_named_command_has_an_engine_side():
 
 
 def test_worker_heartbeat_stats_from_a_snapshot():
-    from pdserve.router.conductor import DecodeCostModel
+    from pdserve.costmodel import DecodeCostModel
     from pdserve.server.async_engine import HeartbeatSnapshot
     from pdserve.worker.cli import WorkerState
 
