@@ -21,8 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.server import protocol as P
-from pdserve.server.async_engine import EngineInput
-from pdserve.server.engine_client import EngineClient
+from pdserve.server.engine_client import EngineClient, EngineInput
 from pdserve.server.errors import APIError, bad_request, install_handlers
 from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from pdserve.server.metrics import CONTENT_TYPE
@@ -288,7 +287,7 @@ class _Api:
         except APIError as e:
             done(f"error {e.status}", 0)
             raise
-        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+        completion_tokens = sum(len(f.final.token_ids) for f in finals)
         done("ok", completion_tokens)
         return JSONResponse(fmt.full(finals, usage(num_prompt_tokens, completion_tokens)), headers=headers)
 

@@ -73,7 +73,8 @@ def test_a_served_engine_traces_its_served_steps_only(tiny_model_dir, tmp_path):
 
     from pdserve.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.server.async_engine import AsyncEngine, EngineInput
+    from pdserve.server.async_engine import AsyncEngine
+    from pdserve.server.engine_client import EngineInput
     from pdserve.server.metrics import ServerMetrics
 
     path = str(tmp_path / "steps.jsonl")
