@@ -39,7 +39,6 @@ from pdserve.kv.block_manager import BlockManager
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-    num_cached_tokens: int = 0  # prefix-cache hit found when the sequence was admitted
 
 
 @dataclass
@@ -302,7 +301,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, num_cached))
+            out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
 

@@ -192,5 +192,4 @@ class RequestOutput:
     finished: bool
     new_token_ids: list[int] = field(default_factory=list)  # delta since the last report
     new_text: str = ""
-    num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

@@ -37,7 +37,6 @@ class KVEvent:
 
     kind: str  # "stored" | "evicted" | "cleared"
     block_hashes: list[int]
-    parent_hash: int | None = None
 
 
 @dataclass
@@ -170,7 +169,7 @@ class BlockManager:
                     self.registered.append((block.block_id, h, block.token_ids))
         sb.num_cached_blocks = num_full
         if stored and self.record_events:
-            self.events.append(KVEvent("stored", stored, sb.hashes[first - 1] if first else None))
+            self.events.append(KVEvent("stored", stored))
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks. Tail blocks go to the LRU head first, so a

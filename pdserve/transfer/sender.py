@@ -98,7 +98,6 @@ class TcpKVSender(KVSender):
         self._queued = 0  # frames put on the queue and not yet sent: a frame sent now must not pass them
         self._closed = False
         self.total_bytes = 0
-        self.total_retries = 0
         self.inline_frames = 0  # frames the caller's thread sent itself (_send_now)
         self._slots_key: tuple | None = None
         self._slots: tuple = ()
@@ -233,7 +232,6 @@ class TcpKVSender(KVSender):
                     t.acked.set()
                     return
                 t.stats.retries += 1
-                self.total_retries += 1
                 time.sleep(0.05)
 
     def _destination(self, t: _Outgoing, token_start: int, n: int) -> tuple[torch.Tensor, list]:
@@ -314,7 +312,6 @@ class TcpKVSender(KVSender):
                 continue
             if found:
                 t.stats.retries += 1
-                self.total_retries += 1
             if t.finished:
                 self._put((t, {"op": "done", "tid": t.dest.transfer_id}, []))
 
