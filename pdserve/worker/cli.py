@@ -154,8 +154,8 @@ def build(args, port: int):
     from pdserve.server.async_engine import AsyncEngine
     from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
+    from pdserve.transfer.auto import AutoKVSender
     from pdserve.transfer.receiver import KVReceiverServer
-    from pdserve.transfer.sender import AutoKVSender
     from pdserve.worker.app import WorkerApi, build_worker_app
 
     role = args.role
