@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -25,9 +24,7 @@ import httpx
 import numpy as np
 
 from pdserve.engine.cli import add_engine_arguments, engine_kwargs
-from pdserve.ports import health_is, wait_until
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pdserve.testing.serve import Serve
 
 
 class CpuWatch:
@@ -143,34 +140,14 @@ def run_server(args, prompts, llm=None) -> dict:
             flags.append(flag if v else flag.replace("--", "--no-", 1))
         elif v is not None:
             flags += [flag, str(v)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "serve",
-        "--mode",
-        "collocated",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--max-waiting-requests",
-        str(len(prompts) * 2),
-        *flags,
-    ]
+    serve = ["--mode", "collocated", "--max-waiting-requests", str(len(prompts) * 2), *flags]
     if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc)
-        watch = CpuWatch(proc.pid)
-        elapsed_s, results = asyncio.run(_drive(url, prompts, args.output_len, watch))
-        health = httpx.get(url + "/health").json()
-        metrics = httpx.get(url + "/metrics").text
-    finally:
-        proc.terminate()
-        proc.wait(60)
+        serve += ["--model", args.model]
+    with Serve(serve, startup_timeout_s=600, port=port) as server:
+        watch = CpuWatch(server.proc.pid)
+        elapsed_s, results = asyncio.run(_drive(server.url, prompts, args.output_len, watch))
+        health = server.health()
+        metrics = server.http.get(server.url + "/metrics").text
     tokens = sum(r["completion_tokens"] for r in results)
     itl = [x for r in results for x in r["read_gaps_s"]]
     preempt = [line for line in metrics.splitlines() if line.startswith("pdserve:num_preemptions_total")]
@@ -185,10 +162,6 @@ def run_server(args, prompts, llm=None) -> dict:
         "cpu_s": watch.own_cpu_s,
         "foreign_share": watch.foreign_share,
     }
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    wait_until(lambda: health_is(url), [proc], timeout_s)
 
 
 def main() -> int:

@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 from pdserve.sim.latency import ProfileLatency, StepShape
+from pdserve.testing.serve import Serve
 
 # Batches of the size a CPU engine serves (up to 8 sequences, prompts up to 2,048 tokens): the
 # engine's kernels change regime with the batch, so a fit is only good where it was measured.
@@ -432,43 +430,13 @@ def serve_and_calibrate(
 ) -> ProfileLatency:
     """`pdserve sim --calibrate --served`: start `pdserve serve --mode collocated` on a free
     loopback port with a step trace, calibrate through it, stop it."""
-    from pdserve.ports import free_port, health_is, wait_until
-
     with tempfile.TemporaryDirectory(prefix="pdserve-cal-") as tmp:
         trace = os.path.join(tmp, "steps.jsonl")
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--mode",
-            "collocated",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--threads",
-            str(threads),
-            "--step-trace",
-            trace,
-            "--log-level",
-            "warning",
-        ] + (["--model", model] if model else [])
-        url = f"http://127.0.0.1:{port}"
-        log("$ " + " ".join(cmd))
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        try:
-            wait_until(lambda: health_is(url), [proc], startup_timeout_s, interval_s=0.5)
-            prof = calibrate_served(url, [trace], threads=threads, model=model, log=log)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        args = ["--mode", "collocated", "--threads", str(threads), "--step-trace", trace]
+        server = Serve(args + (["--model", model] if model else []), startup_timeout_s=startup_timeout_s)
+        log("$ " + " ".join(server.cmd))
+        with server:
+            prof = calibrate_served(server.url, [trace], threads=threads, model=model, log=log)
         prof.source = (
             f"pdserve serve (served steps), {os.path.basename(model) if model else 'embedded SmolLM2'}, "
             f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}"
