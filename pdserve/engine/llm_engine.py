@@ -18,16 +18,17 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
-from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
+from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence
 from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
 from pdserve.kv.slots import slot_mapping
+from pdserve.kvstore.setup import build_kv_store
 from pdserve.kvstore.store import BlockRef
+from pdserve.transfer.bridge import PrefillBridge
+from pdserve.transfer.connector import KVDestination
 
 log = logging.getLogger("pdserve.engine")
-
-PENDING = "pending"  # reserve_for_transfer: no room yet, waiting in line
 
 
 class LLMEngine:
@@ -62,8 +63,6 @@ class LLMEngine:
         )
         self.kv_store = None
         if config.tiers.enabled:
-            from pdserve.kvstore.setup import build_kv_store
-
             self.kv_store = build_kv_store(config, self.model_config, self.runner, kv_secret)
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
@@ -73,8 +72,6 @@ class LLMEngine:
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
         self.bridge = None
         if kv_sender is not None:
-            from pdserve.transfer.bridge import PrefillBridge
-
             self.bridge = PrefillBridge(kv_sender, self.model_config.num_hidden_layers, kv_layerwise)
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
@@ -198,8 +195,6 @@ class LLMEngine:
             self.abort_request(request_id)
 
     def _try_reserve(self, request_id, ids, params, receiver, deadline_s, arrival_time):
-        from pdserve.transfer.connector import KVDestination
-
         bm = self.block_manager
         seq = Sequence(request_id, ids, params, arrival_time=arrival_time)
         if not self.scheduler.admit_remote(seq):

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
 
+# what LLMEngine.reserve_for_transfer returns for a reservation with no room yet, waiting in line
+PENDING = "pending"
+
 
 def choice_request_id(request_id: str, index: int = 0) -> str:
     """The engine request id of choice `index` of API request `request_id`.

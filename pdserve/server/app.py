@@ -14,10 +14,12 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.server import protocol as P
@@ -81,9 +83,6 @@ def _json_body(model) -> dict:
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's OpenAPI document plus the JSON schemas of the request bodies (for clients and fuzzers)."""
     if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-        from pydantic.json_schema import models_json_schema
-
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS], ref_template=_SCHEMA_REF)
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
@@ -378,6 +377,4 @@ def _resumed(inputs: list[EngineInput], resume: ResumeRequest, stream: bool, fmt
 
 
 def _with_seed(params, seed):
-    from dataclasses import replace
-
     return params if seed == params.seed else replace(params, seed=seed)

@@ -26,8 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
-from pdserve.engine.sequence import RequestOutput, choice_request_id
+from pdserve.engine.sequence import PENDING, RequestOutput, choice_request_id
 from pdserve.engine.step_trace import StepTraceWriter
+from pdserve.server import calibrate
 from pdserve.server.admission import RateMeter, admit, retry_after_s
 from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
 from pdserve.server.errors import APIError
@@ -233,8 +234,6 @@ class AsyncEngine:
         """Reserve blocks for KV another worker computes: its KVDestination, or None when
         there is no room, now or within `wait_s` in line. Cancelled while it waits in
         line (the caller gave up): the reservation is cancelled too."""
-        from pdserve.engine.llm_engine import PENDING
-
         got: asyncio.Future = self._loop.create_future()
 
         def on_done(dest):  # engine thread: the wait in line ended
@@ -512,14 +511,10 @@ def _heartbeat_snapshot(engine, want_cached: bool, recorder) -> HeartbeatSnapsho
 
 
 def _calibrate_prefill(engine):
-    from pdserve.server import calibrate
-
     return calibrate.measure_prefill(engine)
 
 
 def _calibrate_decode(engine, recorder):
-    from pdserve.server import calibrate
-
     return calibrate.measure_decode(engine, recorder)
 
 

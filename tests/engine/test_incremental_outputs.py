@@ -7,6 +7,8 @@ import tracemalloc
 
 import pytest
 
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import OutputText, TokenIds
 from tests.tiny import write_tiny_model
@@ -16,9 +18,6 @@ LONG = 3000
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from pdserve.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-
     d = write_tiny_model(str(tmp_path_factory.mktemp("long")), max_pos=4096)
     cfg = EngineConfig.from_kwargs(
         model=d, dtype="float32", block_size=64, num_gpu_blocks=160, max_num_batched_tokens=4096, max_model_len=4096

@@ -8,8 +8,7 @@ import types
 
 import pytest
 
-from pdserve.engine.llm_engine import PENDING
-from pdserve.engine.sequence import choice_request_id
+from pdserve.engine.sequence import PENDING, choice_request_id
 from pdserve.server.async_engine import ENGINE_COMMANDS, AsyncEngine
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
