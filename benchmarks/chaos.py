@@ -62,7 +62,7 @@ from pdserve.bench import datasets
 from pdserve.bench.client import CHAT, COMPLETIONS
 from pdserve.bench.runner import RunState, run_benchmark
 from pdserve.bench.tokens import TokenSource
-from pdserve.ports import free_port
+from pdserve.ports import free_port, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -201,15 +201,19 @@ class Deployment:
         return all(ws.get(w, {}).get("alive") for w in (PREFILL, DECODE)) and probe(self.url, 20.0)
 
     def wait_healthy(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.running():
-                return False
-            self.children()
-            if self.healthy():
-                return True
-            time.sleep(0.5)
-        return False
+        """Whether it became healthy within `timeout_s` (False as soon as the launcher exits)."""
+
+        def ready() -> bool:
+            self.children()  # remember every child seen, for `stop`
+            return self.healthy()
+
+        if not self.running():
+            return False
+        try:
+            wait_until(ready, [self.proc], timeout_s, "the deployment", interval_s=0.5)
+        except (RuntimeError, TimeoutError):
+            return False
+        return True
 
     def log_offset(self) -> int:
         return os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0

@@ -29,6 +29,8 @@ import time
 import torch
 
 from pdserve import auth
+from pdserve.testing.cluster import Cluster
+from pdserve.testing.serve import Serve
 from pdserve.transfer.connector import KVDestination
 from pdserve.transfer.pull import PullKVExporter
 from pdserve.transfer.receiver import KVReceiverServer
@@ -345,11 +347,6 @@ def ttft(tokens: int, reps: int) -> dict:
     runs before and after)."""
     import httpx
 
-    # the test suite's process helpers: tests/ is not an installed package, so from this checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.server.serverproc import ServerProcess
-    from tests.transfer.cluster import Cluster
-
     prompt = torch.randint(100, 40000, (tokens,), generator=torch.Generator().manual_seed(99)).tolist()
 
     def once(url: str, model: str, i: int) -> float:
@@ -363,7 +360,7 @@ def ttft(tokens: int, reps: int) -> dict:
         raise RuntimeError(f"{url}: no token streamed")
 
     with (
-        ServerProcess("--threads", "1", "--dtype", "float32") as s,
+        Serve(["--mode", "collocated", "--threads", "1", "--dtype", "float32"]) as s,
         Cluster(None, worker_args=["--dtype", "float32"]) as c,
     ):
         model = httpx.get(s.url + "/v1/models").json()["data"][0]["id"]

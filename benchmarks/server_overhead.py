@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,9 +28,7 @@ import numpy as np
 from pdserve import flags
 from pdserve.config import ENGINE_SECTIONS
 from pdserve.engine.cli import add_engine_arguments, engine_kwargs
-from pdserve.ports import health_is, wait_until
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from pdserve.testing.serve import Serve
 
 
 class CpuWatch:
@@ -142,36 +139,17 @@ def run_server(args, prompts, llm=None) -> dict:
     port = args.port
     # the server gets this run's engine settings as its config file, each flag as parsed here
     config_dir = tempfile.mkdtemp(prefix="server-overhead-")
-    config = flags.write_private_json(
-        os.path.join(config_dir, "engine.json"), flags.document(ENGINE_SECTIONS, vars(args))
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "serve",
-        "--config",
-        config,
-        "--mode",
-        "collocated",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--max-waiting-requests",
-        str(len(prompts) * 2),
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO)
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc)
-        watch = CpuWatch(proc.pid)
-        elapsed_s, results = asyncio.run(_drive(url, prompts, args.output_len, watch))
-        health = httpx.get(url + "/health").json()
-        metrics = httpx.get(url + "/metrics").text
+        config = flags.write_private_json(
+            os.path.join(config_dir, "engine.json"), flags.document(ENGINE_SECTIONS, vars(args))
+        )
+        serve = ["--config", config, "--mode", "collocated", "--max-waiting-requests", str(len(prompts) * 2)]
+        with Serve(serve, startup_timeout_s=600, port=port) as server:
+            watch = CpuWatch(server.proc.pid)
+            elapsed_s, results = asyncio.run(_drive(server.url, prompts, args.output_len, watch))
+            health = server.health()
+            metrics = server.http.get(server.url + "/metrics").text
     finally:
-        proc.terminate()
-        proc.wait(60)
         shutil.rmtree(config_dir, ignore_errors=True)
     tokens = sum(r["completion_tokens"] for r in results)
     itl = [x for r in results for x in r["read_gaps_s"]]
@@ -187,10 +165,6 @@ def run_server(args, prompts, llm=None) -> dict:
         "cpu_s": watch.own_cpu_s,
         "foreign_share": watch.foreign_share,
     }
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    wait_until(lambda: health_is(url), [proc], timeout_s)
 
 
 def main() -> int:

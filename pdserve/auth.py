@@ -32,6 +32,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+import httpx
+
 log = logging.getLogger("pdserve.auth")
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
@@ -228,7 +230,6 @@ class Verifier:
 
 def http_auth(secret: bytes):
     """An `httpx.Auth` that signs every request with the secret."""
-    import httpx
 
     class _Signer(httpx.Auth):
         requires_request_body = True

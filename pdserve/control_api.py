@@ -195,7 +195,7 @@ class _Event(_Message):
 
 
 class _Output(_Event):
-    """One engine RequestOutput's new part (pdserve.worker.app.output_event)."""
+    """One engine output's new part (pdserve.worker.app.output_event)."""
 
     token_ids: list[int]
     text: str
@@ -204,7 +204,6 @@ class _Output(_Event):
     stop_reason: int | str | None = None
     # per new token, {token id as a string: logprob}; a logprob may be -inf
     logprobs: list[dict[str, Annotated[float, Field(allow_inf_nan=True)]]] | None = None
-    num_prompt_tokens: int = 0
 
 
 class FirstTokenEvent(_Output):

@@ -6,6 +6,8 @@ import json
 import math
 import os
 
+from pdserve.bench.metrics import percentile_key
+
 _TITLES = {
     "ttft": "Time to First Token",
     "tpot": "Time per Output Token (excl. 1st token)",
@@ -26,8 +28,6 @@ def _line(label: str, value, fmt: str = ".2f") -> str:
 
 
 def format_summary(result: dict, percentile_metrics=("ttft", "tpot", "itl", "e2el")) -> str:
-    from pdserve.bench.metrics import percentile_key
-
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="=")]
     if result.get("interrupted"):
         lines.append("INTERRUPTED: partial results, unfinished requests count as failed")

@@ -18,16 +18,17 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
-from pdserve.engine.sequence import CompletionOutput, FinishReason, RequestOutput, Sequence
+from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence
 from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
 from pdserve.kv.slots import slot_mapping
+from pdserve.kvstore.setup import build_kv_store
 from pdserve.kvstore.store import BlockRef
+from pdserve.transfer.bridge import PrefillBridge
+from pdserve.transfer.connector import KVDestination
 
 log = logging.getLogger("pdserve.engine")
-
-PENDING = "pending"  # reserve_for_transfer: no room yet, waiting in line
 
 
 class LLMEngine:
@@ -62,8 +63,6 @@ class LLMEngine:
         )
         self.kv_store = None
         if config.tiers.enabled:
-            from pdserve.kvstore.setup import build_kv_store
-
             self.kv_store = build_kv_store(config, self.model_config, self.runner, kv_secret)
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
@@ -73,8 +72,6 @@ class LLMEngine:
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
         self.bridge = None
         if kv_sender is not None:
-            from pdserve.transfer.bridge import PrefillBridge
-
             self.bridge = PrefillBridge(kv_sender, self.model_config.num_hidden_layers, kv_layerwise)
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
@@ -128,8 +125,9 @@ class LLMEngine:
             # UTF-8 character would hold back all of its text, and the whole of it would be
             # streamed again
             detok = self._detok[request_id]
-            seq.output_text = "".join(detok.step([t]) for t in seq.output_token_ids)
-            seq.emitted_text_len = len(seq.output_text)
+            for t in seq.output_token_ids:
+                seq.text.append(detok.step([t]))
+            seq.emitted_text_len = len(seq.text)
         if kv_destination is not None:
             if self.bridge is None:
                 raise InvalidRequest("this worker cannot send KV (it has no KV bridge)", "kv_transfer")
@@ -197,8 +195,6 @@ class LLMEngine:
             self.abort_request(request_id)
 
     def _try_reserve(self, request_id, ids, params, receiver, deadline_s, arrival_time):
-        from pdserve.transfer.connector import KVDestination
-
         bm = self.block_manager
         seq = Sequence(request_id, ids, params, arrival_time=arrival_time)
         if not self.scheduler.admit_remote(seq):
@@ -430,16 +426,16 @@ class LLMEngine:
         finished = seq.is_finished
         # While a stop string could still be completing, hold back its length - 1 chars:
         # a stream must never send text that the stop string later removes.
-        text = seq.output_text
+        emitted = seq.emitted_text_len
         hold = max((len(s) for s in seq.params.stop), default=1) - 1 if not finished else 0
-        end = max(seq.emitted_text_len, len(text) - hold)
-        delta = text[seq.emitted_text_len : end]
+        end = max(emitted, len(seq.text) - hold)
+        delta = seq.text.tail(emitted)[: end - emitted]
         seq.emitted_text_len = end
         want_lp = seq.params.logprobs is not None
         if finished:  # the whole completion, once
             comp = CompletionOutput(
                 index=0,
-                text=text,
+                text=str(seq.text),
                 token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.logprobs) if want_lp else None,
             )

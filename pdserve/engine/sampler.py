@@ -17,13 +17,36 @@ class SampleResult:
     logprobs: list[tuple[float, dict[int, float]] | None]
 
 
+class _Seen:
+    """What the penalties of one sequence read, kept up to date token by token: how often
+    each token was output, and which the prompt holds. A step adds its new tokens only,
+    instead of rebuilding both from the whole history."""
+
+    __slots__ = ("counts", "in_prompt", "num_counted")
+
+    def __init__(self, prompt: list[int], vocab: int, device: torch.device):
+        self.counts = torch.zeros(vocab, device=device)
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.in_prompt[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        self.num_counted = 0
+
+    def update(self, output: list[int]) -> None:
+        new = output[self.num_counted :]
+        if new:
+            ids = torch.tensor(new, dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+            self.num_counted = len(output)
+
+
 class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        self._seen: dict[str, _Seen] = {}
 
     def forget(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
+        self._seen.pop(seq_id, None)
 
     def _generator(self, seq_id: str, seed: int) -> torch.Generator:
         g = self._generators.get(seq_id)
@@ -46,26 +69,26 @@ class Sampler:
         if all(p.greedy and not p.needs_penalties for p in params):
             tokens = logits.argmax(dim=-1)
         else:
-            logits = self._apply_penalties(logits.clone(), params, token_history)
+            logits = self._apply_penalties(logits.clone(), params, seq_ids, token_history)
             tokens = self._sample(logits, params, seq_ids)
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, params))
 
-    @staticmethod
-    def _apply_penalties(logits, params, history):
+    def _apply_penalties(self, logits, params, seq_ids, history):
         for i, p in enumerate(params):
             if not p.needs_penalties:
                 continue
             prompt, output = history[i]
+            seen = self._seen.get(seq_ids[i])
+            if seen is None or seen.num_counted > len(output):  # new, or the id was reused
+                seen = self._seen[seq_ids[i]] = _Seen(prompt, logits.shape[1], logits.device)
+            seen.update(output)
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                mask = seen.in_prompt | (seen.counts > 0)
+                row = logits[i, mask]
+                logits[i, mask] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             if output and (p.presence_penalty or p.frequency_penalty):
-                out_ids = torch.tensor(output, dtype=torch.long, device=logits.device)
-                counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
-                    0, out_ids, torch.ones_like(out_ids, dtype=torch.float32)
-                )
+                counts = seen.counts
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 

@@ -39,7 +39,6 @@ from pdserve.kv.block_manager import BlockManager
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-    num_cached_tokens: int = 0  # prefix-cache hit found when the sequence was admitted
 
 
 @dataclass
@@ -302,7 +301,7 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, num_cached))
+            out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
 
@@ -409,8 +408,8 @@ class Scheduler:
         """Set finish_reason (and stop_reason) when `token`, whose text is `delta`, ends `seq`."""
         p = seq.params
         n_out = len(seq.output_token_ids)
-        text_before = seq.output_text
-        seq.output_text += delta
+        len_before = len(seq.text)
+        seq.text.append(delta)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
@@ -420,12 +419,13 @@ class Scheduler:
                 return
             if p.stop and delta:
                 # only the tail can hold a new match: look back one stop-string length
-                window_start = max(0, len(text_before) - max(len(s) for s in p.stop) + 1)
+                window_start = max(0, len_before - max(len(s) for s in p.stop) + 1)
+                window = seq.text.tail(window_start)
                 for stop in p.stop:
-                    i = seq.output_text.find(stop, window_start)
+                    i = window.find(stop)
                     if i != -1:
-                        cut = i + len(stop) if p.include_stop_str_in_output else i
-                        seq.output_text = seq.output_text[:cut]
+                        cut = window_start + i + (len(stop) if p.include_stop_str_in_output else 0)
+                        seq.text.truncate(cut)
                         seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
                         return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or (

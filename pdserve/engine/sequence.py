@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+
+# what LLMEngine.reserve_for_transfer returns for a reservation with no room yet, waiting in line
+PENDING = "pending"
 
 
 def choice_request_id(request_id: str, index: int = 0) -> str:
@@ -33,6 +38,82 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+class TokenIds:
+    """A sequence's prompt and output ids read as one list, without joining them: a step
+    reads the few tokens it computes, so its cost does not grow with the history."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.prompt, self.output)
+
+    def __getitem__(self, i):
+        p = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return list(self)[i]
+            if stop <= p:
+                return self.prompt[start:stop]
+            if start >= p:
+                return self.output[start - p : stop - p]
+            return self.prompt[start:] + self.output[: stop - p]
+        if i < 0:
+            i += len(self)
+        return self.prompt[i] if i < p else self.output[i - p]
+
+
+class OutputText:
+    """A completion's text, built piece by piece: appending a step's piece, reading the tail
+    a stop string may span and cutting it there touch only that end, never the whole text
+    (a `str +=` would copy all of it at every token). `str()` joins it."""
+
+    __slots__ = ("_parts", "_len")
+
+    def __init__(self, text: str = ""):
+        self._parts: list[str] = [text] if text else []
+        self._len = len(text)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __str__(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._parts.append(piece)
+            self._len += len(piece)
+
+    def tail(self, start: int) -> str:
+        """The text from position `start` to the end ("" when `start` is past it)."""
+        if start >= self._len:
+            return ""
+        pieces, covered = [], self._len
+        for part in reversed(self._parts):
+            pieces.append(part)
+            covered -= len(part)
+            if covered <= start:
+                break
+        return "".join(reversed(pieces))[max(0, start) - covered :]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` characters."""
+        while self._parts and self._len - len(self._parts[-1]) >= length:
+            self._len -= len(self._parts.pop())
+        if self._len > length:
+            self._parts[-1] = self._parts[-1][: len(self._parts[-1]) - (self._len - length)]
+            self._len = length
+
+
 @dataclass
 class Sequence:
     seq_id: str
@@ -51,8 +132,8 @@ class Sequence:
     num_external_tokens: int = 0
     num_preemptions: int = 0
     # text bookkeeping (owned by the output processor)
-    output_text: str = ""
-    emitted_text_len: int = 0  # how much of output_text has been reported as deltas
+    text: OutputText = field(default_factory=OutputText)
+    emitted_text_len: int = 0  # how much of the text has been reported as deltas
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
@@ -60,8 +141,13 @@ class Sequence:
     last_token_time: float | None = None
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def all_token_ids(self) -> TokenIds:
+        """Prompt then output ids, as one read-only list (a view: nothing is copied)."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
+
+    @property
+    def output_text(self) -> str:
+        return str(self.text)
 
     @property
     def num_tokens(self) -> int:
@@ -109,5 +195,4 @@ class RequestOutput:
     finished: bool
     new_token_ids: list[int] = field(default_factory=list)  # delta since the last report
     new_text: str = ""
-    num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.kv.hashing import block_hashes
+from pdserve.kv.hashing import block_hashes, extend_block_hashes
 
 
 @dataclass
@@ -37,7 +37,6 @@ class KVEvent:
 
     kind: str  # "stored" | "evicted" | "cleared"
     block_hashes: list[int]
-    parent_hash: int | None = None
 
 
 @dataclass
@@ -156,7 +155,7 @@ class BlockManager:
         if num_full <= sb.num_cached_blocks:
             return
         if len(sb.hashes) < num_full:
-            sb.hashes = block_hashes(token_ids[: num_full * self.block_size], self.block_size, start=sb.hashes)
+            extend_block_hashes(sb.hashes, token_ids, num_full, self.block_size)
         first = sb.num_cached_blocks
         stored = []
         for i in range(first, num_full):
@@ -170,7 +169,7 @@ class BlockManager:
                     self.registered.append((block.block_id, h, block.token_ids))
         sb.num_cached_blocks = num_full
         if stored and self.record_events:
-            self.events.append(KVEvent("stored", stored, sb.hashes[first - 1] if first else None))
+            self.events.append(KVEvent("stored", stored))
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks. Tail blocks go to the LRU head first, so a

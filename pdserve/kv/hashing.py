@@ -30,8 +30,16 @@ def block_hashes(
 ) -> list[int]:
     """Hashes of every full block of `token_ids`; `start` continues an earlier list."""
     out = list(start or [])
-    parent = out[-1] if out else ROOT_HASH
-    for i in range(len(out) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[i : i + block_size], extra)
-        out.append(parent)
+    extend_block_hashes(out, token_ids, len(token_ids) // block_size, block_size, extra)
     return out
+
+
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], num_blocks: int, block_size: int, extra: bytes = b""
+) -> None:
+    """Append to `hashes` those of blocks len(hashes) .. num_blocks - 1 of `token_ids`, in place:
+    a sequence that fills one more block hashes that block alone, whatever its length."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for i in range(len(hashes), num_blocks):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        hashes.append(parent)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import importlib.util
 import os
 import shutil
 import signal
@@ -34,8 +35,6 @@ APT_HINT = "apt-get install -y libibverbs1"
 
 def mooncake_missing() -> str | None:
     """What is missing to run Mooncake Store here, as the command that installs it; None if nothing."""
-    import importlib.util
-
     if importlib.util.find_spec("mooncake") is None or _find_binary() is None:
         return f"Mooncake Store is not installed: {PIP_HINT}"
     try:  # the master and the client link against it even without RDMA hardware

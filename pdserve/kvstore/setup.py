@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from pdserve.auth import load_cluster_secret
 from pdserve.kvstore import codec
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.host import HostTier
@@ -51,7 +52,5 @@ def build_kv_store(config, model_config, runner, secret: bytes | None = None) ->
             )
         )
     if t.kv_store and secret is None:
-        from pdserve.auth import load_cluster_secret
-
         secret = load_cluster_secret()
     return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size, secret=secret or b"")

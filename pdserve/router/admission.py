@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from pdserve.costmodel import DecodeCostModel
 from pdserve.kv.hashing import block_hashes
 from pdserve.router import conductor
 from pdserve.router.placement import Placer
@@ -150,9 +151,8 @@ class Admitter:
 
     @staticmethod
     def predict_tpot_s(d: WorkerInfo, placer: Placer, prompt_tokens: int, max_tokens: int) -> float:
-        s = d.stats or {}
-        if not s.get("decode_cost_s"):
+        model = DecodeCostModel.from_stats(d.stats)
+        if model is None:
             return 0.0
-        model = conductor.DecodeCostModel(*map(float, s["decode_cost_s"]))
         num_running, context = placer.decode_load(d)
         return conductor.predict_tpot(model, num_running, int(context), prompt_tokens, max_tokens)

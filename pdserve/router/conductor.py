@@ -17,6 +17,9 @@ policy is written once. Every time is in seconds (`_s`), every length in tokens.
   N_D / N_P = (Lout / Lin) * (Theta_P / Theta_D), from the mean prompt and
   output lengths and the token throughputs of one prefill and one decode
   instance: both pools then finish the same requests per second.
+
+D_prefill and the decode step's time come from the cost models of pdserve/costmodel.py,
+which the workers calibrate and report in their heartbeats.
 """
 
 from __future__ import annotations
@@ -25,130 +28,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from pdserve.costmodel import DecodeCostModel, PrefillCostModel
 from pdserve.planner.capacity import pd_ratio
-
-# ---------------------------------------------------------------- cost models
-
-
-@dataclass(frozen=True)
-class PrefillCostModel:
-    """D_prefill(L) = a + b*L + c*L^2 seconds for an L-token prompt on one worker.
-
-    The quadratic term is attention over the prompt; the linear term the
-    weights' FLOPs; `a` the fixed per-step cost (launches, sampling)."""
-
-    a_s: float = 0.0
-    b_s_per_token: float = 0.0
-    c_s_per_token2: float = 0.0
-
-    def __call__(self, tokens: float) -> float:
-        return max(0.0, self.a_s + self.b_s_per_token * tokens + self.c_s_per_token2 * tokens * tokens)
-
-
-def fit_prefill_cost(samples: Sequence[tuple[int, float]]) -> PrefillCostModel:
-    """Least-squares fit of (prompt tokens, measured prefill seconds) samples.
-
-    Fewer distinct lengths than coefficients, or a negative fitted term (noise
-    on a short range), drops to a simpler model: a cost model that predicts a
-    shorter prefill for a longer prompt would invert placement decisions."""
-    if not samples:
-        raise ValueError("need at least one (tokens, seconds) sample")
-    x = np.array([float(t) for t, _ in samples])
-    y = np.array([float(s) for _, s in samples])
-    distinct = len(set(x.tolist()))
-    for degree in (2, 1, 0):
-        if distinct <= degree:
-            continue
-        coef = np.linalg.lstsq(np.vander(x, degree + 1, increasing=True), y, rcond=None)[0]
-        if degree == 0 or (coef[1:] >= 0).all():
-            coef = list(coef) + [0.0] * (2 - degree)
-            return PrefillCostModel(max(0.0, coef[0]), coef[1], coef[2])
-    raise AssertionError("unreachable: degree 0 always fits")
-
-
-@dataclass(frozen=True)
-class DecodeCostModel:
-    """One decode step = base + per_seq * batch + per_kv_token * tokens of context
-    in the batch: decode is memory-bound, so it pays for weights once per step
-    (base) and for every cached token it reads (per_kv_token)."""
-
-    base_s: float = 0.0
-    per_seq_s: float = 0.0
-    per_kv_token_s: float = 0.0
-
-    def step_s(self, batch: int, context_tokens: float) -> float:
-        return self.base_s + self.per_seq_s * batch + self.per_kv_token_s * context_tokens
-
-    def scaled(self, factor: float) -> DecodeCostModel:
-        """The same shape, every term times `factor` (a busier or quieter machine)."""
-        return DecodeCostModel(self.base_s * factor, self.per_seq_s * factor, self.per_kv_token_s * factor)
-
-    def tokens_per_s(self, batch: int, context_tokens_per_seq: float) -> float:
-        """Theta_D at one operating point: `batch` tokens per step."""
-        step = self.step_s(batch, batch * context_tokens_per_seq)
-        return batch / step if step > 0 else 0.0
-
-
-def fit_decode_cost(samples: Sequence[tuple[int, int, float]]) -> DecodeCostModel:
-    """Least squares over (batch size, context tokens in the batch, step seconds).
-
-    A negative term (noise, or batch and context rising together) is dropped
-    and the rest refitted, rather than clipped: clipping would leave the
-    others fitted around a term that is no longer there."""
-    if len(samples) < 3:
-        raise ValueError("need at least three (batch, context_tokens, step_s) samples")
-    a = np.array([[1.0, b, c] for b, c, _ in samples])
-    y = np.array([s for _, _, s in samples])
-    keep = [0, 1, 2]
-    while True:
-        coef = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    full = [0.0, 0.0, 0.0]
-    for i, v in zip(keep, coef):
-        full[i] = max(0.0, float(v))
-    return DecodeCostModel(*full)
-
-
-def live_scale(
-    model: DecodeCostModel, observed: Sequence[tuple[int, int, float]], lo: float = 0.25, hi: float = 8.0
-) -> float:
-    """How much slower (> 1) or faster live decode steps run than `model` says: the
-    median of observed / predicted over (batch, context_tokens, step_s) samples.
-
-    Calibration runs on an idle worker; under traffic (other processes on the
-    cores, the event loop, transfers landing) steps are slower. The median
-    ignores the odd step that waited on a preempted core; [lo, hi] bounds it so
-    a burst of odd samples cannot make the model absurd. 1.0 with no samples."""
-    ratios = sorted(s / p for b, c, s in observed if (p := model.step_s(b, c)) > 0)
-    if not ratios:
-        return 1.0
-    return min(hi, max(lo, ratios[len(ratios) // 2]))
-
-
-def prefill_step_s(model: PrefillCostModel, chunks: Sequence[tuple[int, int]]) -> float:
-    """One step prefilling `chunks` of (tokens already computed, new tokens): the fixed
-    cost once, and for each chunk what D_prefill adds from its start to its end."""
-    a, b, c = model.a_s, model.b_s_per_token, model.c_s_per_token2
-    return a + sum(b * n + c * ((k + n) ** 2 - k**2) for k, n in chunks)
-
-
-def live_prefill_scale(
-    model: PrefillCostModel,
-    observed: Sequence[tuple[Sequence[tuple[int, int]], float]],
-    lo: float = 0.25,
-    hi: float = 8.0,
-) -> float:
-    """Median observed / predicted over live prefill steps ([(computed, new), ...], seconds),
-    bounded to [lo, hi]; 1.0 with no samples. See `live_scale`."""
-    ratios = sorted(s / p for chunks, s in observed if (p := prefill_step_s(model, chunks)) > 0)
-    if not ratios:
-        return 1.0
-    return min(hi, max(lo, ratios[len(ratios) // 2]))
-
 
 # ---------------------------------------------------------------- placement
 

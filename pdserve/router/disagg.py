@@ -50,9 +50,10 @@ from pdserve.control_api import (
     params_to_json,
     parse_event,
 )
-from pdserve.engine.sequence import CompletionOutput, RequestOutput, choice_request_id
+from pdserve.engine.sequence import choice_request_id
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
+from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
 from pdserve.server.errors import APIError
 from pdserve.settings import KV_TIMEOUT_S  # `--kv-timeout-s`: its one default
 
@@ -79,30 +80,34 @@ def _unreachable(w, e: Exception) -> WorkerGone:
 
 
 class _Choice:
-    """One engine-level request: accumulates what the workers stream."""
+    """One engine-level request: accumulates what the workers stream (the tokens, to resume it
+    elsewhere; the text and logprobs, for its final completion)."""
 
-    def __init__(self, group, index: int, rid: str, prompt: list[int], params, resumed: list[int] | None = None):
-        self.group, self.index, self.rid, self.prompt, self.params = group, index, rid, prompt, params
+    def __init__(self, group, index: int, rid: str, inp: EngineInput):
+        self.group, self.index, self.rid = group, index, rid
+        self.prompt, self.params = inp.prompt_token_ids, inp.params
         # resumed: what the choice streamed through a router that died (the front resumes it)
-        self.resumed = bool(resumed)
-        self.token_ids: list[int] = list(resumed or ())
-        self.text = ""
-        self.logprobs: list[dict] = []
+        self.resumed = bool(inp.resume_token_ids)
+        self.token_ids: list[int] = list(inp.resume_token_ids or ())
+        self._texts: list[str] = []
+        self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.finished = False
         self.arrival_s = time.monotonic()
         # a resumed choice had its first token long ago: its gaps count from now, not its TTFT
-        self.first_token_s = self.last_token_s = self.arrival_s if resumed else None
+        self.first_token_s = self.last_token_s = self.arrival_s if self.resumed else None
         self.workers: set[str] = set()
         self.remote_ids: dict[str, str] = {}  # worker id -> the request id used there
 
     def emit(self, ev: OutputEvent | FirstTokenEvent) -> None:
-        """Add what a worker streamed, and hand the client an engine RequestOutput built from it:
-        the OpenAI app reads RequestOutputs, whichever engine serves it."""
+        """Add what a worker streamed, and hand it to the front end as the ChoiceOutput the
+        collocated engine would have given (engine_client.py)."""
         ids = list(ev.token_ids)
         self.token_ids += ids
-        self.text += ev.text
-        if ev.logprobs:
-            self.logprobs += [{int(k): v for k, v in e.items()} for e in ev.logprobs]
+        self._texts.append(ev.text)
+        new_lps = None
+        if self.logprobs is not None:
+            new_lps = [{int(k): v for k, v in e.items()} for e in ev.logprobs or ()]
+            self.logprobs += new_lps
         self.finished = ev.finished
         now = time.monotonic()
         m = self.group.engine.metrics
@@ -115,31 +120,24 @@ class _Choice:
                 gap = now - self.last_token_s
             self.last_token_s = now
             m.on_tokens(len(ids), gap)
-        comp = CompletionOutput(
-            0,
-            self.text,
-            list(self.token_ids),
-            None,
-            list(self.logprobs) if self.params.logprobs is not None else None,
-            ev.finish_reason if self.finished else None,
-            ev.stop_reason if self.finished else None,
-        )
-        out = RequestOutput(self.rid, None, self.prompt, [comp], self.finished, ids, ev.text)
+        final = None
         if self.finished:
+            final = Completion("".join(self._texts), self.token_ids, self.logprobs, ev.finish_reason, ev.stop_reason)
             m.on_finish(
-                comp.finish_reason or "stop", self.arrival_s, self.first_token_s, self.last_token_s, len(self.token_ids)
+                final.finish_reason or "stop",
+                self.arrival_s,
+                self.first_token_s,
+                self.last_token_s,
+                len(self.token_ids),
             )
-        self.group._queue.put_nowait((self.index, out))
+        self.group._queue.put_nowait((self.index, ChoiceOutput(ids, ev.text, new_lps, final)))
 
 
 class RouterGroup:
     def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
         self.engine = engine
         self.request_id = request_id
-        self.subs = [
-            _Choice(self, i, choice_request_id(request_id, i), inp.prompt_token_ids, inp.params, inp.resume_token_ids)
-            for i, inp in enumerate(inputs)
-        ]
+        self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp) for i, inp in enumerate(inputs)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending_acks = len(self.subs)

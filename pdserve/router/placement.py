@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from pdserve.costmodel import PrefillCostModel
 from pdserve.kv.hashing import block_hashes, hash_block
 from pdserve.router import conductor, policy
 from pdserve.router.prefix_index import PrefixIndex
@@ -11,7 +12,7 @@ from pdserve.router.registry import Registry, WorkerInfo
 
 # Until a worker reports its calibrated D_prefill (stats "prefill_cost_s": [a, b, c]): only the
 # ratio of the score's two terms matters, and both come from this same model, so its scale is moot.
-DEFAULT_PREFILL_COST = conductor.PrefillCostModel(0.005, 1e-4, 0.0)
+DEFAULT_PREFILL_COST = PrefillCostModel(0.005, 1e-4, 0.0)
 HASH_PREFIX_TOKENS = 64  # consistent_hash keys on this much of the prompt (the system prompt, say)
 
 
@@ -22,9 +23,8 @@ def candidate(w: WorkerInfo) -> policy.Candidate:
     )
 
 
-def prefill_cost(w: WorkerInfo) -> conductor.PrefillCostModel:
-    abc = (w.stats or {}).get("prefill_cost_s")
-    return conductor.PrefillCostModel(*map(float, abc)) if abc else DEFAULT_PREFILL_COST
+def prefill_cost(w: WorkerInfo) -> PrefillCostModel:
+    return PrefillCostModel.from_stats(w.stats) or DEFAULT_PREFILL_COST
 
 
 DEFAULT_TIER_LOAD_COST = 0.2  # a lower-tier block's load time over its prefill time, until measured

@@ -26,7 +26,6 @@ class WorkerInfo:
     role: str
     kv_address: str = ""  # where its KV receiver listens (decode / both)
     kv_export_address: str = ""  # where it serves KV pulls (prefill / both)
-    kv_transports: list[str] = field(default_factory=list)
     host: str = ""
     stats: dict = field(default_factory=dict)  # last heartbeat's engine stats
     last_seen_s: float = 0.0

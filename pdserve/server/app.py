@@ -14,15 +14,16 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.server import protocol as P
-from pdserve.server.async_engine import EngineInput
-from pdserve.server.engine_client import EngineClient
+from pdserve.server.engine_client import EngineClient, EngineInput
 from pdserve.server.errors import APIError, bad_request, install_handlers
 from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from pdserve.server.metrics import CONTENT_TYPE
@@ -95,9 +96,6 @@ def _json_body(model) -> dict:
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's OpenAPI document plus the JSON schemas of the request bodies (for clients and fuzzers)."""
     if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-        from pydantic.json_schema import models_json_schema
-
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS], ref_template=_SCHEMA_REF)
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
@@ -301,7 +299,7 @@ class _Api:
         except APIError as e:
             done(f"error {e.status}", 0)
             raise
-        completion_tokens = sum(len(f.outputs[0].token_ids) for f in finals)
+        completion_tokens = sum(len(f.final.token_ids) for f in finals)
         done("ok", completion_tokens)
         return JSONResponse(fmt.full(finals, usage(num_prompt_tokens, completion_tokens)), headers=headers)
 
@@ -392,6 +390,4 @@ def _resumed(inputs: list[EngineInput], resume: ResumeRequest, stream: bool, fmt
 
 
 def _with_seed(params, seed):
-    from dataclasses import replace
-
     return params if seed == params.seed else replace(params, seed=seed)

@@ -26,9 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
-from pdserve.engine.sequence import choice_request_id
+from pdserve.engine.sequence import PENDING, RequestOutput, choice_request_id
 from pdserve.engine.step_trace import StepTraceWriter
+from pdserve.server import calibrate
 from pdserve.server.admission import RateMeter, admit, retry_after_s
+from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.settings import EngineServerConfig
@@ -36,12 +38,17 @@ from pdserve.settings import EngineServerConfig
 log = logging.getLogger("pdserve.server")
 
 
-@dataclass
-class EngineInput:
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kv_destination: object | None = None  # prefill role: where this request's KV goes
-    resume_token_ids: list[int] | None = None  # output a lost worker already produced
+def choice_output(out: RequestOutput) -> ChoiceOutput:
+    """The front end's view of an engine output: its new part, and the whole completion once
+    the request has finished (whose logprobs then cover every token: the new ones are its tail)."""
+    c = out.outputs[0]
+    if not out.finished:  # the engine's running outputs hold only what is new
+        return ChoiceOutput(out.new_token_ids, out.new_text, c.logprobs)
+    lps, n = c.logprobs, len(out.new_token_ids)
+    new_lps = None if lps is None else (lps[len(lps) - n :] if n else [])
+    return ChoiceOutput(
+        out.new_token_ids, out.new_text, new_lps, Completion(c.text, c.token_ids, lps, c.finish_reason, c.stop_reason)
+    )
 
 
 class _Sub:
@@ -76,7 +83,7 @@ class RequestGroup:
         await asyncio.shield(self._ack)
 
     async def next_batch(self) -> list | None:
-        """All (choice index, RequestOutput) pairs available now, at least one; None at the end."""
+        """All (choice index, ChoiceOutput) pairs available now, at least one; None at the end."""
         if self._num_finished == len(self.subs):
             return None
         while not self._items:
@@ -96,7 +103,7 @@ class RequestGroup:
         return out
 
     def put(self, item) -> None:
-        """Hand the group an (index, RequestOutput) pair or an APIError (event loop only)."""
+        """Hand the group an (index, ChoiceOutput) pair or an APIError (event loop only)."""
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -228,8 +235,6 @@ class AsyncEngine:
         """Reserve blocks for KV another worker computes: its KVDestination, or None when
         there is no room, now or within `wait_s` in line. Cancelled while it waits in
         line (the caller gave up): the reservation is cancelled too."""
-        from pdserve.engine.llm_engine import PENDING
-
         got: asyncio.Future = self._loop.create_future()
 
         def on_done(dest):  # engine thread: the wait in line ended
@@ -259,8 +264,12 @@ class AsyncEngine:
     async def claim_reservation(self, request_id: str, hold_s: float) -> bool:
         return await self._command("claim_reservation", request_id, hold_s)
 
-    async def activate_transferred(self, request_id: str, first_token: int | None, kv_complete: bool):
-        return await self._command("activate_transferred", request_id, first_token, kv_complete)
+    async def activate_transferred(
+        self, request_id: str, first_token: int | None, kv_complete: bool
+    ) -> ChoiceOutput | None:
+        """Start decoding a reserved request; the output of the first token, if one was given."""
+        out = await self._command("activate_transferred", request_id, first_token, kv_complete)
+        return choice_output(out) if out is not None else None
 
     async def abort_request(self, request_id: str) -> bool:
         """Abort one engine request and wait until it is gone (`abort()` of a group does not wait)."""
@@ -359,7 +368,7 @@ class AsyncEngine:
                     sub.last_token_s,
                     sub.num_tokens,
                 )
-            sub.group.put((sub.index, out))
+            sub.group.put((sub.index, choice_output(out)))
 
     # ---- the engine thread
     def _post(self, fn, *args) -> None:
@@ -503,14 +512,10 @@ def _heartbeat_snapshot(engine, want_cached: bool, recorder) -> HeartbeatSnapsho
 
 
 def _calibrate_prefill(engine):
-    from pdserve.server import calibrate
-
     return calibrate.measure_prefill(engine)
 
 
 def _calibrate_decode(engine, recorder):
-    from pdserve.server import calibrate
-
     return calibrate.measure_decode(engine, recorder)
 
 

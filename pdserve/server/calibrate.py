@@ -1,5 +1,5 @@
-"""Start-up and live calibration of a worker's cost models (router/conductor.py's placement,
-admission and capacity decisions use them).
+"""Start-up and live calibration of a worker's cost models (pdserve/costmodel.py; the router's
+placement, admission and capacity decisions use them).
 
 Prefill roles: D_prefill(L), the time to prefill L tokens, for the router's
 placement score and TTFT prediction; reported in heartbeat stats as
@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from pdserve.costmodel import DecodeCostModel, PrefillCostModel, fit_prefill_cost
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import choice_request_id
 from pdserve.engine.step_trace import StepRecord
-from pdserve.router import conductor
 
 LENGTHS_TOKENS = (16, 64, 256)  # short enough to cost well under a second on a CPU box
 REPEATS = 2  # keep the fastest: the first run of a shape pays one-off warm-up
@@ -90,8 +91,6 @@ def _prompt(vocab: int, length: int, salt: int) -> list[int]:
 def measure_prefill(engine, lengths_tokens=LENGTHS_TOKENS, repeats: int = REPEATS) -> list[tuple[int, float]]:
     """(tokens, seconds) of prefill + one sampled token (the steps' time); run on the engine
     thread while idle."""
-    from pdserve.engine.sampling_params import SamplingParams
-
     vocab = engine.model_config.vocab_size
     limit = engine.max_model_len - 2
     samples = []
@@ -115,12 +114,11 @@ def measure_prefill(engine, lengths_tokens=LENGTHS_TOKENS, repeats: int = REPEAT
 
 def calibration_stats(samples: list[tuple[int, float]], reference_tokens: int = REFERENCE_TOKENS) -> dict:
     """Heartbeat stats from the samples: the fitted model and Theta_P at `reference_tokens`."""
-    cost = conductor.fit_prefill_cost(samples)
-    seconds = cost(reference_tokens)
-    return {
-        "prefill_cost_s": [cost.a_s, cost.b_s_per_token, cost.c_s_per_token2],
-        "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None,
-    }
+    return _prefill_report(fit_prefill_cost(samples), reference_tokens)
+
+
+def _prefill_report(m: PrefillCostModel, reference_tokens: int) -> dict:
+    return {m.STATS_KEY: m.terms(), "prefill_tokens_per_s": m.tokens_per_s(reference_tokens)}
 
 
 class DecodeStepRecorder:
@@ -157,8 +155,6 @@ def measure_decode(
 
     A batch shares one prompt, so it is prefilled once and the rest hit the
     prefix cache; attention still reads every sequence's own context."""
-    from pdserve.engine.sampling_params import SamplingParams
-
     vocab = engine.model_config.vocab_size
     bm = engine.block_manager
     max_seqs = engine.config.scheduler.max_num_seqs
@@ -195,22 +191,19 @@ def prefill_stats(
     """The start-up D_prefill(L) rescaled by live prefill steps (as the decode model is):
     a busy machine prefills slower than the idle one calibration saw, and a TTFT
     prediction from the idle fit would admit what then misses its SLO."""
-    if not calibration.get("prefill_cost_s"):
+    model = PrefillCostModel.from_stats(calibration)
+    if model is None:
         return {}
-    model = conductor.PrefillCostModel(*calibration["prefill_cost_s"])
-    scale = conductor.live_prefill_scale(model, live)
-    m = conductor.PrefillCostModel(model.a_s * scale, model.b_s_per_token * scale, model.c_s_per_token2 * scale)
-    seconds = m(reference_tokens)
+    scale = model.live_scale(live)
     return {
-        "prefill_cost_s": [m.a_s, m.b_s_per_token, m.c_s_per_token2],
-        "prefill_tokens_per_s": reference_tokens / seconds if seconds > 0 else None,
+        **_prefill_report(model.scaled(scale), reference_tokens),
         "prefill_live_scale": scale,
         "prefill_live_samples": len(live),
     }
 
 
 def decode_stats(
-    model: conductor.DecodeCostModel,
+    model: DecodeCostModel,
     live: list[tuple[int, int, float]],
     max_num_seqs: int,
     reference_tokens: int = REFERENCE_TOKENS,
@@ -218,11 +211,11 @@ def decode_stats(
     """Heartbeat stats: the start-up model rescaled by live steps, and Theta_D at
     a loaded operating point (REFERENCE_BATCH sequences, or the worker's max,
     each `reference_tokens` deep)."""
-    scale = conductor.live_scale(model, live)
+    scale = model.live_scale(live)
     m = model.scaled(scale)
     batch = min(REFERENCE_BATCH, max_num_seqs)
     return {
-        "decode_cost_s": [m.base_s, m.per_seq_s, m.per_kv_token_s],
+        m.STATS_KEY: m.terms(),
         "decode_tokens_per_s": m.tokens_per_s(batch, reference_tokens) or None,
         "decode_live_scale": scale,
         "decode_live_samples": len(live),

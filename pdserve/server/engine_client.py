@@ -1,4 +1,6 @@
-"""What the OpenAI front end (app.py, serving.py, streaming.py) needs of its engine.
+"""What the OpenAI front end (app.py, serving.py, streaming.py) needs of its engine, and the
+types that cross between them: an `EngineInput` per engine request going in, a `ChoiceOutput`
+per engine request and batch coming out.
 
 Two engines implement it: the collocated `AsyncEngine` (async_engine.py: one
 LLMEngine in a thread of its own) and the router's `DisaggEngine`
@@ -10,13 +12,52 @@ uses it, and to both engines.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from pdserve.engine.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
-    from pdserve.engine.sequence import RequestOutput
-    from pdserve.server.async_engine import EngineInput
     from pdserve.server.errors import APIError
     from pdserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class EngineInput:
+    """One engine request of an API call (one prompt x one choice)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_destination: object | None = None  # prefill role: where this request's KV goes
+    resume_token_ids: list[int] | None = None  # output a lost worker already produced
+
+
+@dataclass(slots=True)
+class Completion:
+    """The whole completion of one engine request, once it has finished."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per token, when asked for
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class ChoiceOutput:
+    """What one engine request produced since its previous ChoiceOutput: the unit both engines
+    stream to the front end. `new_text` is held back while a stop string may be completing;
+    `new_logprobs` are those of `new_token_ids` ({sampled: lp, **top k} each), None unless
+    asked for. The last one of a request carries its whole `final` completion."""
+
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, float]] | None = None
+    final: Completion | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.final is not None
 
 
 class RequestStream(Protocol):
@@ -28,8 +69,8 @@ class RequestStream(Protocol):
     async def accepted(self) -> None:
         """Wait until the engine took every request; raise its APIError if it did not."""
 
-    async def next_batch(self) -> list[tuple[int, RequestOutput]] | None:
-        """Every (choice index, RequestOutput) available now, at least one; None once all finished.
+    async def next_batch(self) -> list[tuple[int, ChoiceOutput]] | None:
+        """Every (choice index, ChoiceOutput) available now, at least one; None once all finished.
         Raises the APIError that ended the requests, if one did."""
 
     def abort(self) -> None:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import logging
 
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
 log = logging.getLogger("pdserve.server")
 
 # status -> OpenAI error type (the `type` field clients switch on)
@@ -62,9 +66,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def install_handlers(app) -> None:
     """Route every error path of a FastAPI app through `APIError.body()`."""
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException
 
     def respond(err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)

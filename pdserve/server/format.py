@@ -1,7 +1,8 @@
 """OpenAI response shapes for completions and chat, streamed and whole.
 
-A formatter turns engine outputs (`RequestOutput`: text deltas, token ids,
-logprob dicts) into the JSON objects OpenAI's API returns; it keeps the little
+A formatter turns engine outputs (`ChoiceOutput`, engine_client.py: text deltas,
+token ids, logprob dicts, the whole completion at the end) into the JSON objects
+OpenAI's API returns; it keeps the little
 per-choice state a stream needs (text offsets, whether the role was sent).
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+
+from pdserve.server.engine_client import ChoiceOutput
 
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -88,7 +91,7 @@ class _Base:
         head = dumps({"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model})
         self._chunk_head = head[:-1] + ',"choices":[{"index":'
 
-    def chunk_json(self, index: int, out, include_usage: bool) -> str | None:
+    def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool) -> str | None:
         """`chunk()` as JSON text. The common chunk (text only, not the last) is written
         straight from a template: it is one per token per stream, the hot path."""
         if out.finished or self.top_logprobs is not None:
@@ -114,11 +117,6 @@ class _Base:
 
     def usage_chunk(self, u: dict) -> dict:
         return {**self._envelope(self.chunk_object_name, []), "usage": u}
-
-    @staticmethod
-    def new_logprobs(out) -> list[dict]:
-        lps = out.outputs[0].logprobs or []
-        return lps[len(lps) - len(out.new_token_ids) :] if out.new_token_ids else []
 
 
 class CompletionFormatter(_Base):
@@ -169,24 +167,23 @@ class CompletionFormatter(_Base):
             for i in range(self.num_choices)
         ]
 
-    def chunk(self, index: int, out) -> dict | None:
-        c = out.outputs[0]
+    def chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None  # bytes of an unfinished character: nothing to show yet
         choice = {
             "index": index,
             "text": out.new_text,
-            "logprobs": self._logprobs(index, out.new_token_ids, self.new_logprobs(out)),
-            "finish_reason": c.finish_reason if out.finished else None,
+            "logprobs": self._logprobs(index, out.new_token_ids, out.new_logprobs or []),
+            "finish_reason": out.final.finish_reason if out.final else None,
         }
-        if out.finished:
-            choice["stop_reason"] = c.stop_reason
+        if out.final:
+            choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
 
-    def full(self, finals: list, u: dict) -> dict:
+    def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
         choices = []
         for index, out in enumerate(finals):
-            c = out.outputs[0]
+            c = out.final
             choices.append(
                 {
                     "index": index,
@@ -231,29 +228,28 @@ class ChatFormatter(_Base):
             for i in range(self.num_choices)
         ]
 
-    def chunk(self, index: int, out) -> dict | None:
+    def chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None
-        c = out.outputs[0]
         choice = {
             "index": index,
             "delta": {"content": out.new_text} if out.new_text else {},
-            "logprobs": self._logprobs(out.new_token_ids, self.new_logprobs(out)),
-            "finish_reason": c.finish_reason if out.finished else None,
+            "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs or []),
+            "finish_reason": out.final.finish_reason if out.final else None,
         }
-        if out.finished:
-            choice["stop_reason"] = c.stop_reason
+        if out.final:
+            choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
 
-    def full(self, finals: list, u: dict) -> dict:
+    def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
         choices = [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": out.outputs[0].text},
-                "logprobs": self._logprobs(out.outputs[0].token_ids, out.outputs[0].logprobs or []),
-                "finish_reason": out.outputs[0].finish_reason,
-                "stop_reason": out.outputs[0].stop_reason,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.token_ids, c.logprobs or []),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
-            for i, out in enumerate(finals)
+            for i, c in enumerate(out.final for out in finals)
         ]
         return {**self._envelope(self.object_name, choices), "usage": u}

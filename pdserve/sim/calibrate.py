@@ -29,14 +29,24 @@ minute on an idle machine.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
+import httpx
+import numpy as np
+
+from pdserve.bench.client import RequestOutput, make_client, request_body, send
+from pdserve.bench.datasets import Request
+from pdserve.bench.tokens import TokenSource
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_model_info
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_trace import read
 from pdserve.sim.latency import ProfileLatency, StepShape
+from pdserve.testing.serve import Serve
 
 # Batches of the size a CPU engine serves (up to 8 sequences, prompts up to 2,048 tokens): the
 # engine's kernels change regime with the batch, so a fit is only good where it was measured.
@@ -78,8 +88,6 @@ class _Driver:
                 self.samples.append((shape, step.seconds))
 
     def add(self, prompt_tokens: int, max_tokens: int):
-        from pdserve.engine.sampling_params import SamplingParams
-
         self._n += 1
         # distinct ids per request: no prefix-cache hits in a calibration
         ids = [(self._n * 7919 + i * 31) % (self._vocab - 200) + 100 for i in range(prompt_tokens)]
@@ -97,9 +105,6 @@ class _Driver:
 
 
 def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileLatency:
-    from pdserve.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-
     t0 = time.perf_counter()
     engine = LLMEngine(
         EngineConfig.from_kwargs(
@@ -184,8 +189,6 @@ BESIDE_MIN_BUSY = 0.5
 def _busy_share(records: list[dict], others: list[dict]) -> list[float]:
     """For each step of `records`, the share of its duration during which another engine (its
     steps `others`, in order, one at a time) was running one."""
-    import bisect
-
     starts = [o["t0"] for o in others]
     out = []
     for r in records:
@@ -221,8 +224,6 @@ def fit_trace(
     service a busy prefill worker has a busy decode pool beside it, and on a shared host a
     prefill step beside an idle decode worker ran 6-7% faster; the grid's decode batches leave
     it idle for a while."""
-    from pdserve.engine.step_trace import read
-
     samples = []
     for path in paths:
         for lo, hi in windows or [(since, until)]:
@@ -265,8 +266,6 @@ def fit_trace(
 
 def _model_shape(model: str | None) -> tuple[int, float]:
     """Layers and fp32 KV bytes per token of the served model (read from its config, no weights)."""
-    from pdserve.engine.loader import load_model_info
-
     mc = load_model_info(model).config
     return mc.num_hidden_layers, float(mc.kv_bytes_per_token(4))
 
@@ -279,25 +278,18 @@ SERVED_BACKGROUND_TOKENS = 24  # the decodes a joining prompt meets
 
 def served_model(url: str) -> tuple[str, int | None]:
     """The id a server (or router) serves and its context length, from /v1/models."""
-    import httpx
-
     card = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, trust_env=False).json()["data"][0]
     return card["id"], card.get("max_model_len")
 
 
 class _Client:
     def __init__(self, url: str, model: str, tokens, max_model_len: int | None = None, seed: int = 0):
-        import numpy as np
-
         self.url, self.model, self.tokens = url.rstrip("/") + "/v1/completions", model, tokens
         # a small model's context caps the grid's prompts (decodes still fit after them)
         self.max_prompt = (max_model_len - SERVED_BACKGROUND_TOKENS - 1) if max_model_len else None
         self.rng = np.random.default_rng(seed)
 
     async def _send(self, client, prompt_tokens: int, max_tokens: int, out) -> None:
-        from pdserve.bench.client import request_body, send
-        from pdserve.bench.datasets import Request
-
         req = Request(self.tokens.random_ids(self.rng, prompt_tokens), prompt_tokens, max_tokens)
         # t0 = 0: start_s is then the send time on the clock the step traces use (CLOCK_MONOTONIC)
         await send(
@@ -310,8 +302,6 @@ class _Client:
         )
 
     async def request(self, client, prompt_tokens: int, max_tokens: int):
-        from pdserve.bench.client import RequestOutput
-
         prompt_tokens = min(prompt_tokens, self.max_prompt or prompt_tokens)
         out = RequestOutput(prompt_len=prompt_tokens)
         await self._send(client, prompt_tokens, max_tokens, out)
@@ -323,8 +313,6 @@ class _Client:
 
     async def join(self, client, batch: int, prompt_tokens: int, background_prompt: int = 64) -> None:
         """`batch` streams decoding, then a prompt of `prompt_tokens` arrives among them."""
-        from pdserve.bench.client import RequestOutput
-
         outs = [RequestOutput(prompt_len=background_prompt) for _ in range(batch)]
         tasks = [asyncio.create_task(self._send(client, background_prompt, SERVED_BACKGROUND_TOKENS, o)) for o in outs]
         while not all(o.itl_s or o.error for o in outs) and not all(t.done() for t in tasks):
@@ -352,8 +340,6 @@ async def drive_grid(url: str, tokens, log=print, background_streams: int = 0) -
     under a serving load: where the router and the client share a core with a worker,
     relaying tokens slows that worker's steps (8-13% on a prefill worker here). The decode
     batches go alone, at the sizes the grid names."""
-    from pdserve.bench.client import make_client
-
     model, max_model_len = served_model(url)
     c = _Client(url, model, tokens, max_model_len)
     async with make_client(None, 900.0) as client:
@@ -417,8 +403,6 @@ def calibrate_served(
 ) -> ProfileLatency:
     """Drive the grid through the server at `url`, whose engine(s) write `trace_paths`, and fit
     on the steps they traced meanwhile (the warm-up excluded)."""
-    from pdserve.bench.tokens import TokenSource
-
     tokens = TokenSource.from_path(model) if model else TokenSource()
     since = time.monotonic()
     probes = asyncio.run(drive_grid(url, tokens, log))
@@ -432,43 +416,13 @@ def serve_and_calibrate(
 ) -> ProfileLatency:
     """`pdserve sim --calibrate --served`: start `pdserve serve --mode collocated` on a free
     loopback port with a step trace, calibrate through it, stop it."""
-    from pdserve.ports import free_port, health_is, wait_until
-
     with tempfile.TemporaryDirectory(prefix="pdserve-cal-") as tmp:
         trace = os.path.join(tmp, "steps.jsonl")
-        port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--mode",
-            "collocated",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--threads",
-            str(threads),
-            "--step-trace",
-            trace,
-            "--log-level",
-            "warning",
-        ] + (["--model", model] if model else [])
-        url = f"http://127.0.0.1:{port}"
-        log("$ " + " ".join(cmd))
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        try:
-            wait_until(lambda: health_is(url), [proc], startup_timeout_s, interval_s=0.5)
-            prof = calibrate_served(url, [trace], threads=threads, model=model, log=log)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        args = ["--mode", "collocated", "--threads", str(threads), "--step-trace", trace]
+        server = Serve(args + (["--model", model] if model else []), startup_timeout_s=startup_timeout_s)
+        log("$ " + " ".join(server.cmd))
+        with server:
+            prof = calibrate_served(server.url, [trace], threads=threads, model=model, log=log)
         prof.source = (
             f"pdserve serve (served steps), {os.path.basename(model) if model else 'embedded SmolLM2'}, "
             f"{threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}"

@@ -25,6 +25,7 @@ from pdserve.sim import workload
 from pdserve.sim.cluster import MODES, Cluster
 from pdserve.sim.deploy import Hardware, Layout, build
 from pdserve.sim.latency import ProfileLatency
+from pdserve.sim.search import search
 
 SCENARIOS = ("seed-000-6.1",)
 log = logging.getLogger("pdserve.sim")
@@ -266,9 +267,8 @@ def run(args) -> int:
         if not requests:
             raise ValueError("the workload has no requests")
         if args.search:
-            from pdserve.sim.search import search
-
-            return search(args, requests, tag_limits, goodput, percentiles, names)
+            run_layout = lambda lay: simulate(args, lay, requests, tag_limits, goodput, percentiles, names)
+            return search(args, run_layout, goodput)
         result = simulate(args, _layout(args), requests, tag_limits, goodput, percentiles, names)
     except (ValueError, OSError, ConfigError) as e:
         print(f"pdserve sim: {e}", file=sys.stderr)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pdserve.bench import arrivals, metrics
 from pdserve.bench.client import RequestOutput
 from pdserve.config import SchedulerConfig
+from pdserve.costmodel import fit_decode_cost, fit_prefill_cost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.router import conductor
 from pdserve.router.admission import AdmissionConfig, Admitter
 from pdserve.router.placement import Placer
 from pdserve.router.prefix_index import PrefixIndex
@@ -413,15 +413,15 @@ class Cluster:
 
 def _cost_stats(lat: LatencyModel, cfg: ClusterConfig) -> dict:
     """What a worker reports about itself: D_prefill(L) and the decode step model, fitted by the
-    router's own functions (conductor.fit_*) to what the latency model says, as workers calibrate."""
+    workers' own functions (costmodel.fit_*) to what the latency model says, as workers calibrate."""
     lengths = [64, 256, 1024, 4096, 16384]
-    pre = conductor.fit_prefill_cost(
+    pre = fit_prefill_cost(
         [
             (n, lat.step_s(StepShape(prefill_tokens=n, prefill_seqs=1, prefill_attention=n * (n + 1) / 2)))
             for n in lengths
         ]
     )
-    dec = conductor.fit_decode_cost(
+    dec = fit_decode_cost(
         [
             (b, b * c, lat.step_s(StepShape(decode_seqs=b, decode_context=b * c)))
             for b in (1, 8, 32, 128)
@@ -429,8 +429,8 @@ def _cost_stats(lat: LatencyModel, cfg: ClusterConfig) -> dict:
         ]
     )
     return {
-        "prefill_cost_s": [pre.a_s, pre.b_s_per_token, pre.c_s_per_token2],
-        "decode_cost_s": [dec.base_s, dec.per_seq_s, dec.per_kv_token_s],
+        pre.STATS_KEY: pre.terms(),
+        dec.STATS_KEY: dec.terms(),
         "kv_bytes_per_token": lat.kv_bytes_per_token(),
         "num_layers": lat.layers(),
         "kv_layerwise": cfg.transfer.layerwise if cfg.transfer else True,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from pdserve.costmodel import nonnegative_lstsq
 from pdserve.planner import perf
 from pdserve.planner.deployment import Deployment
 from pdserve.planner.memory import kv_bytes_per_token, kv_shards
@@ -224,18 +225,6 @@ FEATURES = (
 FIT_ROUNDS = 4  # the first weighs rows by 1/measured, the rest by 1/predicted
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    active = [i for i in range(x.shape[1]) if np.any(x[:, i])]
-    while True:
-        coef = np.zeros(x.shape[1])
-        sol = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
-        coef[active] = sol
-        neg = [i for i, c in zip(active, sol) if c < 0]
-        if not neg:
-            return coef
-        active.remove(min(neg, key=lambda i: coef[i]))
-
-
 @dataclass
 class ProfileLatency(LatencyModel):
     """A per-iteration time fitted to measured steps of our engine (`pdserve sim --calibrate`)."""
@@ -323,7 +312,7 @@ class ProfileLatency(LatencyModel):
         y0 = np.array([t for _, t in samples])
         scale = y0
         for _ in range(FIT_ROUNDS):
-            coef = _nonnegative_lstsq(x0 / scale[:, None], y0 / scale)
+            coef = nonnegative_lstsq(x0 / scale[:, None], y0 / scale)
             pred = x0 @ coef
             if not np.all(pred > 0):
                 break

@@ -12,6 +12,7 @@ than the best layout found. Every simulated layout is printed.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from pdserve.sim.deploy import Layout
 
@@ -92,19 +93,14 @@ def _smallest(passes, lo: int, hi: int) -> int | None:
     return lo
 
 
-def search(args, requests, tag_limits, goodput, percentiles, names) -> int:
-    from pdserve.sim.cli import simulate
-
+def search(args, simulate: Callable[[Layout], dict], goodput) -> int:
+    """Simulate layouts (`simulate(layout)`: the run's result) from the smallest up and print
+    the cheapest that meets the SLOs in `goodput`."""
     if not goodput:
         raise ValueError("--search needs SLOs: --goodput ttft:MS tpot:MS")
     tps = [int(t) for t in args.search_tp.split(",") if t.strip()]
     modes = [m.strip() for m in args.search_modes.split(",") if m.strip()]
-    s = _Searcher(
-        args,
-        lambda lay: simulate(args, lay, requests, tag_limits, goodput, percentiles, names),
-        args.search_target_pct,
-        args.search_max_gpus,
-    )
+    s = _Searcher(args, simulate, args.search_target_pct, args.search_max_gpus)
     try:
         for tp in tps:
             for mode in modes:

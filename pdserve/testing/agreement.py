@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.sampling_params import SamplingParams
+
 # The engine's numeric modes by name: keyword arguments for `LLM`, and the transformers dtype a
 # mode is judged against besides float32. "int8": fp32 with activations rounded to int8 per 32
 # values for every product on GGUF blocks (what dtype="auto" picks on CPUs without native bf16).
@@ -97,8 +99,6 @@ class Agreement:
 
 
 def engine_outputs(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from pdserve import SamplingParams
-
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
 

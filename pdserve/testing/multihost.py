@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
 from pdserve import auth
+from pdserve.ports import wait_until
 from pdserve.testing.netns import Host
 
 ROUTER_PORT = 8000  # workers take free ports (several may share a host)
@@ -97,21 +97,14 @@ class HostDeployment:
         return self.http.get(self.url + "/internal/workers").json()
 
     def wait_workers(self, prefill: int, decode: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for name, p, _ in self.procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
-            try:
-                roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
-                if roles.count("prefill") >= prefill and roles.count("decode") >= decode:
-                    return
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(
-            "workers did not register:\n" + "\n".join(f"--- {n}\n{self.log(n)}" for n, _, _ in self.procs)
-        )
+        def registered() -> bool:
+            roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
+            return roles.count("prefill") >= prefill and roles.count("decode") >= decode
+
+        wait_until(registered, [p for _, p, _ in self.procs], timeout_s, "the deployment", self.logs, interval_s=0.3)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{self.log(n)}" for n, _, _ in self.procs)
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
@@ -184,17 +177,8 @@ class RayDeployment:
         }
 
     def wait_alive(self, worker_ids: set[str], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve --ray exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if worker_ids <= set(self.alive()):
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"workers {sorted(worker_ids)} not alive after {timeout_s}s:\n{self.log()}")
+        what = f"pdserve serve --ray (workers {sorted(worker_ids)})"
+        wait_until(lambda: worker_ids <= set(self.alive()), [self.proc], timeout_s, what, self.log, interval_s=1.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

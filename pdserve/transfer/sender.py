@@ -98,7 +98,6 @@ class TcpKVSender(KVSender):
         self._queued = 0  # frames put on the queue and not yet sent: a frame sent now must not pass them
         self._closed = False
         self.total_bytes = 0
-        self.total_retries = 0
         self.inline_frames = 0  # frames the caller's thread sent itself (_send_now)
         self._slots_key: tuple | None = None
         self._slots: tuple = ()
@@ -233,7 +232,6 @@ class TcpKVSender(KVSender):
                     t.acked.set()
                     return
                 t.stats.retries += 1
-                self.total_retries += 1
                 time.sleep(0.05)
 
     def _destination(self, t: _Outgoing, token_start: int, n: int) -> tuple[torch.Tensor, list]:
@@ -314,7 +312,6 @@ class TcpKVSender(KVSender):
                 continue
             if found:
                 t.stats.retries += 1
-                self.total_retries += 1
             if t.finished:
                 self._put((t, {"op": "done", "tid": t.dest.transfer_id}, []))
 
@@ -405,87 +402,3 @@ def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[tor
     for s in shape:
         numel *= s
     return [torch.from_file(p, shared=True, size=numel, dtype=wire.DTYPES[dtype]).view(shape) for p in paths]
-
-
-class AutoKVSender(KVSender):
-    """Shared memory when the destination's cache files are visible from here, TCP otherwise."""
-
-    def __init__(
-        self,
-        wire_mode: str = "none",
-        allow_shm: bool = True,
-        retry_window_s: float = 5.0,
-        exporter=None,
-        *,
-        secret: bytes,
-    ):
-        self.secret = wire.require_secret(secret)
-        self.tcp = TcpKVSender(wire_mode, retry_window_s, secret=secret)
-        self.shm = ShmKVSender(retry_window_s, secret=secret) if allow_shm else None
-        if self.shm is not None:  # one set of faults: each fires once, whichever transport sends
-            self.shm.faults = self.tcp.faults
-        self.exporter = exporter  # PullKVExporter for destinations that pull
-        self.wire_mode = wire_mode
-        self.retry_window_s = retry_window_s
-        self.nixl = None  # made on the first nixl:// destination, when NIXL is importable
-        self._nixl_missing = False
-        self._by_tid: dict[str, KVSender] = {}
-
-    def _pick(self, dest: KVDestination) -> KVSender:
-        import os
-
-        if dest.pull:
-            if self.exporter is None:
-                raise KVTransferError("this worker does not serve KV pulls")
-            return self.exporter
-        if self.shm is not None and dest.shm_paths and os.path.exists(dest.shm_paths[0]):
-            return self.shm
-        if dest.address.startswith("nixl://") and self.wire_mode == "none" and not self._nixl_missing:
-            if self.nixl is None:
-                from pdserve.transfer.nixl import NixlKVSender, nixl_available
-
-                if not nixl_available():  # the receiver takes TCP frames too
-                    log.warning("NIXL is not importable here: KV for nixl:// receivers goes over TCP")
-                    self._nixl_missing = True
-                    return self.tcp
-                self.nixl = NixlKVSender(self.retry_window_s, secret=self.secret)
-                self.nixl.faults = self.tcp.faults
-            return self.nixl
-        return self.tcp
-
-    def begin(self, dest, num_layers):
-        s = self._by_tid[dest.transfer_id] = self._pick(dest)
-        s.begin(dest, num_layers)
-
-    def save_layer(self, transfer_id, layer, token_start, k, v):
-        self._by_tid[transfer_id].save_layer(transfer_id, layer, token_start, k, v)
-
-    def finish(self, transfer_id):
-        self._by_tid[transfer_id].finish(transfer_id)
-
-    def wait_for_save(self, transfer_id, timeout_s):
-        s = self._by_tid.pop(transfer_id)
-        return s.wait_for_save(transfer_id, timeout_s)
-
-    def abort(self, transfer_id, reason):
-        s = self._by_tid.pop(transfer_id, None)
-        if s is not None:
-            s.abort(transfer_id, reason)
-
-    def inject_fault(self, spec: str) -> None:
-        """`TcpKVSender.inject_fault`, for whichever transport sends next."""
-        self.tcp.inject_fault(spec)
-
-    @property
-    def refused_connections(self) -> int:
-        """Pulls refused for failing the cluster handshake (the only connections we accept)."""
-        return self.exporter.refused_connections if self.exporter is not None else 0
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.total_bytes for s in (self.tcp, self.shm, self.exporter, self.nixl) if s is not None)
-
-    def close(self):
-        for s in (self.tcp, self.shm, self.exporter, self.nixl):
-            if s is not None:
-                s.close()

@@ -7,7 +7,7 @@ over the KV bridge (pdserve/transfer).
     POST /internal/prefill   prefill, stream the first token, then report the KV save
     POST /internal/reserve   reserve blocks for a prompt whose KV will arrive
     POST /internal/pull      fetch that KV from a prefill worker (pull mode)
-    POST /internal/decode    wait for that KV (or recompute), stream the rest
+    POST /internal/decode    wait for that KV (or recompute), stream the rest (decode.py)
     POST /internal/kv_failed that KV will not come (its sender broke): recompute now
     POST /internal/generate  the whole request here (role both, or a fallback)
     POST /internal/abort     drop a request and its blocks
@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import time
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -38,7 +39,6 @@ from pdserve.control_api import (
     AbortResponse,
     DecodeRequest,
     DrainResponse,
-    ErrorEvent,
     FaultRequest,
     FaultResponse,
     FirstTokenEvent,
@@ -46,8 +46,6 @@ from pdserve.control_api import (
     KVDestinationBody,
     KVFailedRequest,
     KVFailedResponse,
-    KVReadyEvent,
-    OutputEvent,
     PrefillRequest,
     PullRequest,
     PullResponse,
@@ -60,10 +58,12 @@ from pdserve.control_api import (
 )
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.sequence import choice_request_id
-from pdserve.server.async_engine import AsyncEngine, EngineInput
+from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.engine_client import EngineInput
 from pdserve.server.errors import APIError, from_validation_errors, install_handlers
 from pdserve.server.streaming import wait_disconnect
 from pdserve.transfer.connector import KVDestination, KVTransferError
+from pdserve.worker.decode import RemoteDecode, output_event, stream_outputs
 
 log = logging.getLogger("pdserve.worker")
 
@@ -76,27 +76,6 @@ def _params(d: dict) -> SamplingParams:
         raise APIError(400, str(e), param=f"params.{e.param}" if e.param else "params") from None
     except (TypeError, ValueError) as e:
         raise APIError(400, f"bad params: {e}", param="params") from None
-
-
-def output_event(out) -> dict:
-    """One engine RequestOutput's new part: the fields of an OutputEvent or FirstTokenEvent
-    (what the router turns back into an output)."""
-    c = out.outputs[0]
-    new_lp = c.logprobs[-len(out.new_token_ids) :] if c.logprobs and out.new_token_ids else None
-    return {
-        "token_ids": out.new_token_ids,
-        "text": out.new_text,
-        "finished": out.finished,
-        "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason,
-        "logprobs": [{str(k): v for k, v in e.items()} for e in new_lp] if new_lp else None,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-    }
-
-
-def _reservation_gone(rid: str) -> APIError:
-    """The router reads the code: it then has this worker recompute the request."""
-    return APIError(404, f"no reserved request {rid!r} here (lease expired?)", code="reservation_expired")
 
 
 class WorkerApi:
@@ -201,76 +180,17 @@ class WorkerApi:
         return KVFailedResponse(failed=b.request_id)
 
     async def decode(self, b: DecodeRequest, request: Request) -> StreamingResponse:
-        rid = choice_request_id(b.request_id)
-        first = b.first_token
-        kv_ok = False
-        wait_s = min(b.timeout_s, self.max_lease_s)
-        if b.kv_expected:
-            # Usually the KV landed while P sampled the first token: then the one engine
-            # call below activates at once. Each call waits for the step in flight, and
-            # with a second one the first inter-token gap was ~2.5 decode steps.
-            kv_ok = self.receiver.is_complete(rid)
-            if not kv_ok:
-                # the lease ran from the reservation; a decode that waits holds the
-                # blocks through its wait, or learns at once that they are gone
-                if not await self.engine.claim_reservation(rid, wait_s + 5.0):
-                    raise _reservation_gone(rid)
-                try:
-                    kv_ok = await self._wait_for_kv(rid, wait_s, request)
-                except KVTransferError as e:
-                    log.warning("request %s: KV did not arrive (%s); recomputing the prompt here", rid, e)
-            self.receiver.cancel(rid)  # landed or given up: late frames must not touch the blocks
-        group = self.engine.attach(b.request_id, 1)
-        try:
-            first_out = await self.engine.activate_transferred(rid, first, kv_ok)
-        except KeyError:
-            group.abort()
-            raise _reservation_gone(rid) from None
-        return StreamingResponse(self._stream(group, first_out, kv_ok), media_type="application/x-ndjson")
-
-    async def _wait_for_kv(self, rid: str, wait_s: float, request: Request) -> bool:
-        """True once the KV landed. If the caller (the router) goes away meanwhile (it died),
-        nobody will read this decode: free its blocks now, not when the wait runs out."""
-        wait = asyncio.ensure_future(asyncio.to_thread(self.receiver.wait_for_all, rid, wait_s))
-        gone = asyncio.ensure_future(wait_disconnect(request.receive))
-        try:
-            await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not wait.done():
-            self.receiver.fail(rid, "the router that asked for this decode went away")
-            await asyncio.gather(wait, return_exceptions=True)
-            await self.engine.abort_request(rid)
-            self.receiver.cancel(rid)
-            log.warning("request %s: its router went away while the KV was on its way; blocks freed", rid)
-            raise APIError(499, "the caller went away")
-        wait.result()  # KVTransferError if the transfer failed
-        return True
-
-    async def _stream(self, group, first_out=None, kv_ok: bool = True):
-        try:
-            yield event_line(KVReadyEvent(ok=kv_ok))
-            if first_out is not None and first_out.finished:
-                # the first token (already streamed by the prefill worker) ended the request
-                end = output_event(first_out)
-                yield event_line(OutputEvent(**{**end, "token_ids": [], "text": "", "logprobs": None}))
-                group.abort()
-                return
-            while (batch := await group.next_batch()) is not None:
-                for _, out in batch:
-                    yield event_line(OutputEvent(**output_event(out)))
-        except APIError as e:
-            yield event_line(ErrorEvent(status=e.status, message=str(e)))
-        except asyncio.CancelledError:
-            group.abort()
-            raise
+        """Wait for the reserved request's KV (or recompute without it), then stream the rest."""
+        d = RemoteDecode(self.engine, self.receiver, b, self.max_lease_s)
+        await d.start(lambda: wait_disconnect(request.receive))
+        return StreamingResponse(d.events(), media_type="application/x-ndjson")
 
     # ---- whole requests here
     async def generate(self, b: GenerateRequest) -> StreamingResponse:
         inp = EngineInput(b.prompt_token_ids, _params(b.params), resume_token_ids=b.resume_token_ids)
         group = self.engine.submit([inp], request_id=b.request_id)
         await group.accepted()
-        return StreamingResponse(self._stream(group), media_type="application/x-ndjson")
+        return StreamingResponse(stream_outputs(group), media_type="application/x-ndjson")
 
     async def abort(self, b: AbortRequest) -> AbortResponse:
         rid = choice_request_id(b.request_id)
@@ -340,8 +260,6 @@ class WorkerApi:
 
 
 def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown=None) -> FastAPI:
-    from contextlib import asynccontextmanager
-
     @asynccontextmanager
     async def lifespan(app):
         api.engine.start()

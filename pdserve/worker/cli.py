@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pdserve.ports import free_port
 
 if TYPE_CHECKING:
-    from pdserve.router.conductor import DecodeCostModel
+    from pdserve.costmodel import DecodeCostModel
     from pdserve.server.async_engine import HeartbeatSnapshot
     from pdserve.server.calibrate import DecodeStepRecorder
 
@@ -96,8 +96,8 @@ def build(args, port: int):
     from pdserve.server.async_engine import AsyncEngine
     from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
+    from pdserve.transfer.auto import AutoKVSender
     from pdserve.transfer.receiver import KVReceiverServer
-    from pdserve.transfer.sender import AutoKVSender
     from pdserve.worker.app import WorkerApi, build_worker_app
 
     role = args.role
@@ -169,7 +169,7 @@ def build(args, port: int):
         if not args.router:
             return
         await engine.ready.wait()
-        from pdserve.router import conductor
+        from pdserve import costmodel
         from pdserve.server import calibrate
 
         if args.calibrate and role != "decode":
@@ -178,7 +178,7 @@ def build(args, port: int):
         if args.calibrate and role != "prefill":
             samples = await api.engine.calibrate_decode(state.steps)
             if len(samples) >= 3:
-                state.decode_model = conductor.fit_decode_cost(samples)
+                state.decode_model = costmodel.fit_decode_cost(samples)
                 log.info("decode calibration: %s from %s", state.decode_model, samples)
         state.steps.prefill_samples.clear()  # live rescaling is about traffic, not calibration
         await _register_loop(args, worker_id, f"http://{host}:{port}", role, api, state, secret, beat_now, host)

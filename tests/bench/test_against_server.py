@@ -12,7 +12,8 @@ import pytest
 from pdserve.bench import RunState, TokenSource, datasets, run_benchmark
 from pdserve.bench.client import BenchError
 from pdserve.cli import main
-from tests.bench.conftest import Server, free_port
+from pdserve.ports import free_port
+from tests.bench.conftest import Server
 from tests.data import MOONCAKE_SAMPLE
 
 VLLM_FIELDS = [

@@ -322,8 +322,8 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     """While a request runs, each step's output holds its new token, text and logprobs, not the
     whole completion so far: the 40th step's output is no bigger than the 2nd's. The finished
     output holds the whole completion, which the deltas add up to, as the offline API returns it."""
-    from pdserve.server.format import CompletionFormatter
-    from pdserve.worker.app import output_event
+    from pdserve.server.async_engine import choice_output
+    from pdserve.worker.decode import output_event
 
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     eng = tiny_llm.engine
@@ -339,8 +339,8 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
         assert c.text == o.new_text
         assert len(c.logprobs) == 1 and c.token_ids[0] in c.logprobs[0]
         # what the server's streams take from a step's output: the new tokens' logprobs
-        assert CompletionFormatter.new_logprobs(o) == c.logprobs
-        assert output_event(o)["logprobs"] == [{str(k): v for k, v in e.items()} for e in c.logprobs]
+        assert choice_output(o).new_logprobs == c.logprobs
+        assert output_event(choice_output(o))["logprobs"] == [{str(k): v for k, v in e.items()} for e in c.logprobs]
     c = final.outputs[0]
     assert c.token_ids == [t for o in outs for t in o.new_token_ids] and len(c.token_ids) == 40
     assert c.text == "".join(o.new_text for o in outs)
@@ -349,6 +349,9 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     assert running[-1].outputs[0].cumulative_logprob == pytest.approx(
         c.cumulative_logprob - c.logprobs[-1][c.token_ids[-1]]
     )
+    last = choice_output(final)  # the front end's view: the last token's part, and the whole
+    assert last.new_token_ids == c.token_ids[-1:] and last.new_logprobs == c.logprobs[-1:]
+    assert (last.final.text, last.final.token_ids, last.final.finish_reason) == (c.text, c.token_ids, "length")
     offline = tiny_llm.generate("abc", p)[0].outputs[0]
     assert (offline.token_ids, offline.text, offline.logprobs) == (c.token_ids, c.text, c.logprobs)
     assert offline.finish_reason == c.finish_reason == "length"

@@ -3,10 +3,12 @@ scheduler's own rules, so a burst of transfers cannot starve the requests alread
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sequence import Status
+from pdserve.engine.sequence import PENDING, Status
 from pdserve.transfer.receiver import KVReceiverServer
 
 SECRET = b"test-secret-0123456789"
@@ -69,8 +71,6 @@ def test_admission_refuses_when_the_pool_is_short(decode_engine):
 def test_a_reservation_without_room_waits_in_line_and_gets_it(decode_engine):
     """No room now: the reservation waits (first come, first served) instead of failing, and
     is admitted as soon as a finished request frees blocks; a wait that runs out says so."""
-    from pdserve.engine.llm_engine import PENDING
-
     engine, receiver = decode_engine
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.add_request("running", list(range(3, 123)), params)  # 31 of the 40 blocks
@@ -88,7 +88,6 @@ def test_a_reservation_without_room_waits_in_line_and_gets_it(decode_engine):
         )
         is PENDING
     )
-    import time
 
     time.sleep(0.02)
     engine.retry_reservations()

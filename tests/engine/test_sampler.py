@@ -48,3 +48,49 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
         [([], [])] * 3,
     ).token_ids
     assert mixed[0] == alone[0]
+
+
+class _CountingList(list):
+    """A list that counts the elements read from it (iteration and slices)."""
+
+    reads = 0
+
+    def __iter__(self):
+        _CountingList.reads += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, i):
+        got = super().__getitem__(i)
+        _CountingList.reads += len(got) if isinstance(i, slice) else 1
+        return got
+
+
+def _penalised(logits, p, prompt, output):
+    """The penalties computed from the whole history at once."""
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        row = logits[seen]
+        logits[seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+    if output:
+        counts = torch.bincount(torch.tensor(output), minlength=logits.shape[0]).float()
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def test_penalties_follow_the_whole_history_while_reading_only_new_tokens():
+    g = torch.Generator().manual_seed(2)
+    vocab = 50
+    p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    prompt, output = [3, 7, 7, 11], _CountingList()
+    sampler = Sampler(torch.device("cpu"))
+    for step in range(40):
+        logits = torch.randn(1, vocab, generator=g)
+        want = _penalised(logits[0], p, prompt, list.copy(output)).argmax().item()
+        _CountingList.reads = 0
+        got = sampler(logits, [p], ["a"], [(prompt, output)]).token_ids[0]
+        assert got == want, step
+        assert _CountingList.reads <= 1  # the token the last step added, not the whole output
+        output.append(got)
+    sampler.forget("a")
+    assert not sampler._seen

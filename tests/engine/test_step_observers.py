@@ -1,9 +1,17 @@
 """Steps are timed once, by the engine: its step observers (the step trace, the live and the
 start-up calibration) all read the same record, and nothing replaces `LLMEngine.step`."""
 
+import asyncio
+
 from pdserve import SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.step_trace import StepTraceWriter, read
+from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.calibrate import DecodeStepRecorder, measure_prefill
+from pdserve.server.engine_client import EngineInput
+from pdserve.server.metrics import ServerMetrics
+from pdserve.sim.calibrate import _Driver
 
 GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -49,8 +57,6 @@ def test_every_observer_gets_the_same_step_records(tiny_llm, tmp_path):
 
 
 def test_the_simulator_calibration_takes_its_samples_from_the_step_records(tiny_llm):
-    from pdserve.sim.calibrate import _Driver
-
     eng = tiny_llm.engine
     seen = []
     eng.add_step_observer(seen.append)
@@ -69,13 +75,6 @@ def test_the_simulator_calibration_takes_its_samples_from_the_step_records(tiny_
 def test_a_served_engine_traces_its_served_steps_only(tiny_model_dir, tmp_path):
     """The server's engine thread has the step trace observe the engine: every step it runs for
     requests is in the trace, with `idle` where it waited for work; calibration steps are not."""
-    import asyncio
-
-    from pdserve.config import EngineConfig
-    from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.server.async_engine import AsyncEngine, EngineInput
-    from pdserve.server.metrics import ServerMetrics
-
     path = str(tmp_path / "steps.jsonl")
 
     def make_engine():

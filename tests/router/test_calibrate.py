@@ -2,7 +2,16 @@
 
 import pytest
 
-from pdserve.server.calibrate import calibration_stats, measure_prefill
+from pdserve import SamplingParams
+from pdserve.costmodel import fit_decode_cost
+from pdserve.server.calibrate import (
+    DecodeStepRecorder,
+    calibration_stats,
+    decode_stats,
+    measure_decode,
+    measure_prefill,
+    prefill_stats,
+)
 
 
 def test_measure_prefill_on_tiny_engine_leaves_cache_empty(tiny_llm):
@@ -18,9 +27,6 @@ def test_measure_prefill_on_tiny_engine_leaves_cache_empty(tiny_llm):
 
 
 def test_decode_recorder_times_only_pure_decode_steps(tiny_llm):
-    from pdserve import SamplingParams
-    from pdserve.server.calibrate import DecodeStepRecorder
-
     engine = tiny_llm.engine
     rec = DecodeStepRecorder(engine)
     engine.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -34,8 +40,6 @@ def test_decode_recorder_times_only_pure_decode_steps(tiny_llm):
 
 
 def test_prefill_stats_rescale_the_calibration():
-    from pdserve.server.calibrate import prefill_stats
-
     cal = {"prefill_cost_s": [0.0, 1e-3, 0.0], "prefill_tokens_per_s": 1000.0}
     assert prefill_stats({}, []) == {}
     st = prefill_stats(cal, [([(0, 100)], 0.3)])  # three times slower than calibrated
@@ -44,9 +48,6 @@ def test_prefill_stats_rescale_the_calibration():
 
 
 def test_measure_decode_on_tiny_engine_fits_and_leaves_cache_empty(tiny_llm):
-    from pdserve.router import conductor
-    from pdserve.server.calibrate import DecodeStepRecorder, decode_stats, measure_decode
-
     engine = tiny_llm.engine
     engine.block_manager.record_events = True
     rec = DecodeStepRecorder(engine)
@@ -57,5 +58,5 @@ def test_measure_decode_on_tiny_engine_fits_and_leaves_cache_empty(tiny_llm):
     assert not engine.block_manager.cached and not engine.block_manager.drain_events()
     assert not engine.has_unfinished_requests() and not rec.recent()
     assert engine.block_manager.stats.queries_tokens == 0
-    st = decode_stats(conductor.fit_decode_cost(samples), [], max_num_seqs=8)
+    st = decode_stats(fit_decode_cost(samples), [], max_num_seqs=8)
     assert len(st["decode_cost_s"]) == 3 and st["decode_tokens_per_s"] > 0 and st["decode_live_scale"] == 1.0

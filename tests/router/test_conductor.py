@@ -11,6 +11,7 @@ behaviour each decision promises around them.
 
 import pytest
 
+from pdserve.costmodel import DecodeCostModel, PrefillCostModel
 from pdserve.router import conductor as c
 
 # ---------------------------------------------------------------- placement
@@ -60,37 +61,6 @@ def test_adaptive_alpha_clamps_and_pool_utilisation():
     assert c.adaptive_alpha(0.5, 1.0, 3.0) == pytest.approx(2.0)
     assert c.pool_utilisation([0.25, 5.0], horizon_s=0.5) == pytest.approx((0.5 + 1.0) / 2)
     assert c.pool_utilisation([], 0.5) == 0.0
-
-
-def test_fit_prefill_cost_recovers_quadratic():
-    truth = c.PrefillCostModel(0.01, 2e-4, 3e-8)
-    samples = [(n, truth(n)) for n in (16, 128, 512, 1024, 2048)]
-    fit = c.fit_prefill_cost(samples)
-    assert fit.a_s == pytest.approx(0.01, rel=1e-6)
-    assert fit.b_s_per_token == pytest.approx(2e-4, rel=1e-6)
-    assert fit.c_s_per_token2 == pytest.approx(3e-8, rel=1e-6)
-    assert c.queue_drain_s([128, 512], fit) == pytest.approx(truth(128) + truth(512))
-
-
-def test_fit_prefill_cost_degrades_gracefully():
-    # one length: a constant; two: a line; a concave cloud must not get a negative L^2 term
-    assert c.fit_prefill_cost([(100, 0.5), (100, 0.7)])(5000) == pytest.approx(0.6)
-    line = c.fit_prefill_cost([(100, 0.1), (200, 0.2)])
-    assert line(400) == pytest.approx(0.4) and line.c_s_per_token2 == 0.0
-    concave = c.fit_prefill_cost([(100, 0.10), (200, 0.19), (400, 0.30), (800, 0.40)])
-    assert concave.c_s_per_token2 >= 0 and concave.b_s_per_token >= 0
-    assert concave(1600) > concave(800)
-    with pytest.raises(ValueError):
-        c.fit_prefill_cost([])
-
-
-def test_fit_decode_cost_and_predict_tpot():
-    truth = c.DecodeCostModel(0.010, 0.0005, 1e-6)
-    samples = [(b, ctx, truth.step_s(b, ctx)) for b, ctx in ((1, 100), (4, 2000), (8, 9000), (16, 4000))]
-    fit = c.fit_decode_cost(samples)
-    assert fit.base_s == pytest.approx(0.010) and fit.per_kv_token_s == pytest.approx(1e-6)
-    # joining a batch of 3 holding 3000 tokens with a 1000-token prompt and 200 to generate
-    assert c.predict_tpot(fit, 3, 3000, 1000, 200) == pytest.approx(0.010 + 4 * 0.0005 + 4100e-6)
 
 
 # ---------------------------------------------------------------- admission
@@ -155,32 +125,6 @@ def test_recommended_pd_ratio_none_without_observations():
 # ---------------------------------------------------------------- decode step model, transfer
 
 
-def test_fit_decode_cost_drops_a_negative_term_and_refits():
-    # steps that do not grow with context: a noisy negative per-token term is dropped,
-    # and base / per-sequence refitted without it (not clipped around it)
-    samples = [(1, 100, 0.011), (8, 100, 0.018), (1, 2000, 0.0109), (8, 2000, 0.0179), (4, 800, 0.014)]
-    fit = c.fit_decode_cost(samples)
-    assert fit.per_kv_token_s == 0.0
-    assert fit.base_s == pytest.approx(0.010, abs=3e-4) and fit.per_seq_s == pytest.approx(0.001, abs=1e-4)
-    with pytest.raises(ValueError):
-        c.fit_decode_cost(samples[:2])
-
-
-def test_live_scale_is_the_median_ratio_bounded():
-    m = c.DecodeCostModel(0.010, 0.001, 0.0)
-    assert c.live_scale(m, []) == 1.0
-    live = [(1, 10, 0.022), (1, 10, 0.033), (1, 10, 0.5)]  # 2x, 3x and one stalled step
-    assert c.live_scale(m, live) == pytest.approx(3.0)
-    assert c.live_scale(m, [(1, 10, 10.0)]) == 8.0 and c.live_scale(m, [(1, 10, 1e-6)]) == 0.25
-    assert m.scaled(2.0).step_s(3, 0) == pytest.approx(0.026)
-
-
-def test_decode_tokens_per_s_is_batch_over_step():
-    m = c.DecodeCostModel(0.020, 0.001, 1e-6)
-    # 32 sequences of 512 tokens: 20 + 32 + 16.384 ms per step
-    assert m.tokens_per_s(32, 512) == pytest.approx(32 / 0.068384)
-
-
 def test_layerwise_transfer_exposes_only_the_last_layer():
     """64 Ki tokens x 320 KiB (llama 70B) = 20 GiB over 45 GiB/s = 444 ms eager; layer-wise
     over 80 layers exposes 444 / 80 = 5.55 ms, more than 98% less."""
@@ -196,15 +140,9 @@ def test_layerwise_transfer_exposes_only_the_last_layer():
         c.predict_transfer_s(1, 1, 1, 0.0, True)
 
 
-def test_prefill_step_and_live_prefill_scale():
-    m = c.PrefillCostModel(0.01, 1e-3, 1e-6)
-    # a whole 100-token prompt in one step is D_prefill(100); in two chunks the parts add up
-    assert c.prefill_step_s(m, [(0, 100)]) == pytest.approx(m(100))
-    assert c.prefill_step_s(m, [(0, 60)]) + c.prefill_step_s(m, [(60, 40)]) - m.a_s == pytest.approx(m(100))
-    assert c.live_prefill_scale(m, []) == 1.0
-    live = [
-        ([(0, 100)], 2 * m(100)),
-        ([(0, 50), (10, 1)], 2.5 * c.prefill_step_s(m, [(0, 50), (10, 1)])),
-        ([(0, 10)], 0.5 * m(10)),
-    ]
-    assert c.live_prefill_scale(m, live) == pytest.approx(2.0)
+def test_queue_drain_and_predicted_tpot_come_from_the_cost_models():
+    prefill = PrefillCostModel(0.01, 2e-4, 3e-8)
+    assert c.queue_drain_s([128, 512], prefill) == pytest.approx(prefill(128) + prefill(512))
+    decode = DecodeCostModel(0.010, 0.0005, 1e-6)
+    # joining a batch of 3 holding 3000 tokens with a 1000-token prompt and 200 to generate
+    assert c.predict_tpot(decode, 3, 3000, 1000, 200) == pytest.approx(0.010 + 4 * 0.0005 + 4100e-6)

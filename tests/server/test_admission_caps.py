@@ -11,7 +11,8 @@ import json
 import httpx
 import pytest
 
-from pdserve.server.async_engine import AsyncEngine, EngineInput
+from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.engine_client import EngineInput
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from tests.server.conftest import API_KEY, TINY_ENGINE, engine_flags

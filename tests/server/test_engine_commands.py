@@ -8,8 +8,7 @@ import types
 
 import pytest
 
-from pdserve.engine.llm_engine import PENDING
-from pdserve.engine.sequence import choice_request_id
+from pdserve.engine.sequence import PENDING, choice_request_id
 from pdserve.server.async_engine import ENGINE_COMMANDS, AsyncEngine
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
@@ -140,7 +139,7 @@ def test_every_named_command_has_an_engine_side():
 
 
 def test_worker_heartbeat_stats_from_a_snapshot():
-    from pdserve.router.conductor import DecodeCostModel
+    from pdserve.costmodel import DecodeCostModel
     from pdserve.server.async_engine import HeartbeatSnapshot
     from pdserve.worker.cli import WorkerState
 

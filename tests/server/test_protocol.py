@@ -115,17 +115,11 @@ def test_loading_engine_answers_503_then_reports_the_load_failure():
 
 @pytest.mark.parametrize("cls", ["CompletionFormatter", "ChatFormatter"])
 def test_templated_chunk_equals_the_dict_chunk(cls):
-    from types import SimpleNamespace as NS
-
     from pdserve.server import format as F
+    from pdserve.server.engine_client import ChoiceOutput
 
     fmt = getattr(F, cls)("cmpl-1", 'model "x"', None, 2, None)
-    out = NS(
-        finished=False,
-        new_text='a"é\n\\',
-        new_token_ids=[1],
-        outputs=[NS(finish_reason=None, stop_reason=None, logprobs=None)],
-    )
+    out = ChoiceOutput(new_token_ids=[1], new_text='a"é\n\\')
     for include_usage in (False, True):
         want = fmt.chunk(1, out) | ({"usage": None} if include_usage else {})
         assert json.loads(fmt.chunk_json(1, out, include_usage)) == want

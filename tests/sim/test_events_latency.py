@@ -3,10 +3,15 @@
 import numpy as np
 import pytest
 
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.step_trace import step_rows
 from pdserve.planner import perf
 from pdserve.planner.hardware import resolve_gpu
 from pdserve.planner.models import resolve_model
 from pdserve.planner.roofline import decode_step_time, prefill_time
+from pdserve.sim.calibrate import _shape
 from pdserve.sim.events import EventLoop
 from pdserve.sim.latency import (
     FittedLatency,
@@ -153,12 +158,6 @@ def test_kv_transfer_layerwise_hides_all_but_the_last_layer():
 
 
 def test_calibration_reads_the_step_shape_from_the_step_rows():
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.scheduler import ScheduledSeq, SchedulerOutput
-    from pdserve.engine.sequence import Sequence
-    from pdserve.engine.step_trace import step_rows
-    from pdserve.sim.calibrate import _shape
-
     dec = Sequence("d", [1] * 100, SamplingParams(max_tokens=8))
     dec.output_token_ids = [5]
     chunk = Sequence("c", [2] * 1000, SamplingParams(max_tokens=1))

@@ -6,10 +6,13 @@ import time
 
 import pytest
 
+from pdserve.bench.tokens import TokenSource
 from pdserve.cli import main
 from pdserve.engine.step_trace import read
-from pdserve.sim.calibrate import trace_samples
+from pdserve.sim.calibrate import _busy_share, drive_grid, fit_trace, trace_samples
 from pdserve.sim.latency import ProfileLatency
+from tests.server.serverproc import ServerProcess
+from tests.tiny import write_tiny_model
 
 
 def _write(path, records, tail=""):
@@ -48,8 +51,6 @@ def test_a_step_lasts_until_the_next_one_starts_unless_the_engine_went_idle():
 def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_beside(tmp_path):
     """fit_trace(beside=...): steps taken while the other engine was idle are left out, except
     steps of few rows."""
-    from pdserve.sim.calibrate import _busy_share, fit_trace
-
     prefill, decode = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
     p_recs, d_recs = [], []
     for i in range(40):  # prompts of 64 tokens; the first 20 alone, the rest beside decoding
@@ -77,17 +78,11 @@ def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_b
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tests.tiny import write_tiny_model
-
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny-cal")), max_pos=1024)
 
 
 @pytest.mark.integration
 def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, capsys):
-    from pdserve.bench.tokens import TokenSource
-    from pdserve.sim.calibrate import drive_grid
-    from tests.server.serverproc import ServerProcess
-
     trace = tmp_path / "steps.jsonl"
     with ServerProcess(
         "--model", tiny_dir, "--threads", "1", "--max-num-batched-tokens", "256", "--step-trace", str(trace)
@@ -162,8 +157,6 @@ def test_served_grid_is_traced_by_the_server_and_fitted(tiny_dir, tmp_path, caps
 
 @pytest.mark.integration
 def test_step_trace_path_that_cannot_be_written_is_refused_at_start(tmp_path):
-    from tests.server.serverproc import ServerProcess
-
     server = ServerProcess("--step-trace", str(tmp_path / "missing" / "steps.jsonl"), wait_ready=False)
     try:
         assert server.proc.wait(60) == 2

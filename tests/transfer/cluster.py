@@ -1,157 +1,17 @@
-"""A real disaggregated deployment for tests: router + prefill + decode worker processes.
-
-The cluster has a secret of its own (in the children's environment); `Cluster.http`
-signs calls to the internal routes with it, as the router and workers do."""
+"""The router-and-workers deployment of the disaggregation tests: pdserve.testing.cluster's,
+with heartbeats every 0.3 s and a router that gives a silent worker up after 2 s, so that
+failures show within a test's time."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-
-import httpx
-
-from pdserve import auth
-from pdserve.ports import die_with_parent, free_port, wait_until
-from tests.server.serverproc import REPO
+from pdserve.testing import cluster
 
 
-class Proc:
-    def __init__(self, name: str, *args: str, env: dict | None = None, host: str = "127.0.0.1"):
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "pdserve.cli", *args, "--host", host, "--port", str(self.port)]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-            preexec_fn=die_with_parent,
+class Cluster(cluster.Cluster):
+    def __init__(self, model: str | None, *, router_args=(), worker_args=(), **kw):
+        super().__init__(
+            model,
+            router_args=["--worker-timeout-s", "2", *router_args],
+            worker_args=["--heartbeat-s", "0.3", *worker_args],
+            **kw,
         )
-
-    def log(self) -> str:
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self, timeout_s: float = 15) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-class Cluster:
-    """`router_args` and `worker_args` are extra CLI flags; workers register themselves."""
-
-    def __init__(
-        self,
-        model: str | None,
-        prefill: int = 1,
-        decode: int = 1,
-        worker_args=(),
-        prefill_args=(),
-        decode_args=(),
-        router_args=(),
-        timeout_s: float = 120,
-        env: dict | None = None,
-        host: str = "127.0.0.1",
-    ):
-        """`host`: what every process binds (0.0.0.0 to test that binding wide opens nothing)."""
-        model_args = ["--model", model] if model else []  # None: the embedded model
-        token = auth.new_token()
-        self.secret = token.encode()
-        self.env = {auth.TOKEN_ENV: token, **(env or {})}
-        self.http = httpx.Client(auth=auth.http_auth(self.secret), timeout=5)
-        self.router = Proc(
-            "router", "router", *model_args, "--worker-timeout-s", "2", *router_args, env=self.env, host=host
-        )
-        self.url = self.router.url
-        self.workers: list[Proc] = []
-        try:
-            for role, n, extra in (("prefill", prefill, prefill_args), ("decode", decode, decode_args)):
-                for i in range(n):
-                    self.workers.append(
-                        Proc(
-                            f"{role}{i}",
-                            "worker",
-                            "--role",
-                            role,
-                            *model_args,
-                            "--router",
-                            self.url,
-                            "--worker-id",
-                            f"{role}{i}",
-                            "--threads",
-                            "1",
-                            "--heartbeat-s",
-                            "0.3",
-                            "--advertise-host",
-                            "127.0.0.1",
-                            *worker_args,
-                            *extra,
-                            env=self.env,
-                            host=host,
-                        )
-                    )
-            self.wait_workers(prefill, decode, timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def worker(self, name: str) -> Proc:
-        return next(w for w in self.workers if w.name == name)
-
-    def status(self) -> dict:
-        return self.http.get(self.url + "/internal/workers").json()
-
-    def wait_workers(self, prefill: int, decode: int, timeout_s: float) -> None:
-        def registered() -> bool:
-            roles = [w["role"] for w in self.status()["workers"] if w["alive"]]
-            return roles.count("prefill") >= prefill and roles.count("decode") >= decode
-
-        procs = [self.router, *self.workers]
-        wait_until(
-            registered,
-            [p.proc for p in procs],
-            timeout_s,
-            "the cluster",
-            lambda: "\n".join(f"--- {p.name}\n{p.log()}" for p in procs),
-        )
-
-    def worker_state(self, name: str) -> dict:
-        return self.http.get(self.worker(name).url + "/internal/state").json()
-
-    def wait_idle(self, timeout_s: float = 20) -> dict[str, dict]:
-        """Every live worker's stats once nothing runs or waits and every block is free."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            states = {w.name: self.worker_state(w.name)["stats"] for w in self.workers if w.proc.poll() is None}
-            idle = all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in states.values())
-            if idle or time.monotonic() > deadline:
-                return states
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        for p in [*self.workers, self.router]:
-            p.stop()
-        self.http.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()

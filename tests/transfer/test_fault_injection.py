@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from pdserve.faults import parse as parse_faults
+from pdserve.transfer.auto import AutoKVSender
 from pdserve.transfer.connector import KVDestination
 from pdserve.transfer.receiver import KVReceiverServer
-from pdserve.transfer.sender import AutoKVSender, ShmKVSender, TcpKVSender, destination_slots
+from pdserve.transfer.sender import ShmKVSender, TcpKVSender, destination_slots
 from tests.transfer.test_kv_auth import BLOCK, BLOCKS, DIM, HEADS, LAYERS, SECRET, TOKENS, assert_landed, caches
 
 
