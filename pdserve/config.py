@@ -202,6 +202,9 @@ class KVTierConfig:
         return bool(self.kv_offload_bytes or self.kv_disk_dir or self.kv_store)
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass
 class DeviceConfig:
     """Device, dtype and threads."""
@@ -215,6 +218,15 @@ class DeviceConfig:
         "(plan and sim: bfloat16); fp8: the accelerators plan and sim model, not the engine",
     )
     threads: int = setting(0, help="CPU threads for torch (0: torch's default)")
+    attention_backend: str = setting(
+        "auto",
+        choices=ATTENTION_BACKENDS,
+        help="paged attention: auto (triton on cuda; on cpu the C++ kernels, else torch), torch (SDPA and "
+        "index_copy, no compiled kernels), triton (the Triton kernels: on cpu only under TRITON_INTERPRET=1)",
+    )
+    enforce_eager: bool = setting(
+        False, help="never capture CUDA graphs: every step runs eagerly (cuda only; cpu is always eager)"
+    )
     dtype_reason: str = internal("", why="set when 'auto' is resolved, logged at start-up")
 
     def __post_init__(self):

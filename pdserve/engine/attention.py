@@ -49,6 +49,9 @@ class AttentionMetadata:
     # Called after each layer's forward (its K/V are in the cache): the KV bridge
     # hooks here to ship a layer while the next one computes.
     on_layer_done: Callable[[int], None] | None = None
+    # Writes the step's K/V into the cache (k_cache, v_cache, k, v, slot_mapping); None: index_copy_.
+    # The triton backend sets its kernel, which also skips slots < 0 (padded rows of a CUDA graph).
+    kv_writer: Callable | None = None
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -67,7 +70,7 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, n_kv, D] for the new tokens. Returns [T, H, D]."""
     k_cache, v_cache = kv_caches[layer_idx]
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    (meta.kv_writer or write_kv)(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     group = n_heads // n_kv

@@ -33,9 +33,17 @@ class ModelRunner:
         # as transformers computes cos/sin in fp32 and casts them to the activations' dtype
         self.model.init_rope_tables(self.device)
         self.decode_kernel = None
+        self.kv_writer = None
         self.num_quantized_linears = 0
         self.num_packed_linears = 0
-        if self.device.type == "cpu":
+        self.attention_backend = self._attention_backend(model_config)
+        if self.attention_backend == "triton":
+            # imported here, not at module level: a CPU engine never loads triton
+            from pdserve.engine.triton_attention import TritonAttentionBackend
+
+            self.decode_kernel = TritonAttentionBackend()
+            self.kv_writer = self.decode_kernel.write_kv
+        elif self.device.type == "cpu" and self.attention_backend == "cpp":
             from pdserve.engine import cpu_kernels
 
             self.decode_kernel = cpu_kernels.load()
@@ -60,10 +68,26 @@ class ModelRunner:
                 for _ in range(model_config.num_hidden_layers)
             ]
 
+    def _attention_backend(self, model_config: ModelConfig) -> str:
+        """triton, cpp or torch, from the setting and the device.
+
+        auto: triton on cuda (torch when the head dim does not fit the kernels), the C++ kernels
+        on cpu (they fall back to torch themselves when they cannot be built)."""
+        wanted = self.config.device.attention_backend
+        if wanted == "auto":
+            if self.device.type != "cuda":
+                return "cpp"
+            from pdserve.engine import triton_attention
+
+            return "triton" if triton_attention.TritonAttentionBackend.supports(model_config.head_dim) else "torch"
+        return wanted
+
     def _prefill_kernel(self, model_config: ModelConfig):
         """The C++ module if it runs this model's prefill attention: bf16 caches, and fp32 ones
         in int8 mode (exact fp32 stays on torch's SDPA, token-identical to transformers; fp16
-        has no kernel)."""
+        has no kernel). The triton backend runs every dtype's prefill spans."""
+        if self.attention_backend == "triton":
+            return self.decode_kernel
         k = self.decode_kernel
         inexact_fp32 = self.dtype == torch.float32 and self.config.int8_activations
         if (
@@ -153,6 +177,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), num_decodes=len(decodes)
         )
+        meta.kv_writer = self.kv_writer
         if decodes:
             width = max(len(t) for t in dec_tables)
             padded = [t + [0] * (width - len(t)) for t in dec_tables]
@@ -189,7 +214,7 @@ class ModelRunner:
         meta.prefill_spans = torch.tensor([[first, end, ctx] for first, end, ctx, _ in spans], dtype=torch.long)
         width = max(len(table) for *_, table in spans)
         meta.prefill_block_tables = torch.tensor(
-            [table + [0] * (width - len(table)) for *_, table in spans], dtype=torch.long
+            [table + [0] * (width - len(table)) for *_, table in spans], dtype=torch.long, device=self.device
         )
 
     @torch.inference_mode()

@@ -250,3 +250,30 @@ def prefill_attention_triton(out, q, k_cache, v_cache, spans, block_tables, sm_s
         N_KV=n_kv, GROUP=n_heads // n_kv, HEAD_DIM=d, BLOCK_SIZE=block_size, TILE_Q=TILE_M, TILE=TILE_N,
     )  # fmt: skip
     return out
+
+
+class TritonAttentionBackend:
+    """The kernels behind the interface ``attention.paged_attention`` calls on its kernel modules.
+
+    The method names and argument orders are those of the C++ CPU module, so the attention code
+    has one path whichever backend the runner picked."""
+
+    name = "triton"
+
+    @staticmethod
+    def supports(head_dim: int) -> bool:
+        """tl.arange needs a power-of-two extent: the head dim is one tile edge."""
+        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+
+    def paged_decode_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, sm_scale):
+        decode_attention_triton(out, q, k_cache, v_cache, block_tables, seq_lens, sm_scale)
+
+    def prefill_attention(self, out, q, k_cache, v_cache, spans, block_tables, sm_scale):
+        """``spans`` may be a host tensor: its longest span sizes the grid without a device sync."""
+        max_len = int((spans[:, 1] - spans[:, 0]).max())
+        prefill_attention_triton(
+            out, q, k_cache, v_cache, spans.to(q.device), block_tables.to(q.device), sm_scale, max_len
+        )

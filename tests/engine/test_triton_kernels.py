@@ -142,3 +142,31 @@ def test_prefill_attention_matches_reference(n_heads, n_kv, d, block_size, spans
         qpos = torch.arange(ctx - (e - s), ctx)
         ref = ref_attention(q[s:e], gather(k_cache, tables[i], ctx), gather(v_cache, tables[i], ctx), qpos)
         torch.testing.assert_close(out[s:e].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_engine_on_the_triton_backend_gives_the_cpu_paths_tokens(tiny_model_dir):
+    """The whole engine, forced onto the Triton kernels (interpreted), against its default CPU path in fp32:
+    mixed steps (decodes beside chunked prefill spans) and a prefix-cache hit."""
+    from pdserve import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    base = "a shared prefix that fills several blocks. "
+    prompts = ["hi", base + "one", "the quick brown fox jumps", base + "two, a longer tail"]
+    results = []
+    for backend in ("auto", "triton"):
+        llm = LLM(
+            tiny_model_dir,
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks=64,
+            max_num_batched_tokens=24,
+            max_num_seqs=4,
+            attention_backend=backend,
+        )
+        assert llm.engine.runner.attention_backend == ("triton" if backend == "triton" else "cpp")
+        first = [o.outputs[0].token_ids for o in llm.generate([base + "zero"], greedy)]
+        hits = llm.engine.block_manager.stats.hits_tokens
+        rest = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        assert llm.engine.block_manager.stats.hits_tokens - hits >= 40  # the prefix came from the cache
+        results.append(first + rest)
+    assert results[0] == results[1]
