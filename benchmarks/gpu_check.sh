@@ -62,7 +62,10 @@ stage() {
 PYVER="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 if [[ -d .gpu-wheels && "$PYVER" == 3.12 ]] && compgen -G ".gpu-wheels/*.whl" >/dev/null; then
     stage setup 90 "$PYTHON" -m pip install --no-index --find-links .gpu-wheels --no-deps --target "$WORK/site" \
-        .gpu-wheels/*.whl
+        .gpu-wheels/*.whl \
+        || stage setup-unzip 60 "$PYTHON" -c "import glob, sys, zipfile
+for w in glob.glob('.gpu-wheels/*.whl'): zipfile.ZipFile(w).extractall(sys.argv[1])" "$WORK/site"
+    # (a wheel is a zip of its packages: where the image has no pip, unpacking it is the install)
     export PYTHONPATH="$WORK/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
     echo "no .gpu-wheels/ for Python $PYVER: using the packages this Python has" | tee -a "$OUT/logs/stages.log"
