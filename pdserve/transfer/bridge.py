@@ -12,6 +12,7 @@ the difference).
 from __future__ import annotations
 
 from pdserve.kv.slots import slot_mapping
+from pdserve.transfer import host_copy
 from pdserve.transfer.connector import KVDestination, KVSender
 
 
@@ -92,7 +93,8 @@ class PrefillBridge:
             flat_k = k_cache.view(-1, *k_cache.shape[-2:])
             flat_v = v_cache.view(-1, *v_cache.shape[-2:])
             slots = slots.to(flat_k.device)
-            # index_select copies: the sender may read after these blocks are reused
-            k = flat_k.index_select(0, slots).cpu()
-            v = flat_v.index_select(0, slots).cpu()
+            # index_select copies: the sender may read after these blocks are reused; a CUDA
+            # cache's rows then go to pinned host memory, which the socket writes from
+            k = host_copy.to_host(flat_k.index_select(0, slots))
+            v = host_copy.to_host(flat_v.index_select(0, slots))
             self.sender.save_layer(dest.transfer_id, layer, start, k, v)

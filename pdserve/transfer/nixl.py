@@ -150,6 +150,8 @@ class NixlKVReceiver(KVReceiverServer):
                 "row_shape": list(k0.shape[-2:]),
                 "layers": [[k.data_ptr(), v.data_ptr(), k.numel() * k.element_size()] for k, v in self.kv_caches],
             }
+            if k0.is_cuda:  # said only then: a CPU cache's answer stays as it was
+                header["mem"] = "VRAM"
             return header, [torch.frombuffer(bytearray(self._metadata), dtype=torch.uint8)]
         return super()._on_frame(h, payload)
 
@@ -168,14 +170,18 @@ class _Remote:
         self.agent = agent_name
         self.dtype = wire.DTYPES[header["dtype"]]
         self.layers = [tuple(x) for x in header["layers"]]  # (K address, V address, bytes each)
+        # where the cache lives: NIXL names GPU memory VRAM, host memory DRAM
+        self.mem = "VRAM" if header.get("mem") == "VRAM" else "DRAM"
 
 
 class _Write:
     """One layer's WRITE: its descriptors, source tensors and registrations, and the
     posted transfer that carries it (None until posted)."""
 
-    def __init__(self, agent: str, local: list, remote: list, k, v, reg: list):
+    def __init__(self, agent: str, local: list, remote: list, k, v, reg: list, remote_mem: str = "DRAM"):
         self.agent, self.local, self.remote, self.k, self.v, self.reg = agent, local, remote, k, v, reg
+        self.local_mem = "VRAM" if k.is_cuda else "DRAM"
+        self.remote_mem = remote_mem
         self.xfer: _Xfer | None = None
 
 
@@ -250,7 +256,7 @@ class NixlKVSender(TcpKVSender):
                 local.append((src.data_ptr() + off * row, m * row, 0))
                 remote.append((base + first * row, m * row, 0))
         header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": n, "inplace": True}
-        w = _Write(r.agent, local, remote, k, v, [self._register(k), self._register(v)])
+        w = _Write(r.agent, local, remote, k, v, [self._register(k), self._register(v)], r.mem)
         with self._lock:
             self._pending[id(header)] = w
             self._unposted.append(id(header))
@@ -299,7 +305,11 @@ class NixlKVSender(TcpKVSender):
             if w is None:  # forgotten since it was queued
                 self._unposted.popleft()
                 continue
-            if batch and w.agent != batch[0].agent:
+            if batch and (w.agent, w.local_mem, w.remote_mem) != (
+                batch[0].agent,
+                batch[0].local_mem,
+                batch[0].remote_mem,
+            ):
                 break
             self._unposted.popleft()
             batch.append(w)
@@ -311,8 +321,8 @@ class NixlKVSender(TcpKVSender):
         try:
             x.handle = self.agent.initialize_xfer(
                 "WRITE",
-                self.agent.get_xfer_descs([d for w in batch for d in w.local], "DRAM"),
-                self.agent.get_xfer_descs([d for w in batch for d in w.remote], "DRAM"),
+                self.agent.get_xfer_descs([d for w in batch for d in w.local], batch[0].local_mem),
+                self.agent.get_xfer_descs([d for w in batch for d in w.remote], batch[0].remote_mem),
                 batch[0].agent,
             )
             x.state = self.agent.transfer(x.handle)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve import auth
-from pdserve.transfer import wire
+from pdserve.transfer import host_copy, wire
 from pdserve.transfer.connector import KVDestination, KVReceiver, KVTransferError, TransferStats
 
 log = logging.getLogger("pdserve.transfer")
@@ -258,7 +258,7 @@ class KVReceiverServer(KVReceiver):
         if h.get("scaled"):
             return None
         k_cache, v_cache = self.kv_caches[layer]
-        if h.get("dtype") != str(k_cache.dtype).removeprefix("torch."):
+        if h.get("dtype") != str(k_cache.dtype).removeprefix("torch.") or not host_copy.receives_in_place(k_cache):
             return None
         row = tuple(k_cache.shape[-2:])
         runs = e.runs.get((lo, n))
@@ -277,9 +277,12 @@ class KVReceiverServer(KVReceiver):
             shape = (n,) + tuple(k_cache.shape[-2:])
             k, off = wire.decode(payload, h, shape, 0)
             v, _ = wire.decode(payload, h, shape, off)
+            k, v = host_copy.to_device(k, k_cache.device), host_copy.to_device(v, v_cache.device)
             slots = e.slots[lo : lo + n]
-            wire.copy_into_slots(k_cache.view(-1, *shape[1:]), slots, k)
-            wire.copy_into_slots(v_cache.view(-1, *shape[1:]), slots, v)
+            runs = wire.slot_runs(slots)  # from the host copy of the slots, once for K and V
+            slots = host_copy.to_device(slots, k_cache.device)  # a scatter indexes on the cache's device
+            wire.copy_into_slots(k_cache.view(-1, *shape[1:]), slots, k, runs)
+            wire.copy_into_slots(v_cache.view(-1, *shape[1:]), slots, v, runs)
         self._mark_landed(e, h)
 
     def _mark_landed(self, e: _Expected, h: dict) -> None:

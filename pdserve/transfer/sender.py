@@ -352,6 +352,11 @@ class ShmKVSender(TcpKVSender):
         super().begin(dest, num_layers)
 
     def save_layer(self, transfer_id, layer, token_start, k, v):
+        if k.is_cuda or v.is_cuda:
+            raise KVTransferError(
+                "shared-memory KV transfer writes host memory: hand it host tensors (PrefillBridge stages "
+                "a CUDA cache's rows there) or send over TCP"
+            )
         t = self._transfers[transfer_id]
         caches = self._maps[t.dest.shm_paths[0]]
         slots, runs = self._destination(t, token_start, k.shape[0])
