@@ -29,6 +29,12 @@ class Linear(nn.Linear):
     step of 16 rows at 256 context: 186 ms of CPU time vs 260 ms on the dense fp32
     path); at 32 they tie. In bf16 mode the block kernel still computes in fp32
     (the GGUF values exactly) and its output is rounded to the model's dtype.
+
+    With int8 activations (the default of `dtype="auto"` on an AVX2 CPU, where fp32
+    is the fastest float GEMM) products of more than `max_rows` rows go to the int8
+    GEMM too (`int8_gemm.cpp`): the activations rounded to int8 per 32 values, the
+    weights the file's own blocks, repacked once into `gemm_weight`. Not
+    token-identical to fp32; its agreement is in docs/performance.md.
     """
 
     qweight: torch.Tensor | None = None
