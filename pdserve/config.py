@@ -225,7 +225,7 @@ class DeviceConfig:
         "index_copy, no compiled kernels), triton (the Triton kernels: on cpu only under TRITON_INTERPRET=1)",
     )
     enforce_eager: bool = setting(
-        False, help="never capture CUDA graphs: every step runs eagerly (cuda only; cpu is always eager)"
+        False, help="never capture CUDA graphs (vLLM's name; accepted, no effect yet: every step runs eagerly)"
     )
     dtype_reason: str = internal("", why="set when 'auto' is resolved, logged at start-up")
 

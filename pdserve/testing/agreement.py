@@ -108,8 +108,8 @@ def measure(reference, prompts: list[list[int]], outputs: list[list[int]]) -> Ag
     """Teacher-forced agreement of `outputs` (the engine's greedy tokens) with `reference`."""
     res = Agreement()
     for p, out in zip(prompts, outputs):
-        ids = torch.tensor([list(p) + list(out)])
-        logits = reference(ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        ids = torch.tensor([list(p) + list(out)], device=reference.device)
+        logits = reference(ids, attention_mask=torch.ones_like(ids)).logits[0].float().cpu()
         lp = torch.log_softmax(logits[len(p) - 1 : len(p) - 1 + len(out)], dim=-1)
         chosen = torch.tensor(out)
         top = lp.argmax(-1)
