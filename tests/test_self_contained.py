@@ -21,6 +21,8 @@ FORBIDDEN = re.compile(
             r"\.\./" + _NOTES,  # the sibling notes checkout
             _NOTES + "/FIND" + "INGS",
             _NOTES + "/SP" + "EC",  # documents kept there
+            r"\bFIND" + r"INGS\.md",  # ... also named without their folder
+            r"\bSP" + r"EC\.md",
             "se" + "ed 00[03] \u00a7",  # numbered sections of the design documents
         ]
     )

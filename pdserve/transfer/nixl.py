@@ -77,8 +77,9 @@ _agent_lock = threading.Lock()
 
 def make_agent(prefix: str, progress_delay_us: int = PROGRESS_DELAY_US):
     """A NIXL agent with UCX on host memory. UCX over TCP works on any host; a
-    progress thread keeps small transfers from stalling (FINDINGS.md), polling
-    every `progress_delay_us`."""
+    progress thread keeps small transfers from stalling (without one, a transfer
+    that no caller polls waits for the next one to move), polling every
+    `progress_delay_us`."""
     os.environ.setdefault("UCX_TLS", "tcp")
     if not os.path.isdir("/sys/class/infiniband"):
         os.environ.setdefault("UCX_MODULES", "^ib")  # libibverbs without RDMA hardware crashes at exit
