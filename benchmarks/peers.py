@@ -35,11 +35,10 @@ import sys
 import time
 
 from interference_lib import ServerProcess, _cpu_s, _session_pids, load_str
-from interference_vllm import ensure_hf_dir, ensure_venv, vllm_version
+from interference_vllm import SERVED_NAME, ensure_hf_dir, ensure_venv, vllm_command, vllm_version
 from pdserve.bench import TokenSource, datasets
 from pdserve.bench.runner import run_benchmark
 
-SERVED_NAME = "smollm2-135m"
 HIGHER = {"prefill_512": "tok/s", "prefill_2048": "tok/s", "decode_b1": "tok/s", "batch_64": "tok/s"}
 LOWER = {"batch_64_tpot": "ms", "start": "s"}
 
@@ -88,31 +87,7 @@ def figures(name: str, result: dict) -> dict[str, float]:
 def vllm_server(args, out_dir: str) -> tuple[str, ServerProcess]:
     py = ensure_venv(args.venv)
     hf_dir = ensure_hf_dir(args.hf_dir, None)
-    cores = sorted(os.sched_getaffinity(0))[: args.threads]
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="4",
-        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}-{cores[-1]}",
-        OMP_NUM_THREADS=str(args.threads),
-    )
-    cmd = [
-        py,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        hf_dir,
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--max-model-len",
-        "4096",
-        "--no-enable-log-requests",
-    ]
-    if args.vllm_dtype:
-        cmd += ["--dtype", args.vllm_dtype]
+    cmd, env = vllm_command(py, hf_dir, threads=args.threads, max_model_len=4096, dtype=args.vllm_dtype)
     return f"vLLM-CPU {vllm_version(py)}", ServerProcess([], os.path.join(out_dir, "vllm.log"), 900, cmd=cmd, env=env)
 
 
