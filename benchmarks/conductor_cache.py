@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 from conductor_common import Deployment, load_str
@@ -36,28 +35,6 @@ from pdserve.bench.tokens import TokenSource
 TRACE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "mooncake_conversation_sample.jsonl"
 )
-
-
-def select_conversations(
-    path: str, conversations: int, min_turns: int, max_turns: int, max_input_tokens: int
-) -> list[dict]:
-    """Trace records of the first conversations with >= min_turns turns, in trace order.
-
-    A conversation's turns share their first hash ids (hash 0 is the system prompt
-    every request shares; the next one is the conversation's first turn); a turn's
-    last block is partial, so the next turn re-hashes it and only a prefix matches."""
-    chains: dict[tuple, list[dict]] = {}
-    for line in open(path):
-        if line.strip():
-            r = json.loads(line)
-            chains.setdefault(tuple(r["hash_ids"][:3]), []).append(r)
-    keep = [
-        c[:max_turns]
-        for c in chains.values()
-        if len(c) >= min_turns and max(t["input_length"] for t in c[:max_turns]) <= max_input_tokens
-    ]
-    keep = keep[:conversations]
-    return sorted((t for c in keep for t in c), key=lambda t: t["timestamp"])
 
 
 def run_policy(policy: str, requests, args) -> dict:
@@ -122,19 +99,16 @@ def main() -> int:
     from pdserve.engine.loader import default_model_path, load_model_info
 
     vocab = load_model_info(args.model or default_model_path()).config.vocab_size
-    recs = select_conversations(args.trace, args.conversations, args.min_turns, args.max_turns, args.max_input_tokens)
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
-    try:
-        requests = datasets.mooncake(
-            f.name,
-            len(recs),
-            TokenSource(vocab_size=vocab),
-            seed=args.seed,
-            scaling=datasets.MooncakeScaling(block_tokens=args.block_tokens, output_scale=args.output_scale),
-        )
-    finally:
-        os.unlink(f.name)
+    convs = datasets.mooncake_conversations(
+        args.trace,
+        args.conversations,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        max_input_tokens=args.max_input_tokens,
+    )
+    recs = sorted((t for c in convs for t in c), key=lambda t: t["timestamp"])
+    scaling = datasets.MooncakeScaling(block_tokens=args.block_tokens, output_scale=args.output_scale)
+    requests = datasets.mooncake_records(recs, TokenSource(vocab_size=vocab), seed=args.seed, scaling=scaling)
     mean_in = sum(r.prompt_len for r in requests) / len(requests)
     mean_out = sum(r.output_len for r in requests) / len(requests)
     unique = len({h for r in recs for h in r["hash_ids"]}) * args.block_tokens

@@ -62,41 +62,11 @@ TIERS = ("host", "disk", "mooncake")
 
 
 # ---- workload
-def select_conversations(
-    path: str, conversations: int, min_turns: int, max_turns: int, max_input_tokens: int
-) -> list[list[dict]]:
-    """The first conversations with >= min_turns turns (turns grouped by their first three
-    hash ids: hash 0 is the system prompt every request shares, the next ones the
-    conversation's opening), each cut to its first max_turns turns."""
-    chains: dict[tuple, list[dict]] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                chains.setdefault(tuple(r["hash_ids"][:3]), []).append(r)
-    keep = [
-        c[:max_turns]
-        for c in chains.values()
-        if len(c) >= min_turns and max(t["input_length"] for t in c[:max_turns]) <= max_input_tokens
-    ]
-    return keep[:conversations]
-
-
 def build_requests(convs: list[list[dict]], args, vocab_size: int) -> tuple[list, dict]:
     """The requests in trace order, and what they are (sizes against the pool)."""
     recs = sorted((t for c in convs for t in c), key=lambda t: t["timestamp"])
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
-    try:
-        reqs = datasets.mooncake(
-            f.name,
-            len(recs),
-            TokenSource(vocab_size=vocab_size),
-            seed=args.seed,
-            scaling=datasets.MooncakeScaling(block_tokens=args.block_tokens),
-        )
-    finally:
-        os.unlink(f.name)
+    scaling = datasets.MooncakeScaling(block_tokens=args.block_tokens)
+    reqs = datasets.mooncake_records(recs, TokenSource(vocab_size=vocab_size), seed=args.seed, scaling=scaling)
     for r in reqs:
         r.output_len = args.max_tokens
     bs = args.block_size
@@ -432,7 +402,13 @@ def main(argv=None) -> int:
     from pdserve.engine.loader import default_model_path, load_model_info
 
     vocab = load_model_info(default_model_path()).config.vocab_size
-    convs = select_conversations(args.trace, args.conversations, args.min_turns, args.max_turns, args.max_input_tokens)
+    convs = datasets.mooncake_conversations(
+        args.trace,
+        args.conversations,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        max_input_tokens=args.max_input_tokens,
+    )
     reqs, info = build_requests(convs, args, vocab)
     result = {"args": vars(args), "cpu": cpu(), "workload": info, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"CPU: {result['cpu']['model']}, {result['cpu']['cores']} cores, avx512_bf16: {result['cpu']['avx512_bf16']}")

@@ -8,9 +8,11 @@ prefills, with no tokenizer round trip; `as_text=True` gives text for chat.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -223,14 +225,26 @@ def mooncake(
 ) -> list[Request]:
     """Replay a Mooncake trace: the same hash id is the same block of tokens in every request,
     so requests share exactly the prefixes the trace says they share."""
+    records = itertools.islice(_jsonl(path, skip_bad), max(0, num_prompts))
+    return mooncake_records(records, tokens, seed=seed, scaling=scaling, as_text=as_text)
+
+
+def mooncake_records(
+    records: Iterable[dict],
+    tokens: TokenSource,
+    *,
+    seed: int = 0,
+    scaling: MooncakeScaling | None = None,
+    as_text: bool = False,
+) -> list[Request]:
+    """`mooncake` on trace records already read (a selection of a trace, in the order given);
+    arrival times count from the first record's timestamp."""
     sc = scaling or MooncakeScaling()
     blocks: dict[int, list[int]] = {}
     rng = np.random.default_rng([seed, 4])
     out: list[Request] = []
     t0 = None
-    for rec in _jsonl(path, skip_bad):
-        if len(out) == num_prompts:
-            break
+    for rec in records:
         n_in = max(1, round(rec["input_length"] * sc.block_tokens / MOONCAKE_BLOCK_TOKENS))
         ids: list[int] = []
         for h in rec["hash_ids"]:
@@ -245,6 +259,30 @@ def mooncake(
         n_out = max(1, round(rec["output_length"] * sc.output_scale))
         out.append(Request(_prompt(ids, tokens, as_text), n_in, n_out, arrival_s=arrival_s))
     return out
+
+
+def mooncake_conversations(
+    path: str, conversations: int, *, min_turns: int, max_turns: int, max_input_tokens: int
+) -> list[list[dict]]:
+    """The first `conversations` multi-turn conversations of a Mooncake trace, each the records
+    of its first `max_turns` turns in trace order.
+
+    A conversation's turns share their first hash ids: hash 0 is the system prompt every request
+    shares, the next ones the conversation's opening, so turns are grouped by their first three.
+    A turn's last block is partial, so the next turn re-hashes it and only a prefix matches. Kept:
+    conversations with at least `min_turns` turns whose kept turns are all at most
+    `max_input_tokens` long (trace tokens, before any scaling)."""
+    if min_turns < 1 or max_turns < min_turns:
+        raise ValueError("mooncake conversations: 1 <= min_turns <= max_turns")
+    chains: dict[tuple, list[dict]] = {}
+    for rec in _jsonl(path, False):
+        chains.setdefault(tuple(rec["hash_ids"][:3]), []).append(rec)
+    keep = [
+        c[:max_turns]
+        for c in chains.values()
+        if len(c) >= min_turns and max(t["input_length"] for t in c[:max_turns]) <= max_input_tokens
+    ]
+    return keep[:conversations]
 
 
 def _jsonl(path: str, skip_bad: bool):

@@ -96,6 +96,35 @@ def test_mooncake_real_trace_head():
     assert sum(p == first[0] for p in first) > 10  # hash id 0 starts many conversations
 
 
+def test_mooncake_conversations_group_turns_and_replay_from_records(tmp_path):
+    sys_prompt = [0]
+    turns = [  # conversation A: 3 turns, B: 2 turns (too few), C: 3 turns with one too long
+        {"timestamp": 10, "input_length": 600, "output_length": 8, "hash_ids": sys_prompt + [1, 2]},
+        {"timestamp": 20, "input_length": 600, "output_length": 8, "hash_ids": sys_prompt + [5, 6]},
+        {"timestamp": 30, "input_length": 900, "output_length": 8, "hash_ids": sys_prompt + [1, 2, 3]},
+        {"timestamp": 40, "input_length": 600, "output_length": 8, "hash_ids": sys_prompt + [8, 9]},
+        {"timestamp": 50, "input_length": 1200, "output_length": 8, "hash_ids": sys_prompt + [1, 2, 3, 4]},
+        {"timestamp": 60, "input_length": 600, "output_length": 8, "hash_ids": sys_prompt + [8, 9, 10]},
+        {"timestamp": 70, "input_length": 99999, "output_length": 8, "hash_ids": sys_prompt + [8, 9, 10, 11]},
+        {"timestamp": 80, "input_length": 700, "output_length": 8, "hash_ids": sys_prompt + [5, 6, 7]},
+    ]
+    path = _trace(tmp_path, turns)
+    convs = datasets.mooncake_conversations(path, 5, min_turns=3, max_turns=3, max_input_tokens=2000)
+    assert [[t["timestamp"] for t in c] for c in convs] == [[10, 30, 50]]
+    # C's third turn is too long only once it is kept
+    convs = datasets.mooncake_conversations(path, 5, min_turns=2, max_turns=2, max_input_tokens=2000)
+    assert [[t["timestamp"] for t in c] for c in convs] == [[10, 30], [20, 80], [40, 60]]
+    assert len(datasets.mooncake_conversations(path, 1, min_turns=2, max_turns=2, max_input_tokens=2000)) == 1
+    with pytest.raises(ValueError, match="min_turns"):
+        datasets.mooncake_conversations(path, 5, min_turns=3, max_turns=2, max_input_tokens=2000)
+    # replaying the records in the order given is replaying a trace of just those lines
+    recs = sorted((t for c in convs for t in c), key=lambda t: t["timestamp"])
+    sc = MooncakeScaling(block_tokens=8)
+    assert datasets.mooncake_records(recs, TOK, scaling=sc) == datasets.mooncake(
+        _trace(tmp_path, recs), 99, TOK, scaling=sc
+    )
+
+
 @pytest.mark.parametrize(
     "line, reason",
     [
