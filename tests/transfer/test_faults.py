@@ -4,6 +4,7 @@ Faults are injected inside the real sender ($PDSERVE_KV_FAULT) or by killing a
 process; everything else is the real router, workers and sockets.
 """
 
+import json
 import os
 import time
 
@@ -132,8 +133,6 @@ def test_decode_dies_mid_stream(sharp_model_dir, reference):
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                import json
-
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
                 text += chunk["choices"][0]["text"]
