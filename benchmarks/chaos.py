@@ -62,6 +62,7 @@ from pdserve.bench import datasets
 from pdserve.bench.client import CHAT, COMPLETIONS
 from pdserve.bench.runner import RunState, run_benchmark
 from pdserve.bench.tokens import TokenSource
+from pdserve.config import cpu_model
 from pdserve.ports import free_port, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1166,14 +1167,6 @@ def summary_rows(results: list[dict]) -> list[str]:
             f"{sum(r['ok'] for r in rs)}/{len(rs)} |"
         )
     return lines
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def write_report(out_dir: str, meta: dict, results: list[dict]) -> None:

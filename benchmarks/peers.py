@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,24 +37,10 @@ from interference_lib import ServerProcess, _cpu_s, _session_pids, load_str
 from interference_vllm import SERVED_NAME, ensure_hf_dir, ensure_venv, vllm_command, vllm_version
 from pdserve.bench import TokenSource, datasets
 from pdserve.bench.runner import run_benchmark
+from pdserve.config import cpu_description
 
 HIGHER = {"prefill_512": "tok/s", "prefill_2048": "tok/s", "decode_b1": "tok/s", "batch_64": "tok/s"}
 LOWER = {"batch_64_tpot": "ms", "start": "s"}
-
-
-def cpu_name() -> str:
-    flags, model = set(), platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx512_bf16", "amx_bf16", "avx512_vnni", "avx512f", "avx2") if f in flags]
-    return f"{model} ({', '.join(isa) or 'no AVX'}), {os.cpu_count()} CPUs"
 
 
 def workloads(tokens: TokenSource, rnd: int) -> dict[str, tuple[list, int | None]]:
@@ -189,7 +174,7 @@ def main(argv=None) -> int:
     base = servers[0][0]
     rows: dict[str, dict[str, list[float]]] = {label: {} for label, _ in servers}
     meta = {
-        "cpu": cpu_name(),
+        "cpu": cpu_description(),
         "load_before": load_str(),
         "rounds": args.rounds,
         "threads": args.threads,

@@ -42,10 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +51,7 @@ import time
 from pdserve.bench import datasets
 from pdserve.bench.runner import run_benchmark
 from pdserve.bench.tokens import TokenSource
+from pdserve.config import cpu_flags, cpu_model
 from pdserve.testing.serve import Serve
 
 TRACE = os.path.join(
@@ -227,15 +226,7 @@ def _prefill_counters(dep: Serve) -> dict[str, float]:
 
 # ---- report
 def cpu() -> dict:
-    model = platform.processor() or "unknown"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-        flags = open("/proc/cpuinfo").read()
-    except (OSError, subprocess.CalledProcessError):
-        flags = ""
-    return {"model": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags}
+    return {"model": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in cpu_flags()}
 
 
 def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:

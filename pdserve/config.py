@@ -335,6 +335,26 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("?" where it names none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def cpu_description() -> str:
+    """One line for a benchmark's report: model, the vector features that decide the kernels
+    and dtype, and the CPU count, e.g. "AMD EPYC 9B45 (avx512_bf16, avx512f, avx2), 2 CPUs"."""
+    flags = cpu_flags()
+    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f", "avx_vnni", "avx2") if f in flags]
+    return f"{cpu_model()} ({', '.join(isa) or 'no AVX'}), {os.cpu_count()} CPUs"
+
+
 _BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
