@@ -50,7 +50,12 @@ def norm(name: str) -> str:
 
 
 def carried() -> dict[str, str]:
-    out = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_wheels.sh"), "--list"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu_wheels.sh"), "--list"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert out.returncode == 0, out.stderr
     pins = [line.split("==") for line in out.stdout.split()]
     assert all(len(p) == 2 for p in pins), "every wheel is pinned to one version"
@@ -121,9 +126,19 @@ def test_wheel_list_is_closed_under_requirements():
 
 
 def test_wheel_pins_match_this_venv():
-    """The device runs the versions the tests here ran."""
+    """The device runs the versions the tests here ran: the script pins what $PYTHON has."""
     for name, version in carried().items():
         assert md.version(name) == version, name
+
+
+def test_wheel_list_stops_on_a_package_this_venv_lacks(tmp_path):
+    script = tmp_path / "gpu_wheels.sh"
+    text = (ROOT / "benchmarks/gpu_wheels.sh").read_text().replace("    gguf\n", "    gguf\n    no-such-dist-pdserve\n")
+    script.write_text(text.replace('cd "$(dirname "$0")/.."', f"cd {ROOT}"))
+    out = subprocess.run(
+        ["bash", str(script), "--list"], capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable}
+    )
+    assert out.returncode != 0 and "no-such-dist-pdserve is not installed" in out.stderr
 
 
 @pytest.mark.integration
