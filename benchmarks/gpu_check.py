@@ -286,6 +286,8 @@ def cmd_pdserve(a) -> None:
         "engine_args": {k: v for k, v in kwargs.items()},
         "load_s": round(time.perf_counter() - t0, 2),
     }
+    graphs = getattr(llm.engine.runner, "graphs", None)
+    data["cuda_graphs"] = bool(graphs is not None and graphs.capture)  # decode steps replay captured graphs
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
@@ -414,6 +416,7 @@ def model_summary(parts: dict, shape: str, bandwidth: float | None, nominal: flo
     batch = get(pd, "batch", "output_tokens_per_s")
     hf_single = get(hf, "decode", "tokens_per_s")
     s: dict = {
+        "cuda_graphs": get(pd, "cuda_graphs"),
         "decode_tokens_per_s": single,
         "batch_output_tokens_per_s": batch,
         "prefill_tokens_per_s": get(pd, "prefill", "tokens_per_s"),
@@ -469,13 +472,14 @@ def cmd_report(a) -> int:
         f"Copy bandwidth: {fmt(bw and bw / 1e12, '.2f')} TB/s measured"
         + (f", {nominal / 1e12:.1f} TB/s nominal" if nominal else ""),
         "",
-        "| model | decode tok/s (batch 1) | transformers tok/s | x transformers | roofline tok/s (measured BW) "
-        "| % roofline | batch out tok/s | batch / single | prefill tok/s | TTFT ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | CUDA graphs | decode tok/s (batch 1) | transformers tok/s | x transformers "
+        "| roofline tok/s (measured BW) | % roofline | batch out tok/s | batch / single | prefill tok/s | TTFT ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s, m in models.items():
+        graphs = {True: "on", False: "off", None: "-"}[m["cuda_graphs"]]
         lines.append(
-            f"| {s} | {fmt(m['decode_tokens_per_s'])} | {fmt(m['transformers_decode_tokens_per_s'])} "
+            f"| {s} | {graphs} | {fmt(m['decode_tokens_per_s'])} | {fmt(m['transformers_decode_tokens_per_s'])} "
             f"| {fmt(m['x_transformers'], '.2f')} | {fmt(m['roofline_tokens_per_s_measured'])} "
             f"| {fmt(m['roofline_pct_measured'])} | {fmt(m['batch_output_tokens_per_s'])} "
             f"| {fmt(m['batch_over_single'], '.1f')} | {fmt(m['prefill_tokens_per_s'], '.0f')} "
@@ -524,7 +528,7 @@ def main(argv=None) -> int:
                 "--enforce-eager",
                 choices=("on", "off"),
                 default=None,
-                help="pass enforce_eager to LLM (only engines with CUDA graphs take it; default: not passed)",
+                help="pass enforce_eager to LLM (on: no CUDA graphs; default: not passed, the engine's default)",
             )
     r = sub.add_parser("report")
     r.add_argument("--parts", required=True)

@@ -225,7 +225,9 @@ class DeviceConfig:
         "index_copy, no compiled kernels), triton (the Triton kernels: on cpu only under TRITON_INTERPRET=1)",
     )
     enforce_eager: bool = setting(
-        False, help="never capture CUDA graphs (vLLM's name; accepted, no effect yet: every step runs eagerly)"
+        False,
+        help="never capture CUDA graphs: every decode step runs eagerly (cuda with the triton backend "
+        "captures them by default; cpu is always eager)",
     )
     dtype_reason: str = internal("", why="set when 'auto' is resolved, logged at start-up")
 

@@ -67,6 +67,9 @@ class ModelRunner:
                 )
                 for _ in range(model_config.num_hidden_layers)
             ]
+        self.graphs = None  # cuda_graphs.DecodeGraphs, when decode steps replay CUDA graphs
+        if self.device.type == "cuda" and self.attention_backend == "triton" and not config.device.enforce_eager:
+            self.enable_decode_graphs(capture=True)
 
     def _attention_backend(self, model_config: ModelConfig) -> str:
         """triton, cpp or torch, from the setting and the device.
@@ -133,6 +136,17 @@ class ModelRunner:
 
         atexit.register(cleanup)
         return caches
+
+    def enable_decode_graphs(self, capture: bool = True) -> None:
+        """Decode-only steps through `cuda_graphs.DecodeGraphs`: captured CUDA graphs, or with
+        `capture=False` the same padded static-buffer path run eagerly (how a CPU test checks it)."""
+        from pdserve.engine.cuda_graphs import DecodeGraphs
+
+        mp = self.model_config.max_position_embeddings
+        max_len = min(self.config.max_model_len or mp, mp)
+        max_blocks = -(-max_len // self.block_size)
+        self.graphs = DecodeGraphs(self, self.config.scheduler.max_num_seqs, max_blocks, capture=capture)
+        self.graphs.capture_all()
 
     def _blocks_for_memory(self) -> int:
         per_token = self.model_config.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8)
@@ -221,6 +235,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):
         """Run the step; returns (logits for the sampling rows, those rows)."""
         input_ids, positions, meta, logits_idx, rows = self.prepare(out, kv)
+        if self.graphs is not None and self.graphs.can_run(meta.num_decodes, input_ids.shape[0], on_layer_done):
+            return self.graphs.run(input_ids, positions, meta, logits_idx), rows
         meta.on_layer_done = on_layer_done
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
         return logits, rows

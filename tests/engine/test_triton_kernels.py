@@ -170,3 +170,86 @@ def test_engine_on_the_triton_backend_gives_the_cpu_paths_tokens(tiny_model_dir)
         assert llm.engine.block_manager.stats.hits_tokens - hits >= 40  # the prefix came from the cache
         results.append(first + rest)
     assert results[0] == results[1]
+
+
+def test_bucket_sizes():
+    from pdserve.engine.cuda_graphs import bucket_sizes
+
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(4) == [1, 2, 4]
+    assert bucket_sizes(6) == [1, 2, 4, 6]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.parametrize("budget", [4, 24])
+def test_padded_decode_graph_path_gives_the_eager_tokens(tiny_model_dir, budget):
+    """What a CUDA graph replays (static buffers, the bucket's padded rows with slot -1 and one
+    token of context, stale block-table columns), run eagerly on the Triton kernels, against the
+    plain eager path. Budget 4 with 4 sequences: once three decode, the fourth prompt is fed one
+    token a step, so one-token entries that sample nothing ride in the padded batch too."""
+    from pdserve import LLM, SamplingParams
+
+    # the batch shrinks 4 -> 3 -> 2 as requests finish: 3 runs padded to the bucket of 4
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 5, 3, 10)]
+    prompts = ["hi", "the quick brown fox", "x", "a longer prompt that spans several blocks of four tokens"]
+    results = []
+    for graphs in (False, True):
+        llm = LLM(
+            tiny_model_dir,
+            dtype="float32",
+            block_size=4,
+            num_gpu_blocks=64,
+            max_num_batched_tokens=budget,
+            max_num_seqs=4,
+            attention_backend="triton",
+        )
+        runner = llm.engine.runner
+        assert runner.graphs is None  # a CPU never captures
+        if graphs:
+            runner.enable_decode_graphs(capture=False)
+            assert runner.graphs.sizes == [1, 2, 4]
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        if graphs:
+            assert runner.graphs.replays >= 9  # every decode step (10 tokens: 1 from a prefill) went this way
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert results[0] == results[1]
+
+
+def test_padded_rows_write_no_kv_and_read_one_token(tiny_model_dir):
+    """Rows past the step's own in a bucket: whatever a previous step left in the static buffers,
+    they write nowhere (slot -1) and attend to one token, and their logits are not returned."""
+    from pdserve import LLM
+    from pdserve.engine.attention import AttentionMetadata
+
+    llm = LLM(
+        tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=16, max_num_seqs=4, attention_backend="triton"
+    )
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(capture=False)
+    g = runner.graphs
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    g.slots[3] = 13  # a stale slot of an earlier, bigger step: a live sequence's token now
+    g.seq_lens[3] = 9
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    long = dict(dtype=torch.long)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([0, 5, 9], **long), num_decodes=3)
+    meta.decode_block_tables = torch.tensor([[0, 0], [0, 1], [0, 2]], **long)
+    meta.decode_seq_lens = torch.tensor([1, 6, 6], **long)
+    ids, pos = torch.tensor([7, 8, 9], **long), torch.tensor([0, 5, 5], **long)
+    logits = g.run(ids, pos, meta, torch.tensor([0, 2], **long))
+    assert logits.shape[0] == 2  # row 1 samples nothing (the end of a prompt chunk)
+    assert g.slots[3] == -1 and g.seq_lens[3] == 1
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        changed = ((k0 != k1).flatten(2).any(2) | (v0 != v1).flatten(2).any(2)).nonzero().tolist()
+        assert sorted(b * 4 + o for b, o in changed) == [0, 5, 9]  # exactly the step's own slots
+    # the same step eagerly: the same logits for the rows that sample
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        k.copy_(k0)
+        v.copy_(v0)
+    meta.kv_writer, meta.decode_kernel = runner.kv_writer, runner.decode_kernel
+    eager = runner.model(ids, pos, runner.kv_caches, meta, torch.tensor([0, 2], **long))
+    torch.testing.assert_close(logits, eager)

@@ -5,7 +5,8 @@ network and no embedded GGUF, so the model is the tiny random-weight Llama of te
 little wider (head dim 32) and sharper (fewer near-ties between the top two logits).
 
 - float32 is the exact mode: greedy tokens identical to transformers' fp32 `generate`, on both
-  attention backends (the Triton kernels and the PyTorch path), with chunked prefill and batching.
+  attention backends (the Triton kernels, whose decode steps replay CUDA graphs, and the PyTorch
+  path), with chunked prefill and batching; graphs and `enforce_eager` give the same tokens.
 - bfloat16 (what `dtype="auto"` picks on CUDA) is not token-identical; its greedy tokens must agree
   with transformers in bf16, teacher-forced, on >= 97% of the steps, as on a CPU.
 
@@ -115,6 +116,27 @@ def test_auto_is_bf16_on_the_triton_kernels(model_dir):
     assert runner.dtype == torch.bfloat16
     assert runner.attention_backend == "triton"
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
+
+
+def test_decode_steps_replay_cuda_graphs_and_give_the_eager_tokens(model_dir):
+    """On CUDA the Triton backend captures a graph per batch bucket; the batch shrinks as requests
+    finish, so steps replay padded buckets. enforce_eager gives the same tokens without graphs."""
+    if not DEVICE.startswith("cuda"):
+        pytest.skip("CUDA graphs need a CUDA device (tests/engine/test_triton_kernels.py checks the padded path)")
+    pytest.importorskip("triton")
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (16, 11, 5, 13)]
+    results = []
+    for eager in (True, False):
+        llm = engine(model_dir, "float32", "triton", enforce_eager=eager)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        results.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)])
+        if not eager:
+            assert graphs.capture and sorted(graphs.graphs) == [1, 2, 4]
+            assert graphs.replays >= 12
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert results[0] == results[1]
 
 
 def test_bf16_greedy_agrees_with_transformers_bf16(model_dir):
