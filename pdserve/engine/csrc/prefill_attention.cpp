@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -35,6 +36,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PDS_BF16_DOT 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -84,6 +89,43 @@ inline __m512bh bcast_pair(const uint16_t* p) {  // the bf16 pair p[0], p[1] in 
   int32_t w;
   std::memcpy(&w, p, sizeof w);
   return (__m512bh)_mm512_set1_epi32(w);
+}
+
+// One row's 64 raw scores s (q.k) of a key tile, of which the first n are visible:
+// the online softmax update of its running max m and sum l, the weights P rounded
+// to bf16 into p (0 past n), and the factor the row's output must be rescaled by.
+inline float softmax_tile(const __m512 s[4], int n, float c, float& m, float& l, uint16_t* p) {
+  if (n == 0) {  // the whole tile is in this row's future
+    std::memset(p, 0, sizeof(uint16_t) * kKeyTile);
+    return 1.f;
+  }
+  const __m512 cv = _mm512_set1_ps(c), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 x[4];
+  __mmask16 mk[4];
+  for (int j = 0; j < 4; ++j) {
+    mk[j] = lanes_below(n, j);
+    x[j] = _mm512_mask_mul_ps(neg_inf, mk[j], s[j], cv);  // log2-domain scores
+  }
+  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+  const float m_new = std::max(m, mx);
+  // ~0 on the first tile (m = -inf; o and l are 0 then)
+  const float alpha = _mm512_cvtss_f32(exp2_16(_mm512_set1_ps(m - m_new)));
+  m = m_new;
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 e[4];
+  for (int j = 0; j < 4; ++j) e[j] = _mm512_maskz_mov_ps(mk[j], exp2_16(_mm512_sub_ps(x[j], mv)));
+  const __m512i p01 = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
+  const __m512i p23 = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
+  _mm512_storeu_si512(p, p01);
+  _mm512_storeu_si512(p + 32, p23);
+  // the sum of the rounded weights P.V uses, so each output row is their exact average
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)),
+                             _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask)));
+  sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)));
+  sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask)));
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  return alpha;
 }
 
 // dpbf16 layouts. K tile: for each pair of dimensions (2p, 2p+1), the 64 keys'
@@ -140,40 +182,7 @@ struct Bf16Dot {
     }
     alignas(64) Elem pb[MR][kKeyTile];
     float alpha[MR];
-    const __m512 cv = _mm512_set1_ps(c), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int i = 0; i < MR; ++i) {
-      const int n = valid[i];
-      if (n == 0) {  // the whole tile is in this row's future
-        alpha[i] = 1.f;
-        std::memset(pb[i], 0, sizeof pb[i]);
-        continue;
-      }
-      __m512 x[4];
-      __mmask16 mk[4];
-      for (int j = 0; j < 4; ++j) {
-        mk[j] = lanes_below(n, j);
-        x[j] = _mm512_mask_mul_ps(neg_inf, mk[j], s[i][j], cv);  // log2-domain scores
-      }
-      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
-      const float m_new = std::max(m[i], mx);
-      // ~0 on the first tile (m = -inf; o and l are 0 then)
-      alpha[i] = _mm512_cvtss_f32(exp2_16(_mm512_set1_ps(m[i] - m_new)));
-      m[i] = m_new;
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 e[4];
-      for (int j = 0; j < 4; ++j) e[j] = _mm512_maskz_mov_ps(mk[j], exp2_16(_mm512_sub_ps(x[j], mv)));
-      const __m512i p01 = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
-      const __m512i p23 = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
-      _mm512_store_si512(pb[i], p01);
-      _mm512_store_si512(pb[i] + 32, p23);
-      // the sum of the rounded weights P.V uses, so each output row is their exact average
-      const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-      __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)),
-                                 _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask)));
-      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)));
-      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask)));
-      l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
-    }
+    for (int i = 0; i < MR; ++i) alpha[i] = softmax_tile(s[i], valid[i], c, m[i], l[i], pb[i]);
     // o = o * alpha + P.V, 64 columns at a time
     for (int64_t c0 = 0; c0 < D; c0 += 64) {
       __m512 acc[MR][4];
@@ -196,7 +205,108 @@ struct Bf16Dot {
   }
 
   static constexpr int kRows = 6;  // 6 rows x 4 vectors: 24 accumulators of the 32 registers
+  static constexpr int kTileRows = 0;  // rows go through rows<MR>, any count
 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PDS_AMX 1
+// AMX (Intel Sapphire Rapids and later): both products as tile products. A tile
+// register holds 16 rows of 64 bytes; TDPBF16PS adds A (16 x 32 bf16) times B (16
+// pairs of rows x 16 columns, the pairs interleaved) into C (16 x 16 fp32), 16x the
+// work of one vdpbf16ps. The packed K and V tiles above are already in B's layout
+// (a pair of dimensions, resp. of keys, per row), so only the rows change: 16 of
+// them at a time, padded with zero rows (valid 0) to a multiple of 16. Scores go
+// through memory for the softmax (AVX-512, as above), P.V into a fresh C tile that
+// is then added to the rescaled output.
+struct AmxDot : Bf16Dot {
+  static constexpr int kTileRows = 16;
+
+  // The Linux kernel hands out the tile state only to a process that asked for it.
+  static bool permitted() {
+    static const bool ok = [] {
+      constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+      return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+  }
+
+  // Per thread: tiles 0-3 are C (scores, then P.V), 4 is A (q, then P), 5-6 are B.
+  static void configure() {
+    struct alignas(64) {
+      uint8_t palette, start_row, reserved[14];
+      uint16_t colsb[16];
+      uint8_t rows[16];
+    } cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+  }
+  static void release() { _tile_release(); }
+
+  // 16 rows (q: 16 x D, contiguous) against one key tile; same contract as Bf16Dot::rows.
+  static void rows16(const Elem* q, const Elem* kp, const Elem* vp, const int* valid, int64_t D, float c,
+                     float* m, float* l, float* o) {
+    constexpr int kStride = kKeyTile * 4;  // bytes per row of the fp32 score/product buffers
+    alignas(64) float s[16][kKeyTile];
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // K tile rows d0/2 .. d0/2 + 15, 16 keys per C tile
+      _tile_loadd(4, q + d0, D * 2);
+      const Elem* kt = kp + d0 * kKeyTile;
+      _tile_loadd(5, kt, kStride);
+      _tile_loadd(6, kt + 32, kStride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, kt + 64, kStride);
+      _tile_loadd(6, kt + 96, kStride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, &s[0][0], kStride);
+    _tile_stored(1, &s[0][16], kStride);
+    _tile_stored(2, &s[0][32], kStride);
+    _tile_stored(3, &s[0][48], kStride);
+    alignas(64) Elem pb[16][kKeyTile];
+    float alpha[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m512 si[4] = {_mm512_load_ps(s[i]), _mm512_load_ps(s[i] + 16), _mm512_load_ps(s[i] + 32),
+                            _mm512_load_ps(s[i] + 48)};
+      alpha[i] = softmax_tile(si, valid[i], c, m[i], l[i], pb[i]);
+    }
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {  // o = o * alpha + P.V, 64 columns at a time
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int k0 = 0; k0 < kKeyTile; k0 += 32) {  // V tile rows k0/2 .. k0/2 + 15 (pairs of keys)
+        _tile_loadd(4, &pb[0][k0], kKeyTile * 2);
+        const Elem* vt = vp + k0 * D + 2 * c0;
+        _tile_loadd(5, vt, D * 4);
+        _tile_loadd(6, vt + 32, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, vt + 64, D * 4);
+        _tile_loadd(6, vt + 96, D * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      _tile_stored(0, &s[0][0], kStride);
+      _tile_stored(1, &s[0][16], kStride);
+      _tile_stored(2, &s[0][32], kStride);
+      _tile_stored(3, &s[0][48], kStride);
+      for (int i = 0; i < 16; ++i) {
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+        float* orow = o + i * D + c0;
+        for (int j = 0; j < 4; ++j)
+          _mm512_storeu_ps(orow + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(orow + 16 * j), a,
+                                                          _mm512_load_ps(s[i] + 16 * j)));
+      }
+    }
+  }
+};
+#endif
 #endif
 
 inline float to_f32(const bf16& x) { return widen(reinterpret_cast<const uint16_t&>(x)); }
@@ -322,6 +432,7 @@ struct F32Dot {
 #endif
 
   static constexpr int kRows = 4;
+  static constexpr int kTileRows = 0;
 };
 
 struct Span {
@@ -394,8 +505,11 @@ void prefill(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
 
   const float c = scale * kLog2e;  // softmax in base 2: exp(x * scale) = 2^(x * c)
   pds::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    const int64_t max_rows = kQueryTile * G;
-    std::vector<Elem> qt(max_rows * D);
+    if constexpr (Path::kTileRows > 0) Path::configure();  // per thread, released below
+    // tile paths run 16 rows at a time: zero rows (valid 0, never written out) pad the item
+    constexpr int64_t TR = Path::kTileRows > 0 ? Path::kTileRows : 1;
+    const int64_t max_rows = (kQueryTile * G + TR - 1) / TR * TR;
+    std::vector<Elem> qt(max_rows * D, Elem{});
     std::vector<float> o(max_rows * D), m(max_rows), l(max_rows);
     std::vector<int> valid(max_rows);
     for (int64_t it = begin; it < end; ++it) {
@@ -406,17 +520,26 @@ void prefill(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
       // row r = query i * G + head g: the G heads of a token are adjacent in q and out
       for (int64_t i = 0; i < rows; ++i)
         Path::load_q(qp + ((sp.start + item.q0 + i) * sh.H + item.head * G) * D, G * D, qt.data() + i * G * D);
-      std::fill(o.begin(), o.begin() + M * D, 0.f);
-      std::fill(m.begin(), m.begin() + M, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + M, 0.f);
+      const int64_t MP = (M + TR - 1) / TR * TR;  // rows computed: M, padded for the tile paths
+      std::fill(qt.begin() + M * D, qt.begin() + MP * D, Elem{});
+      std::fill(o.begin(), o.begin() + MP * D, 0.f);
+      std::fill(m.begin(), m.begin() + MP, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + MP, 0.f);
+      std::fill(valid.begin() + M, valid.begin() + MP, 0);
       const int64_t slot0 = tile_base[item.span] * KVH + item.head * (tile_base[item.span + 1] - tile_base[item.span]);
       const int64_t n_tiles = (pos0 + rows - 1) / kKeyTile + 1;  // tiles past the last query are skipped
       for (int64_t t = 0; t < n_tiles; ++t) {
         const int64_t k0 = t * kKeyTile;
         for (int64_t r = 0; r < M; ++r) valid[r] = visible(pos0 + r / G, k0);
-        rows_dispatch<Path>(M, qt.data(), kpack.get() + (slot0 + t) * tile_elems,
-                            vpack.get() + (slot0 + t) * tile_elems, valid.data(), D, c, m.data(), l.data(),
-                            o.data());
+        const Elem* kt = kpack.get() + (slot0 + t) * tile_elems;
+        const Elem* vt = vpack.get() + (slot0 + t) * tile_elems;
+        if constexpr (Path::kTileRows > 0) {
+          for (int64_t r = 0; r < MP; r += TR)
+            Path::rows16(qt.data() + r * D, kt, vt, valid.data() + r, D, c, m.data() + r, l.data() + r,
+                         o.data() + r * D);
+        } else {
+          rows_dispatch<Path>(M, qt.data(), kt, vt, valid.data(), D, c, m.data(), l.data(), o.data());
+        }
       }
       for (int64_t r = 0; r < M; ++r) {
         const float inv = 1.f / l[r];
@@ -424,10 +547,22 @@ void prefill(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[r * D + d] * inv);
       }
     }
+    if constexpr (Path::kTileRows > 0) Path::release();
   });
 }
 
 bool supported_head_dim(int64_t d) { return d == 64 || d == 128; }
+
+// The bf16 path this process takes: AMX tiles where compiled in, granted by the kernel and
+// not turned off with PDSERVE_NO_AMX=1 (read per call, so a benchmark can pair the two).
+bool use_amx() {
+#ifdef PDS_AMX
+  const char* off = std::getenv("PDSERVE_NO_AMX");
+  return !(off && *off && std::strcmp(off, "0") != 0) && AmxDot::permitted();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -474,6 +609,12 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache
     return;
   }
 #ifdef PDS_BF16_DOT
+#ifdef PDS_AMX
+  if (use_amx()) {
+    prefill<AmxDot, bf16>(out, q, k_cache, v_cache, list, sh, sc);
+    return;
+  }
+#endif
   prefill<Bf16Dot, bf16>(out, q, k_cache, v_cache, list, sh, sc);
 #else
   prefill<F32Dot<bf16>, bf16>(out, q, k_cache, v_cache, list, sh, sc);
@@ -484,4 +625,11 @@ void register_prefill_attention(pybind11::module& m) {
   m.def("prefill_attention", &prefill_attention,
         "causal attention of prefill spans over the paged bf16 or fp32 KV cache, written into out (CPU)");
   m.attr("prefill_attention_head_dims") = pybind11::make_tuple(64, 128);
+  m.def("prefill_attention_path", [] {
+#ifdef PDS_BF16_DOT
+    return use_amx() ? "amx-bf16" : "avx512-bf16";
+#else
+    return "fp32";
+#endif
+  }, "which bf16 path prefill_attention takes in this process now: amx-bf16, avx512-bf16 or fp32 (portable)");
 }
