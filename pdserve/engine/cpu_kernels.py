@@ -37,13 +37,19 @@ def _default_cache_dir(srcs: list[str]) -> str:
     """One build per interpreter prefix, torch version, source directory and source text:
     two checkouts or virtual environments sharing one directory would otherwise rebuild
     over each other's module (the build script names its sources by absolute path, so
-    two checkouts of the same text rebuilt everything each time the other had built)."""
+    two checkouts of the same text rebuilt everything each time the other had built), and
+    CPU feature set: the build is -march=native, so a home directory shared by hosts of
+    different CPUs (AMX on one, AVX2 only on another) must not hand one host's module to
+    the other, which would die on the first instruction it lacks."""
     import hashlib
     import sys
 
     import torch
 
-    h = hashlib.sha1(f"{sys.prefix}|{torch.__version__}|{_CFLAGS}|{os.path.dirname(srcs[0])}".encode())
+    from pdserve.config import cpu_flags
+
+    key = f"{sys.prefix}|{torch.__version__}|{_CFLAGS}|{os.path.dirname(srcs[0])}|{' '.join(sorted(cpu_flags()))}"
+    h = hashlib.sha1(key.encode())
     for path in srcs + [os.path.join(os.path.dirname(srcs[0]), hd) for hd in _HEADERS]:
         with open(path, "rb") as f:
             h.update(f.read())

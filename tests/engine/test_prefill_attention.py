@@ -17,8 +17,22 @@ pytestmark = pytest.mark.skipif(
 
 # (span length, tokens already in the cache before it): a fresh prompt longer than a
 # query tile and not a multiple of it, single-token spans, a prefix ending inside a
-# block, one of several blocks and a key tile, a span spread over many key tiles
-SPANS = [(37, 0), (1, 0), (1, 5), (20, 7), (70, 67), (5, 96), (150, 3)]
+# block, one of several blocks and a key tile, a span spread over many key tiles, and
+# contexts longer than the AMX path's 256-key softmax step (4 + 2 and 4 + 4 + 2 tiles)
+SPANS = [(37, 0), (1, 0), (1, 5), (20, 7), (70, 67), (5, 96), (150, 3), (300, 40), (3, 600)]
+
+# The bf16 paths this CPU has: AMX tiles (where present, the default) and AVX512-BF16 dot
+# products (PDSERVE_NO_AMX=1 there); elsewhere the one path the kernels were built with.
+BF16_PATHS = ["amx-bf16", "avx512-bf16"] if kernels is not None and kernels.prefill_attention_path() == "amx-bf16" else [None]
+
+
+@pytest.fixture(params=BF16_PATHS)
+def bf16_path(request, monkeypatch):
+    if request.param == "avx512-bf16":
+        monkeypatch.setenv("PDSERVE_NO_AMX", "1")
+    if request.param is not None:
+        assert kernels.prefill_attention_path() == request.param
+    return request.param
 
 
 def reference(q, kc, vc, spans, tables):
@@ -61,7 +75,7 @@ def make_case(heads, kv_heads, d, bs, first_row=2, seed=0, dtype=torch.bfloat16)
 @pytest.mark.parametrize("heads, kv_heads", [(2, 2), (6, 2), (8, 2)], ids=["group1", "group3", "group4"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_matches_float64_attention(heads, kv_heads, d, bs):
+def test_matches_float64_attention(heads, kv_heads, d, bs, bf16_path):
     q, kc, vc, spans, tables, padded = make_case(heads, kv_heads, d, bs)
     out = torch.full_like(q, float("nan"))
     kernels.prefill_attention(out, q, kc, vc, torch.tensor(spans), padded, d**-0.5)
@@ -108,7 +122,7 @@ def test_unsupported_head_dim_is_named():
 @pytest.mark.parametrize(
     "mode", [{"dtype": "bfloat16"}, {"dtype": "float32", "int8_activations": True}], ids=["bf16", "fp32-int8"]
 )
-def test_engine_tokens_match_the_torch_path(tmp_path, monkeypatch, mode):
+def test_engine_tokens_match_the_torch_path(tmp_path, monkeypatch, mode, bf16_path):
     """bf16 engine (and fp32 in int8 mode, whose fp32 caches the kernel reads too), head_dim 64
     and 3 query heads per KV head: the kernel against torch's SDPA, over fresh prompts, prefill
     chunks (a span with earlier context) and prefix-cache hits."""
