@@ -23,7 +23,9 @@ SPANS = [(37, 0), (1, 0), (1, 5), (20, 7), (70, 67), (5, 96), (150, 3), (300, 40
 
 # The bf16 paths this CPU has: AMX tiles (where present, the default) and AVX512-BF16 dot
 # products (PDSERVE_NO_AMX=1 there); elsewhere the one path the kernels were built with.
-BF16_PATHS = ["amx-bf16", "avx512-bf16"] if kernels is not None and kernels.prefill_attention_path() == "amx-bf16" else [None]
+BF16_PATHS = (
+    ["amx-bf16", "avx512-bf16"] if kernels is not None and kernels.prefill_attention_path() == "amx-bf16" else [None]
+)
 
 
 @pytest.fixture(params=BF16_PATHS)
