@@ -259,7 +259,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Run one step; returns logits for `logits_indices` (all tokens if None)."""
         x = self.embed_tokens(input_ids)
-        if self.use_fused(x, meta, kv_caches):
+        fused = self.use_fused(x, meta, kv_caches)
+        if meta.decode_kernel is not None and hasattr(meta.decode_kernel, "set_parallel_mode"):
+            # the fused layers run only pdserve's kernels: its pool, which never waits for a
+            # descheduled thread; other steps also run oneDNN's GEMMs and torch's ops on
+            # OpenMP's team, whose spinning threads the pool's helpers would take turns with
+            meta.decode_kernel.set_parallel_mode("pool" if fused else "omp")
+        if fused:
             # fp32 through the fused layers in either mode (bf16 mode: the block kernels are
             # fp32 anyway, the K/V written to the bf16 cache are rounded)
             x = x.float()

@@ -129,19 +129,28 @@ def test_many_row_products_in_int8_mode_take_the_int8_gemm(int8):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["pool", "omp"])
 @pytest.mark.parametrize("threads", [2, 4])
-def test_parallel_loop_runs_every_index_once_before_returning(threads):
+def test_parallel_loop_runs_every_index_once_before_returning(threads, mode):
     """pool.h under stress: chunk counts that change from loop to loop, more threads
     than cores (so helpers get descheduled mid-claim). A helper late from one loop
     once claimed a chunk of the next and the loop returned early (CI: a fused layer
-    read half-written rows)."""
+    read half-written rows). Both places the loops run: the pool and OpenMP's team."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    old_mode = kernels.set_parallel_mode(mode)
     try:
-        assert kernels.pool_check(4096, 256, 100_000, 0) == 0
+        assert kernels.pool_check(4096, 256, 100_000 if mode == "pool" else 10_000, 0) == 0
         assert kernels.pool_check(4096, 256, 5_000, 5) == 0
     finally:
+        kernels.set_parallel_mode(old_mode)
         torch.set_num_threads(old)
+
+
+@needs_kernels
+def test_parallel_mode_is_checked():
+    with pytest.raises(RuntimeError, match="parallel mode"):
+        kernels.set_parallel_mode("threads")
 
 
 @needs_kernels

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -139,8 +140,10 @@ inline __m512 reduce16(const __m512* x) {
 }
 
 // out[g * out_stride + t] = scale * q[g] . k[t] for the G heads; D a multiple of 32, at most 256
-inline void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* const* krows, int64_t len,
-                        int64_t D, float scale, float* out, int64_t out_stride) {
+// (vrows: the V rows of the same keys, fetched into L2 on the way for the pass over V)
+inline void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* const* krows,
+                        const c10::BFloat16* const* vrows, int64_t len, int64_t D, float scale, float* out,
+                        int64_t out_stride) {
   const int nd = static_cast<int>(D / 32);
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -150,9 +153,12 @@ inline void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* 
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) {
       __m512 acc[16];
-      if (g == 0)  // the next 16 rows: scattered over blocks, so the hardware prefetcher misses them
-        for (int64_t u = t + 16; u < std::min(len, t + 32); ++u)
+      if (g == 0) {  // K rows 32 ahead: scattered over blocks, so the hardware prefetcher misses them
+        for (int64_t u = t == 0 ? 0 : t + 32; u < std::min(len, t + 48); ++u)
           for (int64_t j = 0; j < D * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(krows[u]) + j, _MM_HINT_T0);
+        for (int64_t u = t; u < t + 16; ++u)
+          for (int64_t j = 0; j < D * 2; j += 64) _mm_prefetch(reinterpret_cast<const char*>(vrows[u]) + j, _MM_HINT_T1);
+      }
       for (int u = 0; u < 16; ++u) {
         const c10::BFloat16* k = krows[t + u];
         acc[u] = _mm512_setzero_ps();
@@ -170,33 +176,88 @@ inline void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* 
   }
 }
 
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// Softmax of one head's scores over a piece, for the P.V products below: m = the max,
+// p = exp(s - m) rounded to bf16 (written to pb, zero-padded to an even length), and
+// l = the sum of the rounded weights, so that the normalisation matches what P.V sums.
+inline void softmax_bf16(const float* s, int64_t len, float& m_out, float& l_out, uint16_t* pb) {
+  const int64_t full = len / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16)) - 1);
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t v = 0; v < full; ++v) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * v));
+  if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + 16 * full));
+  const float m = _mm512_reduce_max_ps(mx);
+  const __m512 mv = _mm512_set1_ps(m);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  __m512 sum = _mm512_setzero_ps();
+  const int64_t nv = full + (tail ? 1 : 0);
+  auto weights = [&](int64_t v) {  // exp(s - m) of vector v, 0 past the end
+    if (v < full) return pds::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * v), mv));
+    if (v == full && tail) return _mm512_maskz_mov_ps(tail, pds::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + 16 * v), mv)));
+    return _mm512_setzero_ps();
+  };
+  for (int64_t v = 0; v < nv; v += 2) {
+    const __m512i pv = (__m512i)_mm512_cvtne2ps_pbh(weights(v + 1), weights(v));
+    // 32 weights, of which those past len are 0; store only up to the even length
+    const int64_t n = std::min<int64_t>(32, ((len + 1) & ~int64_t{1}) - 16 * v);
+    _mm512_mask_storeu_epi16(pb + 16 * v, static_cast<__mmask32>(n >= 32 ? 0xffffffffu : (1u << n) - 1), pv);
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(pv, 16)));
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(pv, hi_mask)));
+  }
+  m_out = m;
+  l_out = _mm512_reduce_add_ps(sum);
 }
 
-// acc[g] = sum_t w[g][t] * v[t] for NG heads, 64 columns of D at a time in registers
+// acc[g] = sum_t p[g][t] * v[t] for NG heads with vdpbf16ps: the V rows of two keys are
+// interleaved 16 bits at a time (unpacklo/hi), so each 32-bit lane holds one dimension of
+// both keys, and one broadcast pair of weights (p[t], p[t+1]) multiplies both at once: a
+// third of the instructions of widening V to fp32. pb[g] holds the bf16 weights, padded to
+// an even length; the odd key's partner is a row of zeros. The unpacks leave the dimensions
+// of a 32-wide chunk in the order lo: 0-3, 8-11, 16-19, 24-27; hi: 4-7, 12-15, ...; the
+// permutation at the end puts them back.
 template <int NG>
-inline void weighted_v16(const float* w, int64_t w_stride, const c10::BFloat16* const* vrows, int64_t len,
-                         int64_t D, float* acc) {
+inline void weighted_v_pairs(const uint16_t* pb, int64_t pb_stride, const c10::BFloat16* const* vrows, int64_t len,
+                             int64_t D, float* acc) {
+  alignas(64) static const c10::BFloat16 zeros[256] = {};
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t i0 = 0; i0 < D; i0 += 64) {
-    const int nv = static_cast<int>(std::min<int64_t>(64, D - i0) / 16);
-    __m512 a[NG][4];
+    const int nc = static_cast<int>(std::min<int64_t>(64, D - i0) / 32);  // 32-wide chunks: 1 or 2
+    __m512 lo[NG][2], hi[NG][2];
     for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      const c10::BFloat16* v = vrows[t] + i0;
-      if (t + 8 < len)
-        for (int j = 0; j < nv; j += 2) _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8] + i0 + 16 * j), _MM_HINT_T0);
-      __m512 vv[4];
-      for (int j = 0; j < nv; ++j) vv[j] = load16(v + 16 * j);
+      for (int c = 0; c < 2; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 2) {
+      const c10::BFloat16* v0 = vrows[t] + i0;
+      const c10::BFloat16* v1 = t + 1 < len ? vrows[t + 1] + i0 : zeros;
+      if (t + 8 < len) {
+        _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8] + i0), _MM_HINT_T0);
+        if (t + 9 < len) _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 9] + i0), _MM_HINT_T0);
+        if (nc == 2) {
+          _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 8] + i0 + 32), _MM_HINT_T0);
+          if (t + 9 < len) _mm_prefetch(reinterpret_cast<const char*>(vrows[t + 9] + i0 + 32), _MM_HINT_T0);
+        }
+      }
+      __m512bh pl[2], ph[2];
+      for (int c = 0; c < nc; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+        pl[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        ph[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
       for (int g = 0; g < NG; ++g) {
-        const __m512 wg = _mm512_set1_ps(w[g * w_stride + t]);
-        for (int j = 0; j < nv; ++j) a[g][j] = _mm512_fmadd_ps(wg, vv[j], a[g][j]);
+        uint32_t pair;
+        std::memcpy(&pair, pb + g * pb_stride + t, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+        for (int c = 0; c < nc; ++c) {
+          lo[g][c] = _mm512_dpbf16_ps(lo[g][c], pl[c], w);
+          hi[g][c] = _mm512_dpbf16_ps(hi[g][c], ph[c], w);
+        }
       }
     }
     for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < nv; ++j) _mm512_storeu_ps(acc + g * D + i0 + 16 * j, a[g][j]);
+      for (int c = 0; c < nc; ++c) {
+        float* o = acc + g * D + i0 + 32 * c;
+        _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo[g][c], first, hi[g][c]));
+        _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo[g][c], second, hi[g][c]));
+      }
   }
 }
 #endif
@@ -245,7 +306,8 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 
   pds::parallel_for(0, pieces * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores;
-    std::vector<const T*> krows;
+    std::vector<uint16_t> pbuf;  // bf16 weights (AVX512-BF16 path)
+    std::vector<const T*> krows, vrows;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t piece = idx / KVH, h = idx % KVH;
       const int64_t b = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
@@ -261,16 +323,33 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
       }
       scores.assign(G * len, 0.f);
       krows.resize(len);
-      // the K or V row of this KV head at position pos
-      auto row_at = [&](const T* cache, int64_t pos) {
-        return cache + table[pos / BS] * blk_stride + (pos % BS) * tok_stride + h * D;
+      // the K or V rows of this KV head at positions t0 .. t1 - 1, block by block (no
+      // division per row: a 64-bit divide costs more than the rest of a row's pointer)
+      auto rows_of = [&](const T* cache, const T** rows) {
+        for (int64_t pos = t0; pos < t1;) {
+          const T* base = cache + table[pos / BS] * blk_stride + h * D;
+          const int64_t off0 = pos % BS, n = std::min(BS - off0, t1 - pos);
+          for (int64_t i = 0; i < n; ++i) rows[pos - t0 + i] = base + (off0 + i) * tok_stride;
+          pos += n;
+        }
       };
-      for (int64_t t = 0; t < len; ++t) krows[t] = row_at(kp, t0 + t);
+      rows_of(kp, krows.data());
 #ifdef PDS_AVX512_BF16_ATTN
       if constexpr (kBf16Pair<TQ, T>) {
         if (D % 32 == 0 && D <= 256) {
-          scores_bf16(qp + (b * H + h * G) * D, G, krows.data(), len, D, (float)scale, scores.data(), len);
-          goto softmax;
+          // scores, softmax into bf16 weights, then P.V on bf16 pairs: all in vdpbf16ps
+          vrows.resize(len);
+          rows_of(vp, vrows.data());
+          scores_bf16(qp + (b * H + h * G) * D, G, krows.data(), vrows.data(), len, D, (float)scale, scores.data(),
+                      len);
+          const int64_t stride = (len + 1) & ~int64_t{1};
+          pbuf.resize(G * stride);
+          for (int64_t g = 0; g < G; ++g)
+            softmax_bf16(scores.data() + g * len, len, pm[g], pl[g], pbuf.data() + g * stride);
+          by_head_groups(G, [&](auto ng, int64_t g) {
+            weighted_v_pairs<decltype(ng)::value>(pbuf.data() + g * stride, stride, vrows.data(), len, D, acc + g * D);
+          });
+          continue;
         }
       }
 #endif
@@ -301,23 +380,11 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         pm[g] = m;
         pl[g] = sum;
       }
-#ifdef PDS_AVX512_BF16_ATTN
-      if constexpr (kBf16Pair<TQ, T>) {
-        if (D % 16 == 0) {
-          std::vector<const T*>& vrows = krows;  // the K rows are done with
-          for (int64_t t = 0; t < len; ++t) vrows[t] = row_at(vp, t0 + t);
-          by_head_groups(G, [&](auto ng, int64_t g) {
-            weighted_v16<decltype(ng)::value>(scores.data() + g * len, len, vrows.data(), len, D, acc + g * D);
-          });
-          continue;
-        }
-      }
-#endif
 #ifdef PDS_AVX2_ATTN
       if constexpr (kVecCache<T>) {
         if (D % 8 == 0) {
           std::vector<const T*>& vrows = krows;  // the K rows are done with
-          for (int64_t t = 0; t < len; ++t) vrows[t] = row_at(vp, t0 + t);
+          rows_of(vp, vrows.data());
           by_head_groups(G, [&](auto ng, int64_t g) {
             weighted_v<decltype(ng)::value>(scores.data() + g * len, len, vrows.data(), len, D, acc + g * D);
           });
@@ -326,8 +393,9 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
       }
 #endif
       std::fill(acc, acc + G * D, 0.f);
+      rows_of(vp, krows.data());  // the K rows are done with
       for (int64_t t = 0; t < len; ++t) {
-        const T* vrow = row_at(vp, t0 + t);
+        const T* vrow = krows[t];
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * len + t];
           float* a = acc + g * D;
@@ -392,6 +460,14 @@ void register_prefill_attention(pybind11::module& m);
 void register_elementwise(pybind11::module& m);
 void register_int8_gemm(pybind11::module& m);
 int64_t pool_check(int64_t n, int64_t grain, int64_t loops, int64_t work);
+
+// The threads the kernels' parallel loops run on from now on: "pool" or "omp" (pool.h);
+// returns the previous choice. PDSERVE_PARALLEL, when set, overrides it.
+std::string set_parallel_mode(const std::string& mode) {
+  TORCH_CHECK(mode == "pool" || mode == "omp", "parallel mode must be 'pool' or 'omp', not '", mode, "'");
+  const int old = pds::step_mode().exchange(mode == "omp" ? 1 : 0);
+  return old == 1 ? "omp" : "pool";
+}
 int64_t set_gguf_expand_rows(int64_t rows);
 int64_t set_prefetch_bytes(int64_t bytes);
 
@@ -409,5 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gguf_matmul expands weights to fp32 from this many rows on; returns the previous value");
   m.def("set_prefetch_bytes", &set_prefetch_bytes,
         "how far ahead (bytes) the small-batch GGUF kernels prefetch weights; returns the previous value");
+  m.def("set_parallel_mode", &set_parallel_mode,
+        "run the kernels' parallel loops on the pool ('pool') or OpenMP's team ('omp'); returns the previous");
   m.def("pool_check", &pool_check, "self-check of the parallel loop: indices not run exactly once");
 }

@@ -10,11 +10,14 @@
 // helper got to, the caller runs itself. So 2 threads are never much slower
 // than 1, and as fast as OpenMP when both cores are free.
 //
-// PDSERVE_PARALLEL=omp runs these loops on OpenMP's threads instead (the ones the
-// GEMMs use). In-process on a quiet 2-core machine that is faster (a batch-64 bf16
-// decode step ~80 ms against ~115 ms: here the helpers and OpenMP's spinning threads
-// take turns on the same cores); served, the two measured the same, so this pool,
-// which does not stall when another thread takes a core, stays the default.
+// Steps that also run oneDNN GEMMs (prefill chunks, decode batches past the fused
+// layer's rows) run these loops on OpenMP's threads instead, the team the GEMMs use:
+// OpenMP's threads spin for a while after each GEMM, and the pool's helpers then took
+// turns with them on the same two cores (a batch-64 bf16 decode step 107 ms with the
+// pool, 85 ms on OpenMP's team; its attention 1.14 -> 0.71 ms a layer). The chunks
+// are still claimed from a counter, so uneven work (prefill items heaviest first)
+// balances as in the pool. The model picks per step (`set_parallel_mode`);
+// PDSERVE_PARALLEL=omp or =pool fixes one for every loop.
 //
 // Correctness never depends on a helper running (after a fork, say: the caller
 // then runs every chunk). Helpers spin briefly between loops, then sleep.
@@ -154,19 +157,55 @@ class Pool {
   std::condition_variable sleep_cv_;
 };
 
-inline bool use_openmp() {
-  static const bool omp = [] {
+// -1: PDSERVE_PARALLEL fixed nothing, the model's per-step choice holds; 0: pool; 1: OpenMP
+inline int forced_mode() {
+  static const int forced = [] {
     const char* v = std::getenv("PDSERVE_PARALLEL");
-    return v != nullptr && std::string(v) == "omp";
+    if (v == nullptr) return -1;
+    const std::string s(v);
+    return s == "omp" ? 1 : s == "pool" ? 0 : -1;
   }();
-  return omp;
+  return forced;
+}
+
+inline std::atomic<int>& step_mode() {  // the model's choice for the current step: 0 pool, 1 OpenMP
+  static std::atomic<int> mode{0};
+  return mode;
+}
+
+inline bool use_openmp() {
+  const int forced = forced_mode();
+  return forced >= 0 ? forced == 1 : step_mode().load(std::memory_order_relaxed) == 1;
+}
+
+// fn over [begin, end) on OpenMP's team, chunks claimed from a counter as in the pool.
+inline void omp_dynamic_for(int64_t begin, int64_t end, int64_t grain,
+                            const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t range = end - begin;
+  const int threads = at::get_num_threads();
+  if (range <= 0) return;
+  const int64_t chunk = std::max<int64_t>(std::max<int64_t>(grain, 1), (range + threads * 8 - 1) / (threads * 8));
+  const int64_t n_chunks = (range + chunk - 1) / chunk;
+  if (threads <= 1 || n_chunks <= 1 || at::in_parallel_region()) {
+    fn(begin, end);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < n_chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b = begin + c * chunk;
+      fn(b, std::min(end, b + chunk));
+    }
+  }
 }
 
 // Drop-in for at::parallel_for in the kernels of this directory.
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain,
                          const std::function<void(int64_t, int64_t)>& fn) {
   if (use_openmp()) {
-    at::parallel_for(begin, end, grain, fn);
+    omp_dynamic_for(begin, end, grain, fn);
     return;
   }
   Pool::get().run(begin, end, grain, fn);
