@@ -203,6 +203,7 @@ class KVTierConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+GGUF_MAX_ROWS_LIMIT = 64  # past this the block kernels lose to any GEMM
 
 
 @dataclass
@@ -270,6 +271,12 @@ class EngineConfig:
     use_gguf_kernels: bool = setting(
         True, help="small-batch matmuls read a GGUF file's Q4_0/Q4_1/Q8_0 blocks directly (CPU, fp32)"
     )
+    gguf_max_rows: int | None = setting(
+        None,
+        help="products of at most this many rows run on the GGUF blocks (and decode steps of at most this "
+        "many sequences in the fused C++ layer); more rows take the dense GEMM. Default: 16 in float32 "
+        "(where the fp32 GEMM is slower), 2 in bfloat16 (past 2 rows oneDNN's bf16 GEMM is faster)",
+    )
     int8_activations: bool | None = setting(
         None,
         help="products on GGUF blocks round activations to int8 per 32 values (llama.cpp's Q8 x Q4 dot "
@@ -283,6 +290,8 @@ class EngineConfig:
     tiers: KVTierConfig = internal(default_factory=KVTierConfig, why="a section of its own")
 
     def __post_init__(self):
+        if self.gguf_max_rows is not None and not 0 <= self.gguf_max_rows <= GGUF_MAX_ROWS_LIMIT:
+            raise ConfigError(f"gguf_max_rows must be within 0..{GGUF_MAX_ROWS_LIMIT}, not {self.gguf_max_rows}")
         if self.int8_activations is None:
             self.int8_activations, why = auto_int8(self.device)
             if why:

@@ -84,7 +84,7 @@ class LLMEngine:
         self.calibrating = False  # calibration requests are running (StepRecord.calibration)
         self.load_time_s = time.monotonic() - t0
         log.info(
-            "engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)",
+            "engine ready in %.2fs: %s, %d KV blocks of %d tokens, %s on %s (%s)%s",
             self.load_time_s,
             self.model_config.name,
             self.runner.num_blocks,
@@ -92,6 +92,9 @@ class LLMEngine:
             config.device.dtype,
             config.device.device,
             config.device.dtype_reason,
+            f"; GGUF block kernels for products of up to {self.runner.model.gguf_max_rows} rows"
+            if self.runner.num_quantized_linears
+            else "",
         )
 
     # ---- requests

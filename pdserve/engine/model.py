@@ -25,10 +25,16 @@ class Linear(nn.Linear):
     Decode steps read every weight once per step; reading the file's 4.5-bit
     blocks instead of their fp32 expansion is what makes small batches fast.
     Large batches (prefill) stay on the dense GEMM (fp32, or bf16 in bf16 mode),
-    which is compute-bound. Up to 16 rows the block kernel wins (one core, decode
-    step of 16 rows at 256 context: 186 ms of CPU time vs 260 ms on the dense fp32
-    path); at 32 they tie. In bf16 mode the block kernel still computes in fp32
-    (the GGUF values exactly) and its output is rounded to the model's dtype.
+    which is compute-bound. Where they cross depends on the GEMM (`gguf_rows_limit`):
+    against fp32 up to 16 rows the block kernel wins (one core, decode step of 16 rows
+    at 256 context: 186 ms of CPU time vs 260 ms on the dense fp32 path; at 32 they
+    tie); against oneDNN's bf16 GEMM on prepacked weights only up to 2. SmolLM2's
+    120 products alone, 2 threads, Zen 5, GGUF vs bf16: 1 row 3.7 vs 6.4 ms, 4 rows
+    8.4 vs 8.3, 8 rows 13.4 vs 7.3, 16 rows 23.5 vs 9.1; whole decode steps at 128
+    tokens of context (the fused layer vs the layer-by-layer path): batch 1 5.0 vs
+    9.7 ms, 2 10-11 vs 10, 4 16 vs 10.6, 8 31 vs 12.7, 16 48 vs 16.7. In bf16 mode the
+    block kernel still computes in fp32 (the GGUF values exactly) and its output is
+    rounded to the model's dtype.
 
     With int8 activations (the default of `dtype="auto"` on an AVX2 CPU, where fp32
     is the fastest float GEMM) products of more than `max_rows` rows go to the int8
@@ -99,6 +105,13 @@ class Linear(nn.Linear):
         self.int8_activations = int8_activations
         self.kernel = kernel
         return True
+
+
+def gguf_rows_limit(dtype: torch.dtype, int8_activations: bool = False) -> int:
+    """How many rows a product may have and still run on the GGUF blocks (`Linear.max_rows`)
+    by default: 16 beside an fp32 GEMM (or int8 activations, whose many-row GEMM is also
+    the file's blocks), 2 beside a bf16 one (measured in `Linear`'s docstring)."""
+    return 2 if dtype == torch.bfloat16 and not int8_activations else 16
 
 
 class RMSNorm(nn.Module):
@@ -235,6 +248,7 @@ class LlamaModel(nn.Module):
         self.tie_weights()
         self.init_rope_tables(None)
         self.fused_ready = False
+        self.gguf_max_rows = Linear.max_rows  # decode steps of at most this many rows take the fused layers
         self.fused_elementwise = True  # bf16 on the CPU: the C++ elementwise kernels when built
 
     def tie_weights(self) -> None:
@@ -325,7 +339,7 @@ class LlamaModel(nn.Module):
             and meta.decode_kernel is not None
             and not meta.prefills
             and cache_ok
-            and meta.num_decodes == x.shape[0] <= Linear.max_rows
+            and meta.num_decodes == x.shape[0] <= self.gguf_max_rows
             and x.dtype in (torch.float32, torch.bfloat16)
         )
 
@@ -360,10 +374,18 @@ class LlamaModel(nn.Module):
             _copy(own, "lm_head.weight", _take(state, "lm_head.weight"))
 
     def load_quantized(
-        self, quantized: dict[str, tuple[int, torch.Tensor]], kernel, int8_activations: bool = False
+        self,
+        quantized: dict[str, tuple[int, torch.Tensor]],
+        kernel,
+        int8_activations: bool = False,
+        max_rows: int | None = None,
     ) -> int:
         """Give each linear layer its GGUF blocks; returns how many layers use them.
-        With int8_activations every block product rounds its activations to int8."""
+        With int8_activations every block product rounds its activations to int8. Products
+        of at most `max_rows` rows run on them (default: `gguf_rows_limit`)."""
+        if max_rows is None:
+            max_rows = gguf_rows_limit(self.embed_tokens.weight.dtype, int8_activations)
+        self.gguf_max_rows = max_rows
 
         def parts(*names):
             return [quantized[n] for n in names] if all(n in quantized for n in names) else None
@@ -379,8 +401,10 @@ class LlamaModel(nn.Module):
             ):
                 blocks = parts(*names)
                 used += bool(blocks and lin.set_quantized(blocks, kernel, int8_activations))
+                lin.max_rows = max_rows
         head = parts("model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight")
         used += bool(head and self.lm_head.set_quantized(head, kernel, int8_activations))
+        self.lm_head.max_rows = max_rows
         import os
 
         if not os.environ.get("PDSERVE_NO_FUSED_DECODE"):

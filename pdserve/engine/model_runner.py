@@ -49,7 +49,10 @@ class ModelRunner:
             self.decode_kernel = cpu_kernels.load()
             if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
                 self.num_quantized_linears = self.model.load_quantized(
-                    quantized, self.decode_kernel, int8_activations=config.int8_activations
+                    quantized,
+                    self.decode_kernel,
+                    int8_activations=config.int8_activations,
+                    max_rows=config.gguf_max_rows,
                 )
         self.prefill_kernel = self._prefill_kernel(model_config)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu":

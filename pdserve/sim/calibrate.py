@@ -57,8 +57,9 @@ MIXED_GRID = ((2, 256), (4, 1024), (6, 2048), (6, 512))  # (decode batch, joinin
 CHUNKED_GRID = ((6, 256),)  # (decode batch, chunk tokens): a 2,048-token prompt in chunks
 DECODE_STEPS = 6
 # Our engine's small-batch GGUF kernels stream the weights once per 4 activation rows
-# (csrc/gguf_matmul.cpp, by_row_tiles) for steps of up to 16 rows (engine/model.py,
-# Linear.max_rows): the staircase the profile's g term prices.
+# (csrc/gguf_matmul.cpp, by_row_tiles) for steps of up to 16 rows in float32 (engine/model.py,
+# gguf_rows_limit; 2 in bfloat16): the staircase the profile's g term prices. A calibration
+# on the engine reads its own limit; one from traces takes this unless told otherwise.
 ENGINE_ROW_TILE = 4
 ENGINE_TILE_MAX_ROWS = 16
 
@@ -145,7 +146,7 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
         d.samples,
         model_layers=mc.num_hidden_layers,
         row_tile=ENGINE_ROW_TILE,
-        tile_max_rows=ENGINE_TILE_MAX_ROWS,
+        tile_max_rows=engine.runner.model.gguf_max_rows,
         kv_bytes_per_token_=float(mc.kv_bytes_per_token(dtype_bytes)),
         threads=threads,
         source=f"pdserve engine, {mc.name}, {engine.config.device.dtype}, "
@@ -213,6 +214,7 @@ def fit_trace(
     probes: list[list[float]] | None = None,
     windows: list[list[float]] | None = None,
     beside: list[str] | None = None,
+    tile_max_rows: int = ENGINE_TILE_MAX_ROWS,
     log=print,
 ) -> ProfileLatency:
     """A profile from step traces (engine/step_trace.py), steps started in [since, until] (or in
@@ -232,7 +234,7 @@ def fit_trace(
                 shares = [_busy_share(records, read(p, lo, hi)) for p in beside]
                 busiest = [max(s) for s in zip(*shares)]
                 keep = [
-                    share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= ENGINE_TILE_MAX_ROWS
+                    share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= tile_max_rows
                     for r, share in zip(records, busiest)
                 ]
                 samples += [x for x, k in zip(_samples_by_record(records), keep) if k and x is not None]
@@ -247,7 +249,7 @@ def fit_trace(
         kv_bytes_per_token_=kv_bytes,
         threads=threads,
         row_tile=ENGINE_ROW_TILE,
-        tile_max_rows=ENGINE_TILE_MAX_ROWS,
+        tile_max_rows=tile_max_rows,
         source=source
         or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, {time.strftime('%Y-%m-%d %H:%M')}",
     )

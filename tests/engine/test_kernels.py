@@ -1,5 +1,7 @@
 """The CPU kernels against plain PyTorch on the same numbers, and the fallback without them."""
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -205,6 +207,25 @@ def test_embedded_model_uses_its_gguf_blocks(real_model_path):
     llm = LLM(dtype="float32")
     # 4 fused linears per layer x 30 layers + the tied Q8_0 output head
     assert llm.engine.runner.num_quantized_linears == 121
+
+
+@pytest.mark.integration
+@needs_kernels
+def test_gguf_row_limit_follows_the_dense_gemm(real_model_path):
+    """Beside a bf16 GEMM the block kernels keep only products of 1-2 rows (and decode steps
+    of 1-2 sequences the fused layer); beside fp32, up to 16; the setting overrides both."""
+    from pdserve.engine.attention import AttentionMetadata
+
+    bf16 = LLM(dtype="bfloat16", num_gpu_blocks=64)
+    model = bf16.engine.runner.model
+    assert model.gguf_max_rows == 2 and model.layers[0].qkv_proj.max_rows == 2 and model.lm_head.max_rows == 2
+    x = torch.zeros(3, 576, dtype=torch.bfloat16)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.int64), num_decodes=3, decode_kernel=kernels)
+    assert not model.use_fused(x, meta) and model.use_fused(x[:2], dataclasses.replace(meta, num_decodes=2))
+    assert LLM(dtype="float32", num_gpu_blocks=64).engine.runner.model.gguf_max_rows == 16
+    assert LLM(dtype="bfloat16", gguf_max_rows=8, num_gpu_blocks=64).engine.runner.model.lm_head.max_rows == 8
+    with pytest.raises(ValueError, match="gguf_max_rows"):
+        LLM(dtype="bfloat16", gguf_max_rows=65)
 
 
 def _quantized_layer(qtype: str, bias: bool, int8: bool = False, intermediate_size: int = 96):
