@@ -248,6 +248,7 @@ class LlamaModel(nn.Module):
         self.tie_weights()
         self.init_rope_tables(None)
         self.fused_ready = False
+        self.cpu_kernels = None  # the C++ CPU kernels, where the runner loaded them (`use_cpu_kernels`)
         self.gguf_max_rows = Linear.max_rows  # decode steps of at most this many rows take the fused layers
         self.fused_elementwise = True  # bf16 on the CPU: the C++ elementwise kernels when built
 
@@ -274,11 +275,11 @@ class LlamaModel(nn.Module):
         """Run one step; returns logits for `logits_indices` (all tokens if None)."""
         x = self.embed_tokens(input_ids)
         fused = self.use_fused(x, meta, kv_caches)
-        if meta.decode_kernel is not None and hasattr(meta.decode_kernel, "set_parallel_mode"):
+        if self.cpu_kernels is not None:
             # the fused layers run only pdserve's kernels: its pool, which never waits for a
             # descheduled thread; other steps also run oneDNN's GEMMs and torch's ops on
             # OpenMP's team, whose spinning threads the pool's helpers would take turns with
-            meta.decode_kernel.set_parallel_mode("pool" if fused else "omp")
+            self.cpu_kernels.set_parallel_mode("pool" if fused else "omp")
         if fused:
             # fp32 through the fused layers in either mode (bf16 mode: the block kernels are
             # fp32 anyway, the K/V written to the bf16 cache are rounded)
@@ -302,6 +303,11 @@ class LlamaModel(nn.Module):
             if meta.on_layer_done is not None:
                 meta.on_layer_done(layer.layer_idx)
         return self._logits(x, logits_indices)
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """The C++ CPU kernels this model's steps run: each step then tells them which threads
+        their parallel loops take (`set_parallel_mode`)."""
+        self.cpu_kernels = kernels if hasattr(kernels, "set_parallel_mode") else None
 
     def elementwise_kernels(self, x: torch.Tensor):
         """The C++ elementwise kernels (elementwise.cpp) for bf16 rows on the CPU, else None.

@@ -47,6 +47,7 @@ class ModelRunner:
             from pdserve.engine import cpu_kernels
 
             self.decode_kernel = cpu_kernels.load()
+            self.model.use_cpu_kernels(self.decode_kernel)
             if self.decode_kernel is not None and quantized and config.use_gguf_kernels:
                 self.num_quantized_linears = self.model.load_quantized(
                     quantized,
