@@ -146,6 +146,12 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = setting(
         0, help="largest slice of one prompt per step with chunked prefill (0: the whole token budget)"
     )
+    max_num_partial_prefills: int = setting(
+        1,
+        help="with chunked prefill, how many prompts may be split over steps at once (0: any number); "
+        "shorter prompts that finish within a step pass a split one waiting. 1 (vLLM's default): long "
+        "prompts are prefilled one after another, not all at a fraction of the pace",
+    )
     policy: str = setting(
         "fcfs",
         flag="--scheduling-policy",
@@ -167,6 +173,8 @@ class SchedulerConfig:
             raise ConfigError("policy must be 'fcfs' or 'priority'")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_partial_prefills < 0:
+            raise ConfigError("max_num_partial_prefills must be >= 0")
 
 
 @dataclass

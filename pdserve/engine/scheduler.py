@@ -34,6 +34,10 @@ from pdserve.config import SchedulerConfig
 from pdserve.engine.sequence import FinishReason, Sequence, Status
 from pdserve.kv.block_manager import BlockManager
 
+# waiting prompts one step may pass over, held back by max_num_partial_prefills, to reach
+# shorter ones behind them (bounds the scan of a long queue)
+MAX_HELD = 16
+
 
 @dataclass
 class ScheduledSeq:
@@ -115,6 +119,17 @@ class WaitingQueue:
         seq = heapq.heappop(self._heap)[-1]
         del self._entries[id(seq)]
         return seq
+
+    def hold(self) -> list:
+        """Take the head out for the rest of a step; `restore` puts it back exactly where it was."""
+        self._drop_dead_top()
+        entry = heapq.heappop(self._heap)
+        del self._entries[id(entry[-1])]
+        return entry
+
+    def restore(self, entry: list) -> None:
+        self._entries[id(entry[-1])] = entry
+        heapq.heappush(self._heap, entry)
 
     def remove(self, seq: Sequence) -> bool:
         entry = self._entries.pop(id(seq), None)
@@ -265,9 +280,22 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
-        # 2. Waiting sequences, unless this step had to preempt (the pool is full).
+        # 2. Waiting sequences, unless this step had to preempt (the pool is full). At most
+        # max_num_partial_prefills prompts are split over steps at once (vLLM's setting of
+        # that name): a prompt that would be split while that many are, waits, and shorter
+        # prompts behind it that finish this step go first (up to MAX_HELD passed over).
+        cap = self.config.max_num_partial_prefills if self.config.enable_chunked_prefill else 0
+        partial = sum(1 for s in out.scheduled if s.seq.num_computed_tokens + s.num_new_tokens < s.seq.num_tokens)
+        held: list[list] = []
         while len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
+            if cap and partial >= cap and seq.num_tokens - seq.num_computed_tokens > self._chunk_limit(budget):
+                # its prompt would be split (even a cached prefix is checked below): pass it over
+                if not self._fits_this_step(seq, budget):
+                    if len(held) >= MAX_HELD:
+                        break
+                    held.append(self.waiting.hold())
+                    continue
             cached, num_cached = [], 0
             # a request whose KV was imported (or is being recomputed) already owns blocks
             if seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id):
@@ -303,7 +331,17 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            partial += computed + n < seq.num_tokens
+        for entry in held:
+            self.waiting.restore(entry)
         return out
+
+    def _fits_this_step(self, seq: Sequence, budget: int) -> bool:
+        """Whether the rest of a waiting prompt, less the prefix the cache holds, fits one step."""
+        if seq.num_computed_tokens or self.kv.owns_blocks(seq.seq_id):
+            return False
+        _, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
+        return seq.num_tokens - num_cached <= self._chunk_limit(budget)
 
     def _release_waiting_blocks(self, head: Sequence) -> bool:
         """The head of the queue cannot get blocks while nothing runs or loads: the blocks

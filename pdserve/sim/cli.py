@@ -36,7 +36,7 @@ log = logging.getLogger("pdserve.sim")
 SIM_SECTIONS = (
     Section(
         SchedulerConfig,
-        only=("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold"),
+        only=("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "max_num_partial_prefills"),
         defaults={"max_num_batched_tokens": 8192, "max_num_seqs": 256},
         why="each simulated instance is a GPU engine: vLLM's defaults there",
     ),
@@ -207,7 +207,13 @@ def _layout(args) -> Layout:
 
 
 def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
-    sched = SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, True, args.long_prefill_token_threshold)
+    sched = SchedulerConfig(
+        args.max_num_batched_tokens,
+        args.max_num_seqs,
+        True,
+        args.long_prefill_token_threshold,
+        args.max_num_partial_prefills,
+    )
     adm = AdmissionConfig(_s(args.slo_ttft_ms), _s(args.slo_tpot_ms), args.kv_watermark, args.long_request_tokens)
     hw = _hardware(args)
     rtt_s = (

@@ -49,6 +49,67 @@ def test_chunk_threshold_limits_one_prompt_per_step():
     assert sizes == [8, 8, 4]
 
 
+def fresh(sid, n):
+    """A prompt no other shares a block with (seq's prompts all start 1, 2, 3, ...)."""
+    base = 1000 * (1 + sum(map(ord, sid)))
+    return Sequence(sid, list(range(base, base + n)), SamplingParams())
+
+
+def _steps(s, *, until):
+    """Run steps until `until()`; each step's [(id, tokens)]."""
+    log = []
+    while not until():
+        out = s.schedule()
+        log.append([(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled])
+        run_step(s, out)
+    return log
+
+
+def test_long_prompts_are_prefilled_one_after_another():
+    """max_num_partial_prefills=1 (the default): a second long prompt waits while the first is
+    split over steps, instead of both advancing at half the pace; it starts in the step that
+    finishes the first's prompt."""
+    s = make(num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    a, b = fresh("a", 20), fresh("b", 20)
+    s.add(a)
+    s.add(b)
+    log = _steps(s, until=lambda: b.num_computed_tokens >= 20)
+    assert log[:3] == [[("a", 8)], [("a", 8)], [("a", 4), ("b", 8)]]
+    assert log[3:] == [[("a", 1), ("b", 8)], [("a", 1), ("b", 4)]]
+
+
+def test_any_number_of_partial_prefills_when_unbounded():
+    s = make(num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=8, max_num_partial_prefills=0)
+    a, b = fresh("a", 20), fresh("b", 20)
+    s.add(a)
+    s.add(b)
+    assert _steps(s, until=lambda: b.num_computed_tokens >= 20)[0] == [("a", 8), ("b", 8)]
+
+
+def test_a_short_prompt_passes_a_long_one_held_back_and_the_order_stays():
+    """A prompt that finishes within the step goes ahead of a long one that would be split while
+    another is; the long one keeps its place at the head of the queue."""
+    s = make(num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=8, max_num_partial_prefills=1)
+    a, b, c, d = fresh("a", 20), fresh("b", 20), fresh("c", 5), fresh("d", 30)
+    for x in (a, b, c, d):
+        s.add(x)
+    out = s.schedule()
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("a", 8), ("c", 5)]
+    assert [x.seq_id for x in s.waiting] == ["b", "d"]
+    run_step(s, out)
+    out = s.schedule()  # c decodes; b still waits for a
+    assert [(x.seq.seq_id, x.num_new_tokens) for x in out.scheduled] == [("a", 8), ("c", 1)]
+
+
+def test_max_num_partial_prefills_is_checked():
+    import pytest
+
+    from pdserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_num_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=-1)
+
+
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     s = make(max_num_batched_tokens=16, enable_chunked_prefill=False)
     a, b = seq("a", 10), seq("b", 10)
