@@ -87,23 +87,16 @@ CONFIGS: dict[str, dict] = {
         worker_timeout_s=120.0,
         kv_timeout_s=900.0,
     ),
-    "disaggregated_relay_on_d": dict(
-        label="(d) disaggregated, as (c) but the router and the client on the decode worker's core",
-        mode="disaggregated",
-        threads=1,
-        enable_chunked_prefill=True,
-        chunk_size_tokens=128,
-        max_num_batched_tokens=2048,
-        pools={"prefill": 1, "decode": 1},
-        pinned=True,
-        # a prefill worker short of compute (long prompts queue) and a decode worker with slack
-        # (small batches, ITL far under its SLO): the relaying moves to where the slack is
-        cores={"prefill": [0], "decode": [1], "router": [1], "client": [1]},
-        kv_transfer="shm, layer-wise push",
-        worker_timeout_s=120.0,
-        kv_timeout_s=900.0,
-    ),
 }
+
+# (d): a prefill worker short of compute (long prompts queue) beside a decode worker with slack
+# (small batches, ITL far under its SLO): the relaying moves to where the slack is
+CONFIGS["disaggregated_relay_on_d"] = dict(
+    CONFIGS["disaggregated"],
+    label="(d) disaggregated, as (c) but the router and the client on the decode worker's core",
+    cores={"prefill": [0], "decode": [1], "router": [1], "client": [1]},
+)
+
 # Engine settings every config leaves at pdserve's defaults (here for the simulator to mirror).
 ENGINE_DEFAULTS = dict(
     block_size=16,
