@@ -59,9 +59,10 @@ DECODE_STEPS = 6
 # Our engine's small-batch GGUF kernels stream the weights once per 4 activation rows
 # (csrc/gguf_matmul.cpp, by_row_tiles) for steps of up to 16 rows in float32 (engine/model.py,
 # gguf_rows_limit; 2 in bfloat16): the staircase the profile's g term prices. A calibration
-# on the engine reads its own limit; one from traces takes this unless told otherwise.
+# on the engine reads its own limit; one from traces, which do not say the engine's dtype,
+# fits each of the engine's limits and keeps the one that fits the steps better.
 ENGINE_ROW_TILE = 4
-ENGINE_TILE_MAX_ROWS = 16
+ENGINE_TILE_LIMITS = (16, 2)  # gguf_rows_limit: float32 (and int8 activations), bfloat16
 
 
 def _shape(rows) -> StepShape:
@@ -214,7 +215,7 @@ def fit_trace(
     probes: list[list[float]] | None = None,
     windows: list[list[float]] | None = None,
     beside: list[str] | None = None,
-    tile_max_rows: int = ENGINE_TILE_MAX_ROWS,
+    tile_max_rows: int | None = None,
     log=print,
 ) -> ProfileLatency:
     """A profile from step traces (engine/step_trace.py), steps started in [since, until] (or in
@@ -234,7 +235,8 @@ def fit_trace(
                 shares = [_busy_share(records, read(p, lo, hi)) for p in beside]
                 busiest = [max(s) for s in zip(*shares)]
                 keep = [
-                    share >= BESIDE_MIN_BUSY or sum(n for _, n, _ in r["seqs"]) <= tile_max_rows
+                    share >= BESIDE_MIN_BUSY
+                    or sum(n for _, n, _ in r["seqs"]) <= (tile_max_rows or max(ENGINE_TILE_LIMITS))
                     for r, share in zip(records, busiest)
                 ]
                 samples += [x for x, k in zip(_samples_by_record(records), keep) if k and x is not None]
@@ -243,16 +245,26 @@ def fit_trace(
     if len(samples) < 8:
         raise ValueError(f"{', '.join(paths)}: {len(samples)} traced steps in the window; a fit needs at least 8")
     layers, kv_bytes = _model_shape(model)
-    prof = ProfileLatency.fit(
-        samples,
-        model_layers=layers,
-        kv_bytes_per_token_=kv_bytes,
-        threads=threads,
-        row_tile=ENGINE_ROW_TILE,
-        tile_max_rows=tile_max_rows,
-        source=source
-        or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, {time.strftime('%Y-%m-%d %H:%M')}",
-    )
+    fits = [
+        ProfileLatency.fit(
+            samples,
+            model_layers=layers,
+            kv_bytes_per_token_=kv_bytes,
+            threads=threads,
+            row_tile=ENGINE_ROW_TILE,
+            tile_max_rows=limit,
+            source=source
+            or f"served steps of {', '.join(os.path.basename(p) for p in paths)}, {time.strftime('%Y-%m-%d %H:%M')}",
+        )
+        for limit in ([tile_max_rows] if tile_max_rows is not None else ENGINE_TILE_LIMITS)
+    ]
+    prof = min(fits, key=lambda f: relative_rms(f, samples))
+    if len(fits) > 1:
+        log(
+            "GGUF row limit: "
+            + ", ".join(f"{f.tile_max_rows} rows fits within {relative_rms(f, samples):.1%}" for f in fits)
+            + f"; kept {prof.tile_max_rows}"
+        )
     if probes:  # the front engine's trace (the first path) holds the probes' steps
         prof.request_rtt_s = request_rtt(read(paths[0]), probes)
     # the pool `pdserve serve` allocates by default (--kv-cache-memory-bytes 1 GiB, blocks of 16)
@@ -387,6 +399,12 @@ async def drive_grid(url: str, tokens, log=print, background_streams: int = 0) -
             + (f", prompts beside {background_streams} streams" if background_streams else "")
         )
     return probes
+
+
+def relative_rms(prof: ProfileLatency, samples: list[tuple[StepShape, float]]) -> float:
+    """Root mean square of (predicted - measured) / measured over the samples."""
+    errs = [(prof.step_s(s) - t) / t for s, t in samples if t > 0]
+    return (sum(e * e for e in errs) / len(errs)) ** 0.5 if errs else 0.0
 
 
 def request_rtt(records: list[dict], probes: list[list[float]]) -> float:

@@ -76,6 +76,27 @@ def test_a_prefill_profile_beside_a_decode_pool_keeps_only_the_steps_it_served_b
     assert served.step_s(trace_samples(p_recs[-1:])[0][0]) == pytest.approx(0.08, rel=0.05)
 
 
+@pytest.mark.parametrize("limit", [2, 16])
+def test_a_trace_fit_finds_where_the_engine_left_its_gguf_kernels(tmp_path, limit):
+    """A trace does not say the engine's dtype, so not where its steps leave the GGUF kernels
+    (16 rows in float32, 2 in bfloat16): the fit tries both and keeps the one the steps follow."""
+    truth = ProfileLatency(
+        [0.004, 0.0, 0.002, 0.0, 0.0, 0.0, 0.006, 0.020], row_tile=4, tile_max_rows=limit, model_layers=1
+    )
+    recs, t = [], 100.0
+    for batch in list(range(1, 17)) * 3:
+        shape = trace_samples([{"t0": 0, "t1": 1, "idle": True, "seqs": [[50, 1, 1]] * batch}])[0][0]
+        dt = truth.step_s(shape)
+        recs.append({"t0": t, "t1": t + dt, "idle": True, "seqs": [[50, 1, 1]] * batch})
+        t += dt + 1.0
+    path = tmp_path / "steps.jsonl"
+    _write(path, recs)
+    said = []
+    prof = fit_trace([str(path)], since=0, until=1e9, log=said.append)
+    assert prof.tile_max_rows == limit, said
+    assert any("kept" in m for m in said)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return write_tiny_model(str(tmp_path_factory.mktemp("tiny-cal")), max_pos=1024)
