@@ -131,6 +131,12 @@ class RouterConfig:
     worker_timeout_s: float = setting(3.0, help="seconds without a heartbeat before a worker is dead")
     kv_timeout_s: float = setting(KV_TIMEOUT_S, help="lease of a decode reservation whose KV has not arrived")
     max_num_seqs_in_flight: int = setting(1024, help="sequences the router handles at once")
+    max_local_prefill_length: int = setting(
+        0,
+        help="conditional disaggregation: a prompt with at most this many tokens not already cached on "
+        "the chosen decode worker is prefilled there, not on a prefill worker (no queue there, no KV "
+        "transfer); 0: every prompt goes to a prefill worker",
+    )
     autoscale: bool = setting(
         False,
         help="grow and shrink the pools from queue and KV-usage signals and the P:D advice, within "

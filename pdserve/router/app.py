@@ -255,6 +255,11 @@ class _RouterCollector:
                 "whole",
             ),
             (
+                "request_local_prefill",
+                "Requests whose short prompt was prefilled on their decode worker (--max-local-prefill-length).",
+                "local_prefill",
+            ),
+            (
                 "request_resumed",
                 "Streams resumed here after the router that served them died (the front sent what they had streamed).",
                 "resumed",

@@ -69,6 +69,7 @@ def build(args):
         kv_mode=args.kv_mode,
         admitter=Admitter(admission) if admission.enabled else None,
         secret=secret,
+        max_local_prefill_length=args.max_local_prefill_length,
     )
     engine.pools.set_autoscale(autoscale_config(args))
     settings = ServerSettings.from_args(args)

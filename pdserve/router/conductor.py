@@ -172,6 +172,14 @@ def admit(
     return ADMIT
 
 
+def prefill_locally(prompt_tokens: int, cached_on_decode_tokens: int, max_local_prefill_tokens: int) -> bool:
+    """Conditional disaggregation (as Dynamo's router does it): a prompt whose part the decode
+    worker does not already hold is short enough is prefilled on that decode worker. Its prefill
+    then costs the decode batch one short step instead of a place in the prefill queue, a
+    second worker's step and a KV transfer. 0 turns it off."""
+    return max_local_prefill_tokens > 0 and prompt_tokens - cached_on_decode_tokens <= max_local_prefill_tokens
+
+
 def is_long_request(prompt_tokens: int, max_tokens: int, long_threshold_tokens: int) -> bool:
     """Long = its whole KV footprint (prompt + output) reaches the threshold."""
     return prompt_tokens + max_tokens >= long_threshold_tokens

@@ -51,6 +51,7 @@ from pdserve.control_api import (
     parse_event,
 )
 from pdserve.engine.sequence import choice_request_id
+from pdserve.router import conductor
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
 from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
@@ -202,6 +203,7 @@ class DisaggEngine:
         kv_mode: str = "push",
         admitter=None,
         secret: bytes | None = None,
+        max_local_prefill_length: int = 0,
     ):
         self.engine = core  # tokenizer, model_config, max_model_len: what the app reads
         self.registry = registry
@@ -213,6 +215,9 @@ class DisaggEngine:
             raise ValueError("kv_mode must be push or pull")
         self.kv_mode = kv_mode
         self.max_in_flight = max_in_flight
+        if max_local_prefill_length < 0:
+            raise ValueError("max_local_prefill_length must be >= 0")
+        self.max_local_prefill_length = max_local_prefill_length
         self.draining = False
         self.ready = asyncio.Event()
         self.stats: dict | None = None
@@ -225,6 +230,7 @@ class DisaggEngine:
             "recomputed": 0,
             "replaced": 0,
             "whole": 0,
+            "local_prefill": 0,
             "resumed": 0,
             "kv_exposed_bytes": 0.0,
             "kv_exposed_seconds": 0.0,
@@ -415,6 +421,13 @@ class DisaggEngine:
         if c.resumed:
             await self._run_whole(c, "resumed")
             return
+        if self.max_local_prefill_length:
+            d = self.placer.pick_decode(self.registry)
+            if d is not None and conductor.prefill_locally(
+                len(c.prompt), self.placer.cached_tokens(d, c.prompt), self.max_local_prefill_length
+            ):
+                await self._run_whole(c, "local_prefill", worker=d)
+                return
         params = params_to_json(c.params)
         reserve = ReserveRequest(
             request_id=c.rid, prompt_token_ids=c.prompt, params=params, deadline_s=self.kv_timeout_s
@@ -546,15 +559,19 @@ class DisaggEngine:
                 self.registry.mark_dead(d.worker_id)
                 await self._replace(c, reason=str(e2))
 
-    async def _run_whole(self, c: _Choice, counter: str = "whole") -> None:
-        """One role has no live worker: a worker of the other role runs the request alone. A resumed
-        choice runs the same way: its prompt and the tokens it streamed on one worker (a decode
-        worker if one is alive)."""
-        w = self.placer.pick_any(self.registry, exclude=set())
+    async def _run_whole(self, c: _Choice, counter: str = "whole", worker=None) -> None:
+        """One worker runs the request alone: a worker of the other role when one role has no live
+        worker, the chosen decode worker when the prompt is short enough to prefill there
+        (`worker`), and a resumed choice (its prompt and the tokens it streamed; on a decode worker
+        if one is alive)."""
+        w = worker or self.placer.pick_any(self.registry, exclude=set())
         if w is None:
             raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
         c.group.acknowledge()
         c.workers = {w.worker_id}
+        if worker is not None:  # counted in the decode worker's load, as a placed decode is
+            max_tokens = c.params.max_tokens or self.engine.max_model_len - len(c.prompt)
+            self.placer.book_decode(w.worker_id, c.rid, len(c.prompt), max_tokens)
         self.counters[counter] += 1
         try:
             await self._resume_on(c, w, c.rid)

@@ -145,6 +145,11 @@ class Placer:
         ds = [w for w in ds if w.role == "decode"] or ds
         return self._choose(ds, policy.most_kv_headroom) if ds else None
 
+    def cached_tokens(self, w: WorkerInfo, prompt: list[int]) -> int:
+        """Leading tokens of the prompt that the worker's own pool holds, by the prefix index."""
+        bs = int((w.stats or {}).get("kv_block_size", 0))
+        return self.index.hit_blocks(w.worker_id, block_hashes(prompt, bs)) * bs if bs else 0
+
     def pick_any(self, registry: Registry, exclude: set[str]) -> WorkerInfo | None:
         """A worker to run a whole request: a decode worker if one is left, else a prefill worker."""
         for role in ("decode", "prefill"):

@@ -146,3 +146,10 @@ def test_queue_drain_and_predicted_tpot_come_from_the_cost_models():
     decode = DecodeCostModel(0.010, 0.0005, 1e-6)
     # joining a batch of 3 holding 3000 tokens with a 1000-token prompt and 200 to generate
     assert c.predict_tpot(decode, 3, 3000, 1000, 200) == pytest.approx(0.010 + 4 * 0.0005 + 4100e-6)
+
+
+def test_a_prompt_short_beyond_what_the_decode_worker_holds_is_prefilled_there():
+    assert c.prefill_locally(64, 0, 100)
+    assert not c.prefill_locally(164, 0, 100)
+    assert c.prefill_locally(164, 128, 100)  # the decode worker holds the first 128 tokens
+    assert not c.prefill_locally(1, 0, 0)  # off

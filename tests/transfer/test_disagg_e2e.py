@@ -72,3 +72,28 @@ def test_modes_between_processes(tiny_model_dir, reference, mode, transport, lay
             assert r.json()["choices"][0]["text"] == reference[prompt]
         counters = c.status()["counters"]
         assert counters["kv_bytes"] > 0 and counters["recomputed"] == 0
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker(tiny_model_dir, reference):
+    """--max-local-prefill-length: prompts short enough run whole on the decode worker (no prefill
+    worker, no KV transfer), the others as before; the text is the same either way."""
+    import httpx
+
+    # the tiny model's tokenizer: 11, 180 and 1 tokens
+    with Cluster(tiny_model_dir, worker_args=ENGINE, router_args=["--max-local-prefill-length", "16"]) as c:
+        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
+        for prompt in PROMPTS:
+            r = httpx.post(
+                c.url + "/v1/completions",
+                timeout=60,
+                json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == reference[prompt]
+        counters = c.status()["counters"]
+        assert counters["local_prefill"] == 2  # "hello world" and "x"
+        assert counters["kv_bytes"] > 0  # the long prompt went through the prefill worker
+        for name, s in c.wait_idle().items():
+            assert s["num_free_blocks"] == s["num_blocks"], name
+        metrics = httpx.get(c.url + "/metrics").text
+        assert "pdserve:request_local_prefill_total 2.0" in metrics
