@@ -96,6 +96,14 @@ CONFIGS["disaggregated_relay_on_d"] = dict(
     label="(d) disaggregated, as (c) but the router and the client on the decode worker's core",
     cores={"prefill": [0], "decode": [1], "router": [1], "client": [1]},
 )
+# (e): as (d), and conditional disaggregation: the chats' short prompts are prefilled on the
+# decode worker, so the prefill worker runs long prompts only, in whole-budget chunks
+CONFIGS["disaggregated_local_short"] = dict(
+    CONFIGS["disaggregated_relay_on_d"],
+    label="(e) disaggregated, as (d), prompts of <= 256 tokens prefilled on the decode worker",
+    chunk_size_tokens=0,
+    router_flags=["--max-local-prefill-length", "256"],
+)
 
 # Engine settings every config leaves at pdserve's defaults (here for the simulator to mirror).
 ENGINE_DEFAULTS = dict(
@@ -194,6 +202,7 @@ def server_commands(
             str(cfg["worker_timeout_s"]),
             "--kv-timeout-s",
             str(cfg["kv_timeout_s"]),
+            *cfg.get("router_flags", []),
         ]
         + (["--model", model] if model else [])
     )
