@@ -27,6 +27,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 def case(n: int):
     """(kernel call, torch call, flops) on random bf16 numbers for one n-token prompt."""
     kernels = cpu_kernels.load()
+    # its loops on OpenMP's team, as the engine runs them in a prefill step (beside torch's ops)
+    kernels.set_parallel_mode("omp")
     q = torch.randn(n, HEADS, HEAD_DIM).bfloat16()
     k = torch.randn(n, KV_HEADS, HEAD_DIM).bfloat16()
     v = torch.randn(n, KV_HEADS, HEAD_DIM).bfloat16()
