@@ -59,17 +59,7 @@ def test_modes_between_processes(tiny_model_dir, reference, mode, transport, lay
         prefill_args=[layerwise],
         router_args=["--kv-mode", mode],
     ) as c:
-        import httpx
-
-        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
-        for prompt in PROMPTS:
-            r = httpx.post(
-                c.url + "/v1/completions",
-                timeout=60,
-                json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
-            )
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == reference[prompt]
+        _each_prompt_as_collocated(c.url, reference)
         counters = c.status()["counters"]
         assert counters["kv_bytes"] > 0 and counters["recomputed"] == 0
 
@@ -81,15 +71,7 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(tiny_model_dir, refere
 
     # the tiny model's tokenizer: 11, 180 and 1 tokens
     with Cluster(tiny_model_dir, worker_args=ENGINE, router_args=["--max-local-prefill-length", "16"]) as c:
-        model = httpx.get(c.url + "/v1/models").json()["data"][0]["id"]
-        for prompt in PROMPTS:
-            r = httpx.post(
-                c.url + "/v1/completions",
-                timeout=60,
-                json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
-            )
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == reference[prompt]
+        _each_prompt_as_collocated(c.url, reference)
         counters = c.status()["counters"]
         assert counters["local_prefill"] == 2  # "hello world" and "x"
         assert counters["kv_bytes"] > 0  # the long prompt went through the prefill worker
@@ -97,3 +79,17 @@ def test_short_prompts_are_prefilled_on_the_decode_worker(tiny_model_dir, refere
             assert s["num_free_blocks"] == s["num_blocks"], name
         metrics = httpx.get(c.url + "/metrics").text
         assert "pdserve:request_local_prefill_total 2.0" in metrics
+
+
+def _each_prompt_as_collocated(url: str, reference: dict) -> None:
+    import httpx
+
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    for prompt in PROMPTS:
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference[prompt]

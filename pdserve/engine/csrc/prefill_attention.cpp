@@ -128,43 +128,6 @@ inline __m512bh bcast_pair(const uint16_t* p) {  // the bf16 pair p[0], p[1] in 
   return (__m512bh)_mm512_set1_epi32(w);
 }
 
-// One row's 64 raw scores s (q.k) of a key tile, of which the first n are visible:
-// the online softmax update of its running max m and sum l, the weights P rounded
-// to bf16 into p (0 past n), and the factor the row's output must be rescaled by.
-inline float softmax_tile(const __m512 s[4], int n, float c, float& m, float& l, uint16_t* p) {
-  if (n == 0) {  // the whole tile is in this row's future
-    std::memset(p, 0, sizeof(uint16_t) * kKeyTile);
-    return 1.f;
-  }
-  const __m512 cv = _mm512_set1_ps(c), neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 x[4];
-  __mmask16 mk[4];
-  for (int j = 0; j < 4; ++j) {
-    mk[j] = lanes_below(n, j);
-    x[j] = _mm512_mask_mul_ps(neg_inf, mk[j], s[j], cv);  // log2-domain scores
-  }
-  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
-  const float m_new = std::max(m, mx);
-  // ~0 on the first tile (m = -inf; o and l are 0 then)
-  const float alpha = _mm512_cvtss_f32(exp2_16(_mm512_set1_ps(m - m_new)));
-  m = m_new;
-  const __m512 mv = _mm512_set1_ps(m_new);
-  __m512 e[4];
-  for (int j = 0; j < 4; ++j) e[j] = _mm512_maskz_mov_ps(mk[j], exp2_16(_mm512_sub_ps(x[j], mv)));
-  const __m512i p01 = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);
-  const __m512i p23 = (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]);
-  _mm512_storeu_si512(p, p01);
-  _mm512_storeu_si512(p + 32, p23);
-  // the sum of the rounded weights P.V uses, so each output row is their exact average
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p01, 16)),
-                             _mm512_castsi512_ps(_mm512_and_si512(p01, hi_mask)));
-  sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p23, 16)));
-  sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(p23, hi_mask)));
-  l = l * alpha + _mm512_reduce_add_ps(sum);
-  return alpha;
-}
-
 // 2^x for the weights P only, which are rounded to bf16 next (relative step 2^-8):
 // a degree-3 polynomial, minimax in relative error on [-0.5, 0.5] (7.5e-5, 26x below
 // bf16's half step), three operations fewer than exp2_16. x >= -126.
@@ -178,9 +141,11 @@ inline __m512 exp2_16_for_bf16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// softmax_tile over a row of nkeys (a multiple of 32) raw scores in memory, of which
-// the first n are visible. Only the vectors holding visible keys are read; the
-// visible ones are masked only in the one vector where visibility ends.
+// One row's nkeys (a multiple of 32) raw scores s (q.k) in memory, of which the first n
+// are visible: the online softmax update of its running max m and sum l, the weights P
+// rounded to bf16 into p (0 past n), and the factor the row's output must be rescaled
+// by. Only the vectors holding visible keys are read; the visible ones are masked only
+// in the one vector where visibility ends.
 inline float softmax_row(const float* s, int nkeys, int n, float c, float& m, float& l, uint16_t* p) {
   if (n == 0) {
     std::memset(p, 0, sizeof(uint16_t) * nkeys);
@@ -257,52 +222,13 @@ struct Bf16Dot {
 
   static void load_q(const bf16* src, int64_t count, Elem* dst) { std::memcpy(dst, src, count * sizeof(Elem)); }
 
-  // MR rows (q: MR x D, contiguous) against one key tile: scores, online softmax
-  // update of m, l (per row) and o (MR x D, fp32), P rounded to bf16 for P.V.
-  template <int MR>
-  static void rows(const Elem* q, const Elem* kp, const Elem* vp, const int* valid, int64_t D, float c,
-                   float* m, float* l, float* o) {
-    __m512 s[MR][4];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < 4; ++j) s[i][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < D / 2; ++p) {
-      const Elem* kt = kp + p * 2 * kKeyTile;
-      __m512bh kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kt + 32 * j);
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh qa = bcast_pair(q + i * D + 2 * p);
-        for (int j = 0; j < 4; ++j) s[i][j] = _mm512_dpbf16_ps(s[i][j], kv[j], qa);
-      }
-    }
-    alignas(64) Elem pb[MR][kKeyTile];
-    float alpha[MR];
-    for (int i = 0; i < MR; ++i) alpha[i] = softmax_tile(s[i], valid[i], c, m[i], l[i], pb[i]);
-    // o = o * alpha + P.V, 64 columns at a time
-    for (int64_t c0 = 0; c0 < D; c0 += 64) {
-      __m512 acc[MR][4];
-      for (int i = 0; i < MR; ++i) {
-        const __m512 a = _mm512_set1_ps(alpha[i]);
-        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_mul_ps(_mm512_loadu_ps(o + i * D + c0 + 16 * j), a);
-      }
-      for (int64_t kp2 = 0; kp2 < kKeyTile / 2; ++kp2) {
-        const Elem* vt = vp + kp2 * 2 * D + 2 * c0;
-        __m512bh vv[4];
-        for (int j = 0; j < 4; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vt + 32 * j);
-        for (int i = 0; i < MR; ++i) {
-          const __m512bh pa = bcast_pair(pb[i] + 2 * kp2);
-          for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], vv[j], pa);
-        }
-      }
-      for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(o + i * D + c0 + 16 * j, acc[i][j]);
-    }
-  }
-
   static constexpr int kRows = 6;  // 6 rows x 4 vectors: 24 accumulators of the 32 registers
-  static constexpr int kTileRows = 0;  // rows go through rows<MR>, any count
+  static constexpr int kTileRows = 0;  // rows go through rows_multi<MR>, any count
 
-  // rows<MR> over nsub (<= kDotSuper) consecutive key tiles with one softmax step: the scores
-  // of each tile go to memory, one max, one rescale of o and one sum per row for all of them,
+  // MR rows (q: MR x D, contiguous) against nsub (<= kDotSuper) consecutive key tiles (kp,
+  // vp: the first), valid[i] of whose keys row i sees: scores, the online softmax update of
+  // m, l (per row) and o (MR x D, fp32), P rounded to bf16 for P.V. One softmax step for all
+  // nsub tiles: the scores of each go to memory, one max, one rescale of o and one sum per row,
   // and the weights by the 3-term 2^x (they are rounded to bf16 next). With a step per tile
   // the softmax took the FMA pipes from the products (5,900-token prompt, one Zen 5 core:
   // 284 GFLOP/s against vdpbf16ps' ~520); per 2 tiles 358, per 4 383, per 8 385.
@@ -396,7 +322,7 @@ struct AmxDot : Bf16Dot {
 
   // 16 rows (q: 16 x D, contiguous) against nsub consecutive packed key tiles (kp, vp:
   // the first), valid[i] of whose keys row i sees: the online softmax update as in
-  // Bf16Dot::rows, over up to 256 keys at once (one max, one rescale of o per step).
+  // Bf16Dot::rows_multi, over up to 256 keys at once (one max, one rescale of o per step).
   static void rows16(const Elem* q, const Elem* kp, const Elem* vp, int nsub, const int* valid, int64_t D, float c,
                      float* m, float* l, float* o) {
     constexpr int kRowBytes = kKeys * 4;        // a row of the fp32 score buffer
