@@ -116,25 +116,32 @@ def _threads(args) -> int:
     return args.threads or max(1, len(_cores()) // max(1, args.prefill + args.decode))
 
 
-def _initial_workers(args, router_url: str) -> list[tuple[str, str, dict]]:
-    """(role, worker id, settings) of the workers the deployment starts with."""
+def _placement(args) -> list[tuple[str, list[int] | None]]:
+    """(role, cores) of each worker the deployment starts with: one core each, or --threads
+    each, while cores last; None (unpinned) when they do not, or with --no-pin."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
     cores, threads = _cores(), _threads(args)
-    pin = len(roles) <= len(cores) and args.pin
+    pin = len(roles) * threads <= len(cores) and args.pin
+    return [(role, cores[i * threads : (i + 1) * threads] if pin else None) for i, role in enumerate(roles)]
+
+
+def _relay_cores(placement) -> list[int] | None:
+    """Where the router and the front run: on the decode workers' cores. Their work is per
+    token (streaming each chunk to its client), as decode's is, while a prefill core is busy
+    for seconds at a time with a long prompt; on the prefill core they queue behind it and the
+    long prompts' own TTFT grows (the mixed workload of docs/interference.md: 29 s -> 16 s when
+    moved). None when the workers are not pinned: then the OS places everything."""
+    cores = sorted({c for role, cs in placement if role == "decode" and cs for c in cs})
+    return cores or None
+
+
+def _initial_workers(args, router_url: str, placement=None) -> list[tuple[str, str, dict]]:
+    """(role, worker id, settings) of the workers the deployment starts with."""
+    placement = placement if placement is not None else _placement(args)
+    threads = _threads(args)
     return [
-        (
-            role,
-            f"{role}-{i}",
-            worker_settings(
-                args,
-                role,
-                i,
-                router_url,
-                threads=threads,
-                cores=cores[i * threads : (i + 1) * threads] if pin else None,
-            ),
-        )
-        for i, role in enumerate(roles)
+        (role, f"{role}-{i}", worker_settings(args, role, i, router_url, threads=threads, cores=cores))
+        for i, (role, cores) in enumerate(placement)
     ]
 
 
@@ -153,8 +160,9 @@ class Child:
     """One supervised process: restarted with backoff whenever it crashes. A worker that
     exits 0 was drained on purpose (its pool shrank, or someone stopped it): retired."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, role: str = "router", pass_fds=()):
+    def __init__(self, name: str, cmd: list[str], env: dict, role: str = "router", pass_fds=(), cores=None):
         self.name, self.cmd, self.env, self.role, self.pass_fds = name, cmd, env, role, tuple(pass_fds)
+        self.cores = set(cores) if cores else None  # pinned to these from its first instruction, restarts too
         self.retired = False
         self.restarts = 0
         self.restarts_in_row = 0  # since it last ran for STABLE_S: sets the backoff
@@ -167,10 +175,15 @@ class Child:
         env = {**self.env, RESTARTS_ENV: str(self.restarts)}
         # own session: a terminal's Ctrl-C reaches only us, and we stop the children in order
         self.proc = subprocess.Popen(
-            self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent, pass_fds=self.pass_fds
+            self.cmd, env=env, start_new_session=True, preexec_fn=self._preexec, pass_fds=self.pass_fds
         )
         self.started_s = time.monotonic()
         self.restart_at_s = None
+
+    def _preexec(self) -> None:
+        die_with_parent()
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
 
     def tend(self, now: float) -> None:
         """Reap an exited child and restart it when its backoff has passed."""
@@ -233,14 +246,18 @@ def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int
     router_url = f"http://{LOOPBACK}:{port}"  # the workers started here skip the front
     secret = auth.load_cluster_secret()
     router_cmd = _command(configs, "router", "router", router_settings(args, LOOPBACK, port))
-    router = Child("router", router_cmd + ["--fd", str(fd)], env, pass_fds=(fd,))
+    placement = _placement(args)
+    relay = _relay_cores(placement)
+    if relay:
+        log.info("router and front on cores %s, with the decode workers", ",".join(map(str, relay)))
+    router = Child("router", router_cmd + ["--fd", str(fd)], env, pass_fds=(fd,), cores=relay)
     workers = [
         Child(name, _command(configs, "worker", name, settings), env, role)
-        for role, name, settings in _initial_workers(args, router_url)
+        for role, name, settings in _initial_workers(args, router_url, placement)
     ]
     pools = _Pools(args, env, workers, secret, router_url, configs)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request is noise
-    front = _FrontThread(Front(router_url, secret, args.max_request_body_bytes), listener)
+    front = _FrontThread(Front(router_url, secret, args.max_request_body_bytes), listener, cores=relay)
     return _supervise(router, pools, args.shutdown_timeout, front, internal)
 
 
@@ -297,15 +314,19 @@ class _FrontThread:
     """The front's own event loop and uvicorn server, on a thread of the launcher, serving
     the deployment's public listener."""
 
-    def __init__(self, front: Front, listener: socket.socket):
+    def __init__(self, front: Front, listener: socket.socket, cores=None):
         import uvicorn
 
         self.front, self.listener = front, listener
         config = uvicorn.Config(front, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=lambda: asyncio.run(self.server.serve(sockets=[listener])), name="front", daemon=True
-        )
+
+        def run():
+            if cores:  # this thread only (and the threads it starts): the launcher's own children
+                os.sched_setaffinity(0, set(cores))  # started later keep the launcher's cores
+            asyncio.run(self.server.serve(sockets=[listener]))
+
+        self.thread = threading.Thread(target=run, name="front", daemon=True)
         self.thread.start()
 
     def refuse_new(self) -> None:

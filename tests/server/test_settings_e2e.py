@@ -104,3 +104,21 @@ def test_serve_flags_reach_the_router_and_every_worker(tiny_model_dir):
     finally:
         assert dep.stop() == 0
     assert not os.path.exists(directory), "the config files outlived the deployment"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
+def test_serve_pins_router_and_front_with_the_decode_workers(tiny_model_dir):
+    """One core each for the prefill and the decode worker; the router and the front (a thread
+    of the launcher) share the decode worker's, so they never queue behind a long prefill."""
+    cores = sorted(os.sched_getaffinity(0))
+    dep = Deployment(tiny_model_dir, "--served-model-name", "tiny", "--pin")  # --pin after the harness's --no-pin
+    try:
+        assert dep.complete(4).status_code == 200
+        affinity = {w: set(dep.child(w).cpu_affinity()) for w in ("router", "prefill-0", "decode-1")}
+        assert affinity == {"prefill-0": {cores[0]}, "decode-1": {cores[1]}, "router": {cores[1]}}, affinity
+        launcher = psutil.Process(dep.proc.pid)
+        threads = {t.id: os.sched_getaffinity(t.id) for t in launcher.threads()}
+        assert threads[dep.proc.pid] == set(cores), "the launcher itself keeps every core"
+        assert {cores[1]} in threads.values(), f"no thread of the launcher on the decode core: {threads}"
+    finally:
+        assert dep.stop() == 0
