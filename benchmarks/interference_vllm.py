@@ -89,7 +89,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--venv", default="/tmp/vllm-venv")
     p.add_argument("--hf-dir", default="/tmp/smollm2-hf", help="written by `pdserve convert` if missing")
-    p.add_argument("--vllm-dtype", default="float32", help="float32 as pdserve computes here (AVX2: bf16 is emulated)")
+    p.add_argument(
+        "--vllm-dtype",
+        default="",
+        help="vLLM's --dtype (default: its own choice, bf16 on a CPU with AVX512-BF16 or AMX, as peers.py runs it; "
+        "float32 for an AVX2 CPU, where vLLM's bf16 is emulated)",
+    )
     p.add_argument("--vllm-threads", type=int, default=2)
     p.add_argument("--kvcache-space-gib", default="4")
     own, rest = p.parse_known_args(argv)
