@@ -111,28 +111,34 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
 
 
-def _threads(args) -> int:
-    """One core each while cores last; --threads wins if given."""
-    return args.threads or max(1, len(_cores()) // max(1, args.prefill + args.decode))
+def _threads(args, cores=None) -> int:
+    """The cores shared out evenly between the workers; --threads wins if given."""
+    n = len(cores if cores is not None else _cores())
+    return args.threads or max(1, n // max(1, args.prefill + args.decode))
 
 
-def _placement(args) -> list[tuple[str, list[int] | None]]:
-    """(role, cores) of each worker the deployment starts with: one core each, or --threads
-    each, while cores last; None (unpinned) when they do not, or with --no-pin."""
+def _placement(args, cores=None) -> list[tuple[str, list[int] | None]]:
+    """(role, cores) of each worker the deployment starts with: its share of the cores, or
+    --threads each, while cores last; None (unpinned) when they do not, or with --no-pin."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    cores, threads = _cores(), _threads(args)
+    cores = cores if cores is not None else _cores()
+    threads = _threads(args, cores)
     pin = len(roles) * threads <= len(cores) and args.pin
     return [(role, cores[i * threads : (i + 1) * threads] if pin else None) for i, role in enumerate(roles)]
 
 
-def _relay_cores(placement) -> list[int] | None:
-    """Where the router and the front run: on the decode workers' cores. Their work is per
-    token (streaming each chunk to its client), as decode's is, while a prefill core is busy
-    for seconds at a time with a long prompt; on the prefill core they queue behind it and the
-    long prompts' own TTFT grows (the mixed workload of docs/interference.md: 29 s -> 16 s when
-    moved). None when the workers are not pinned: then the OS places everything."""
-    cores = sorted({c for role, cs in placement if role == "decode" and cs for c in cs})
-    return cores or None
+def _relay_cores(placement, cores=None) -> list[int] | None:
+    """Where the router and the front run: on the cores no worker was given, if any are left,
+    else on the decode workers' cores. Their work is per token (streaming each chunk to its
+    client), as decode's is, while a prefill core is busy for seconds at a time with a long
+    prompt; on the prefill core they queue behind it and the long prompts' own TTFT grows (the
+    mixed workload of docs/interference.md: 29 s -> 16 s when moved). None when the workers
+    are not pinned: then the OS places everything."""
+    given = {c for _, cs in placement if cs for c in cs}
+    if not given:
+        return None
+    spare = sorted(set(cores if cores is not None else _cores()) - given)
+    return spare or sorted({c for role, cs in placement if role == "decode" and cs for c in cs}) or None
 
 
 def _initial_workers(args, router_url: str, placement=None) -> list[tuple[str, str, dict]]:
@@ -249,7 +255,7 @@ def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int
     placement = _placement(args)
     relay = _relay_cores(placement)
     if relay:
-        log.info("router and front on cores %s, with the decode workers", ",".join(map(str, relay)))
+        log.info("router and front on cores %s", ",".join(map(str, relay)))
     router = Child("router", router_cmd + ["--fd", str(fd)], env, pass_fds=(fd,), cores=relay)
     workers = [
         Child(name, _command(configs, "worker", name, settings), env, role)
