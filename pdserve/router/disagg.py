@@ -423,8 +423,10 @@ class DisaggEngine:
             return
         if self.max_local_prefill_length:
             d = self.placer.pick_decode(self.registry)
+            # the prefix index is read only for a prompt that is too long without it
+            short = len(c.prompt) <= self.max_local_prefill_length
             if d is not None and conductor.prefill_locally(
-                len(c.prompt), self.placer.cached_tokens(d, c.prompt), self.max_local_prefill_length
+                len(c.prompt), 0 if short else self.placer.cached_tokens(d, c.prompt), self.max_local_prefill_length
             ):
                 await self._run_whole(c, "local_prefill", worker=d)
                 return

@@ -117,17 +117,16 @@ def _threads(args, cores=None) -> int:
     return args.threads or max(1, n // max(1, args.prefill + args.decode))
 
 
-def _placement(args, cores=None) -> list[tuple[str, list[int] | None]]:
-    """(role, cores) of each worker the deployment starts with: its share of the cores, or
+def _placement(args, cores: list[int]) -> list[tuple[str, list[int] | None]]:
+    """(role, cores) of each worker the deployment starts with: its share of `cores`, or
     --threads each, while cores last; None (unpinned) when they do not, or with --no-pin."""
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    cores = cores if cores is not None else _cores()
     threads = _threads(args, cores)
     pin = len(roles) * threads <= len(cores) and args.pin
     return [(role, cores[i * threads : (i + 1) * threads] if pin else None) for i, role in enumerate(roles)]
 
 
-def _relay_cores(placement, cores=None) -> list[int] | None:
+def _relay_cores(placement, cores: list[int]) -> list[int] | None:
     """Where the router and the front run: on the cores no worker was given, if any are left,
     else on the decode workers' cores. Their work is per token (streaming each chunk to its
     client), as decode's is, while a prefill core is busy for seconds at a time with a long
@@ -137,14 +136,12 @@ def _relay_cores(placement, cores=None) -> list[int] | None:
     given = {c for _, cs in placement if cs for c in cs}
     if not given:
         return None
-    spare = sorted(set(cores if cores is not None else _cores()) - given)
+    spare = sorted(set(cores) - given)
     return spare or sorted({c for role, cs in placement if role == "decode" and cs for c in cs}) or None
 
 
-def _initial_workers(args, router_url: str, placement=None) -> list[tuple[str, str, dict]]:
-    """(role, worker id, settings) of the workers the deployment starts with."""
-    placement = placement if placement is not None else _placement(args)
-    threads = _threads(args)
+def _initial_workers(args, router_url: str, placement, threads: int) -> list[tuple[str, str, dict]]:
+    """(role, worker id, settings) of the workers the deployment starts with, placed by `_placement`."""
     return [
         (role, f"{role}-{i}", worker_settings(args, role, i, router_url, threads=threads, cores=cores))
         for i, (role, cores) in enumerate(placement)
@@ -252,14 +249,15 @@ def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int
     router_url = f"http://{LOOPBACK}:{port}"  # the workers started here skip the front
     secret = auth.load_cluster_secret()
     router_cmd = _command(configs, "router", "router", router_settings(args, LOOPBACK, port))
-    placement = _placement(args)
-    relay = _relay_cores(placement)
+    cores = _cores()
+    placement = _placement(args, cores)
+    relay = _relay_cores(placement, cores)
     if relay:
         log.info("router and front on cores %s", ",".join(map(str, relay)))
     router = Child("router", router_cmd + ["--fd", str(fd)], env, pass_fds=(fd,), cores=relay)
     workers = [
         Child(name, _command(configs, "worker", name, settings), env, role)
-        for role, name, settings in _initial_workers(args, router_url, placement)
+        for role, name, settings in _initial_workers(args, router_url, placement, _threads(args, cores))
     ]
     pools = _Pools(args, env, workers, secret, router_url, configs)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request is noise
