@@ -9,6 +9,8 @@ rows are the held-out set (``heldout.py``).
 
 from __future__ import annotations
 
+from pdserve.planner.validate import consistent_run
+
 MS = 1e-3
 
 # BLOOM-176B (huggingface.co/bigscience/bloom config.json: 70 layers, hidden
@@ -26,15 +28,20 @@ BLOOM = {
     "max_context_tokens": 2048,
     "tied_embeddings": True,
 }
+# decode steps are read from runs of 128 outputs (mean context prompt + 64), as the held-out set's
+OUTPUTS = 128
 SPLITWISE_GPUS = {"a100-80gb": ("a100", "a100-80gb"), "h100-80gb": ("h100", "h100-sxm")}
 
 
 def _bloom_runs(rows: list[dict]) -> dict:
     runs: dict = {}
     for r in rows:
-        if r["model"] == "bloom-176b" and r["hardware"] in SPLITWISE_GPUS:
+        if r["model"] != "bloom-176b" or r["hardware"] not in SPLITWISE_GPUS or int(r["token_size"]) != OUTPUTS:
+            continue
+        prompt_s, token_s, e2e_s = (float(r[c]) * MS for c in ("prompt_time", "token_time", "e2e_time"))
+        if consistent_run(prompt_s, token_s, e2e_s, OUTPUTS):
             key = (r["hardware"], int(r["tensor_parallel"]), int(r["prompt_size"]), int(r["batch_size"]))
-            runs.setdefault(key, []).append((float(r["prompt_time"]) * MS, float(r["token_time"]) * MS))
+            runs.setdefault(key, []).append((prompt_s, token_s))
     return runs
 
 

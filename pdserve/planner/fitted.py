@@ -116,7 +116,10 @@ FABRIC_BYTES_PER_S = {"a100": 600e9, "h100": 900e9}
 # fitted by ``fit_profiles --splitwise-git`` on its BLOOM-176B rows (TP 8):
 # the measured decode step minus the operator model's, over batches 1-64,
 # as ``fixed + per_seq x batch``; ``prefill_fixed_s`` is the further cost of a
-# step that prefills (prompts of 128-1,024 tokens). The host CPU differs by
+# step that prefills (prompts of 128-1,024 tokens). Only runs of 128 outputs
+# whose end-to-end time is their prompt time plus 127 token times (within 10%,
+# ``validate.consistent_run``) are read; every BLOOM run of that grid passes.
+# The host CPU differs by
 # node (DGX-A100: AMD EPYC 7742; DGX-H100: Intel Xeon 8480C), hence per kind.
 # Only TP 8 was measured: other TP sizes take the same terms (an assumption),
 # and batches beyond ``max_batch_fitted`` extrapolate the line.
@@ -129,19 +132,19 @@ FABRIC_BYTES_PER_S = {"a100": 600e9, "h100": 900e9}
 ENGINES = {
     "vidur": {},
     "vllm-2023": {
-        "a100": {"fixed_s": -0.00014, "per_seq_s": 0.000444, "prefill_fixed_s": 0.0169, "max_batch_fitted": 64},
-        "h100": {"fixed_s": 0.00185, "per_seq_s": 0.000244, "prefill_fixed_s": 0.0077, "max_batch_fitted": 64},
+        "a100": {"fixed_s": -0.00027, "per_seq_s": 0.000447, "prefill_fixed_s": 0.0168, "max_batch_fitted": 64},
+        "h100": {"fixed_s": 0.00184, "per_seq_s": 0.000244, "prefill_fixed_s": 0.0075, "max_batch_fitted": 64},
     },
     "vllm-2023-overlap": {
         "a100": {
             "per_seq_s": 0.000406,
-            "prefill_fixed_s": 0.0168,
-            "launch_per_layer_s": 0.000556,
+            "prefill_fixed_s": 0.0166,
+            "launch_per_layer_s": 0.000554,
             "max_batch_fitted": 64,
         },
         "h100": {
             "per_seq_s": 0.00027,
-            "prefill_fixed_s": 0.0096,
+            "prefill_fixed_s": 0.0093,
             "launch_per_layer_s": 0.000371,
             "max_batch_fitted": 64,
         },

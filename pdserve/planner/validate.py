@@ -16,6 +16,19 @@ from pdserve.planner.models import resolve_model
 
 GPU_OF_KIND = {"a100": "a100-80gb", "h100": "h100-sxm"}
 BAND = (0.75, 1.33)
+# how far a run's end-to-end time may stray from its own prompt and token times
+CONSISTENCY_TOLERANCE = 0.10
+
+
+def consistent_run(
+    prompt_s: float, token_s: float, e2e_s: float, outputs: int, tol: float = CONSISTENCY_TOLERANCE
+) -> bool:
+    """Whether a measured run's end-to-end time is its prompt time plus ``outputs - 1`` token
+    times, within ``tol``. A run that is not was not one steady batch: requests that did not fit
+    the KV cache waited, were preempted and recomputed (its e2e grows by multiples), or generation
+    stopped early at an end token (it shrinks). Its token time then is not the step time of the
+    batch it is labelled with, and it can neither fit nor check a step-time model."""
+    return abs(e2e_s / (prompt_s + (outputs - 1) * token_s) - 1.0) <= tol
 
 
 def predict(kind: str, tp: int, phase: str, tokens: int, batch: int, engine: str = "vidur") -> tuple[float, float]:
@@ -32,8 +45,11 @@ def rows(engines: dict[str, str] | None = None) -> list[dict]:
     out = []
     for s in SETS:
         profile = (engines or {}).get(s["engine_profile"], s["engine_profile"])
+        runs = s.get("runs", {})
         for kind, tp, phase, tokens, batch, measured in s["points"]:
             fitted, roof = predict(kind, tp, phase, tokens, batch, profile)
+            run = runs.get((kind, tp, phase, tokens, batch))
+            valid = run is None or consistent_run(*run, s["outputs"])
             out.append(
                 {
                     "engine": s["engine"],
@@ -46,20 +62,26 @@ def rows(engines: dict[str, str] | None = None) -> list[dict]:
                     "predicted_s": fitted,
                     "ratio": fitted / measured,
                     "roofline_ratio": roof / measured,
+                    # run = (prompt s, token s, end-to-end s) of the measured run, where the source has them
+                    "valid": valid,
+                    "e2e_consistency": (run[2] / (run[0] + (s["outputs"] - 1) * run[1])) if run else None,
                 }
             )
     return out
 
 
 def summary(rs: list[dict]) -> dict:
-    ratios = [r["ratio"] for r in rs]
+    """Scores over the valid points; ``excluded`` counts the runs ``consistent_run`` rejects."""
+    scored = [r for r in rs if r["valid"]]
+    ratios = [r["ratio"] for r in scored]
     return {
-        "points": len(rs),
+        "points": len(scored),
+        "excluded": len(rs) - len(scored),
         "median": statistics.median(ratios),
         "min": min(ratios),
         "max": max(ratios),
         "in_band": sum(BAND[0] <= x <= BAND[1] for x in ratios),
-        "roofline_median": statistics.median(r["roofline_ratio"] for r in rs),
+        "roofline_median": statistics.median(r["roofline_ratio"] for r in scored),
     }
 
 
@@ -68,6 +90,8 @@ def table(rs: list[dict]) -> str:
     lines = [head, "|" + "---|" * 10]
     for r in rs:
         flag = "" if BAND[0] <= r["ratio"] <= BAND[1] else " *"
+        if not r["valid"]:
+            flag = f" (excluded: e2e {r['e2e_consistency']:.1f}x its own prompt + token times)"
         lines.append(
             f"| {r['engine']} | {r['gpu'].upper()} | {r['tp']} | {r['phase']} | "
             f"{r['tokens']} | {r['batch']} | {r['measured_s'] * 1e3:.1f} | "
@@ -88,10 +112,13 @@ def main() -> int:
             f"{s['in_band']} within {BAND[0]}-{BAND[1]}"
         )
     s = summary(rs)
-    print(f"all: {s['points']} points, median ratio {s['median']:.2f}, {s['in_band']} within band")
+    print(
+        f"all: {s['points']} points, median ratio {s['median']:.2f}, {s['in_band']} within band "
+        f"({s['excluded']} more excluded as inconsistent runs)"
+    )
     # the other reading of the same engine fit (fitted.ENGINES), not the one the table shows
     alt = rows({"vllm-2023": "vllm-2023-overlap"})
-    misses = [r for r in alt if not BAND[0] <= r["ratio"] <= BAND[1]]
+    misses = [r for r in alt if r["valid"] and not BAND[0] <= r["ratio"] <= BAND[1]]
     s = summary(alt)
     print(
         f"all, vLLM priced with vllm-2023-overlap: median ratio {s['median']:.2f}, {s['in_band']} within band; "
