@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from pdserve.flags import config_first
@@ -53,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"pdserve {args.command}: not available ({args._missing})", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except BrokenPipeError:
+        # the reader went away (`pdserve plan --json | head`): end quietly, as Unix tools do;
+        # stdout is pointed at /dev/null so the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool a pipe ended
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ class _Terms:
     STATS_KEY: ClassVar[str]
 
     def terms(self) -> list[float]:
-        return list(astuple(self))
+        return [float(t) for t in astuple(self)]  # plain floats (numpy's would log as np.float64(...))
 
     @classmethod
     def from_stats(cls, stats: dict | None):
@@ -88,7 +88,7 @@ class PrefillCostModel(_Terms):
     def tokens_per_s(self, tokens: int) -> float | None:
         """Theta_P: prompt tokens per second at prompts of `tokens` tokens."""
         seconds = self(tokens)
-        return tokens / seconds if seconds > 0 else None
+        return float(tokens / seconds) if seconds > 0 else None
 
     def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         """One step prefilling `chunks` of (tokens already computed, new tokens): the fixed

@@ -158,8 +158,11 @@ def _canonical(spellings: dict[str, str], base: Any):
 
 def _help(s: Setting) -> str:
     text = s.meta["help"]
-    if s.meta["spellings"]:
-        text += " (also accepted: " + ", ".join(s.meta["spellings"]) + ")"
+    choices = s.meta.get("choices")
+    # only the spellings of values this flag takes (fp32 is no KV dtype a plan models, say)
+    spellings = [k for k, v in (s.meta["spellings"] or {}).items() if not choices or v in choices]
+    if spellings:
+        text += " (also accepted: " + ", ".join(spellings) + ")"
     if s.meta["env"]:
         text += f" (env {s.meta['env']})"
     if s.is_bool:

@@ -138,6 +138,9 @@ def test_bf16_is_accepted_everywhere_and_shown_as_bfloat16():
         assert parser(command).parse_args(["--dtype", "bf16", *argv]).dtype == "bfloat16", command
     assert parser("plan").parse_args(["--kv-dtype", "fp16"]).kv_dtype == "float16"
     assert DeviceConfig(device="cpu", dtype="bf16").dtype == "bfloat16"
+    # the help names only the spellings of values the flag takes (fp32 is no modelled KV dtype)
+    kv_help = next(x.help for x in parser("plan")._actions if "--kv-dtype" in x.option_strings)
+    assert "fp16" in kv_help and "fp32" not in kv_help and "float," not in kv_help
 
 
 def test_plan_names_the_modelled_model_model_config_and_keeps_model_as_a_deprecated_alias(capsys, caplog):

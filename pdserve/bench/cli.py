@@ -7,6 +7,7 @@ interrupted (the partial result is still printed and saved).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import os
@@ -21,7 +22,11 @@ log = logging.getLogger("pdserve.bench")
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("endpoint")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    g.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server root (a trailing /v1, as the OpenAI client's base URL has, is dropped)",
+    )
     g.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
     g.add_argument("--model", default=None, help="model id to request (default: the first one /v1/models lists)")
     g.add_argument(
@@ -48,6 +53,19 @@ def add_arguments(p) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length (vLLM extension)")
     g.add_argument("--temperature", type=float, default=0.0)
     add_result_arguments(p, replot=True)
+    show_defaults(p)
+
+
+def show_defaults(p) -> None:
+    """`--help` names each option's default (as vLLM's benchmark does), unless its help already
+    says what the default is or there is none to give."""
+    for a in p._actions:
+        if a.help == argparse.SUPPRESS or a.default in (None, False, argparse.SUPPRESS) or not a.option_strings:
+            continue
+        if "key" in a.dest or "token" in a.dest:
+            continue  # a secret from the environment is never printed
+        if "default" not in (a.help or "") and a.dest != "help":
+            a.help = ((a.help or "") + " (default: %(default)s)").strip()
 
 
 def add_workload_arguments(p) -> None:
@@ -225,6 +243,16 @@ def _tokenizer_path(args) -> str | None:
     return args.model if args.model and os.path.exists(args.model) else None
 
 
+def server_root(url: str) -> str:
+    """The server's root from `--base-url`. The OpenAI client's base URL ends in /v1 and the
+    endpoints here carry it, so a URL given the client's way is taken without it."""
+    root = url.rstrip("/")
+    if root.endswith("/v1"):
+        log.info("--base-url %s: using %s (the endpoints add /v1)", url, root[: -len("/v1")])
+        root = root[: -len("/v1")]
+    return root
+
+
 def run(args) -> int:
     _log_to_stderr()
     if args.replot:
@@ -232,6 +260,7 @@ def run(args) -> int:
     from pdserve.bench.runner import RunState, run_benchmark
     from pdserve.bench.tokens import TokenSource
 
+    args.base_url = server_root(args.base_url)
     try:
         goodput = metrics.parse_goodput(args.goodput)
         percentiles = metrics.parse_percentiles(args.metric_percentiles)

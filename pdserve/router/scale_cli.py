@@ -47,6 +47,13 @@ def run(args) -> int:
     body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"error": r.text}
     if r.status_code != 200:
         print(f"pdserve scale: {r.status_code}: {body.get('error', {}).get('message', body)}", file=sys.stderr)
+        if r.status_code == 401:
+            print(
+                "pdserve scale: the router refused this command's cluster secret. `pdserve serve` makes a "
+                "fresh secret per deployment unless it is given one: start it with --cluster-token-file FILE "
+                f"(or ${auth.TOKEN_ENV}) and pass the same to this command.",
+                file=sys.stderr,
+            )
         return 1
     print(json.dumps(body, indent=2))
     if body.get("note"):

@@ -140,6 +140,7 @@ def add_arguments(p) -> None:
     g.add_argument("--search-tp", default="1,2,4,8", help="TP sizes to try per pool")
     g.add_argument("--search-max-gpus", type=int, default=32)
     g.add_argument("--search-target-pct", type=float, default=90.0, help="SLO attainment to reach (needs --goodput)")
+    bench_cli.show_defaults(p)  # as `pdserve bench --help` does, for the flags the two share too
 
 
 def _model_config(args) -> str:

@@ -202,3 +202,11 @@ def test_token_source_with_a_tokenizer(tiny_model_dir):
     tok = src.tokenizer
     assert max(ids) < tok.vocab_size and not (set(ids) & (tok.special_ids | set(tok.eos_token_ids)))
     assert src.exact and src.count("hello world") == len(tok.encode("hello world", add_special_tokens=False))
+
+
+def test_base_url_is_the_server_root_with_or_without_v1():
+    from pdserve.bench.cli import server_root
+
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert server_root(url) == "http://h:8000"
+    assert server_root("http://h:8000/api/v1x") == "http://h:8000/api/v1x"

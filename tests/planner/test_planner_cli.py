@@ -231,3 +231,20 @@ def test_planner_imports_and_runs_without_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    # `pdserve plan ... | head -1`: the write that finds the pipe closed ends the command with the
+    # shell's SIGPIPE status and no traceback (here the plan's own run raises as that write would)
+    code = (
+        "import sys\n"
+        "from pdserve.planner import cli\n"
+        "def run(args):\n"
+        "    print('x' * 10)\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "cli.run = run\n"
+        "from pdserve.cli import main\n"
+        "sys.exit(main(['plan', '--list']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr
