@@ -204,6 +204,11 @@ class _Output(_Event):
     stop_reason: int | str | None = None
     # per new token, {token id as a string: logprob}; a logprob may be -inf
     logprobs: list[dict[str, Annotated[float, Field(allow_inf_nan=True)]]] | None = None
+    # with a request's first token: seconds from its first scheduling on this worker to that
+    # token, so that the router can split the TTFT it sees into waiting and prefill
+    prefill_s: Annotated[float, Field(ge=0.0)] | None = None
+    # the prompt's logprobs (params.prompt_logprobs), once, as for `logprobs`; the first is None
+    prompt_logprobs: list[dict[str, Annotated[float, Field(allow_inf_nan=True)]] | None] | None = None
 
 
 class FirstTokenEvent(_Output):

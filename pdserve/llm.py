@@ -12,6 +12,22 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import RequestOutput
 
 
+def _prompt(p):
+    """A prompt as the engine takes it (text or token ids), from any form `generate` accepts."""
+    if isinstance(p, dict):
+        keys = set(p) - {"multi_modal_data", "mm_processor_kwargs"}
+        if keys == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if keys == {"prompt_token_ids"} and isinstance(p["prompt_token_ids"], (list, tuple)):
+            return list(p["prompt_token_ids"])
+        if p.get("multi_modal_data"):
+            raise ValueError("multi-modal prompts are not supported")
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids', got {sorted(p)}")
+    if isinstance(p, str) or (isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p)):
+        return p
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(p).__name__}")
+
+
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
@@ -42,9 +58,11 @@ class LLM:
         use_tqdm: bool = False,
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; a prompt is a string or a list of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generate for one prompt or a list. A prompt is a string, a list of token ids, or, as
+        in vLLM, a dict: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt(p) for p in prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):

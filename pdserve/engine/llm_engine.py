@@ -389,7 +389,9 @@ class LLMEngine:
                 self.kv_store.wait_for_loads(0.005)  # nothing to run until a load lands
             return []
         hook = self.bridge.layer_hook(sched.scheduled, self.runner, self.block_manager) if self.bridge else None
-        logits, rows = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
+        logits, rows, prompt_logits = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
+        for seq, first_pos, lg in prompt_logits:
+            record_prompt_logprobs(seq, first_pos, lg)
         if self.bridge is not None:
             self.bridge.after_step(sched.scheduled, self.runner, self.block_manager)
         sampled = []
@@ -450,6 +452,10 @@ class LLMEngine:
                 logprobs=seq.logprobs[-len(new_ids) :] if want_lp else None,
             )
         comp.cumulative_logprob = seq.cumulative_logprob if want_lp else None
+        # the prompt's logprobs: with the first output (all computed by then) and the final one
+        first_or_last = finished or len(seq.output_token_ids) == len(new_ids)
+        complete = seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs
+        prompt_lps = list(seq.prompt_logprobs) if complete and first_or_last else None
         comp.finish_reason = seq.finish_reason.value if seq.finish_reason else None
         comp.stop_reason = seq.stop_reason
         return RequestOutput(
@@ -467,6 +473,7 @@ class LLMEngine:
                 "last_token_time": seq.last_token_time,
                 "num_preemptions": seq.num_preemptions,
             },
+            prompt_logprobs=prompt_lps,
         )
 
     # ---- introspection
@@ -493,3 +500,18 @@ class LLMEngine:
         """Stop the KV store's threads (and flush nothing: tiers are caches)."""
         if self.kv_store is not None:
             self.kv_store.close()
+
+
+def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
+    """Append to `seq.prompt_logprobs` what the logits at prompt positions `first_pos`, ... say
+    of the prompt tokens that follow them: that token's logprob, then the top ones."""
+    k = seq.params.prompt_logprobs
+    lps = torch.log_softmax(logits.float(), dim=-1)
+    nxt = torch.tensor(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + lps.shape[0]], device=lps.device)
+    own = lps.gather(1, nxt[:, None])[:, 0].tolist()
+    top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
+    for r, (tok, lp) in enumerate(zip(nxt.tolist(), own)):
+        entry = {tok: lp}
+        if k:
+            entry.update((i, v) for i, v in zip(top_i[r].tolist(), top_v[r].tolist()) if i != tok)
+        seq.prompt_logprobs.append(entry)

@@ -163,15 +163,18 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, kv: BlockManager):
         """Flatten the step: decode tokens first, then prefill spans.
 
-        Returns (input_ids, positions, metadata, logits_indices, sampling rows),
-        where a row is a scheduled entry that reached the end of its tokens and
-        therefore samples a new one.
+        Returns (input_ids, positions, metadata, logits_indices, sampling rows, prompt rows),
+        where a sampling row is a scheduled entry that reached the end of its tokens and
+        therefore samples a new one. A prompt row (seq, first position, count) asks for the
+        logits of `count` prompt positions from `first position` on (prompt logprobs); their
+        indices follow the sampling rows' in `logits_indices`.
         """
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         ids, pos, slots = [], [], []
         logits_idx, rows = [], []
+        prompt_idx, prompt_rows = [], []
         dec_tables, dec_lens = [], []
         spans: list[tuple] = []
         for group_idx, group in enumerate((decodes, prefills)):
@@ -186,6 +189,14 @@ class ModelRunner:
                 if start + n == seq.num_tokens:
                     logits_idx.append(len(ids) - 1)
                     rows.append(s)
+                if seq.needs_prompt_logprobs:
+                    # position p predicts prompt token p + 1: those not recorded yet (a
+                    # sequence recomputed after a preemption records each once)
+                    lo = max(start, len(seq.prompt_logprobs) - 1)
+                    hi = min(start + n, seq.num_prompt_tokens - 1)
+                    if hi > lo:
+                        prompt_idx.extend(range(first + lo - start, first + hi - start))
+                        prompt_rows.append((seq, lo, hi - lo))
                 if group_idx == 0:
                     dec_tables.append(table)
                     dec_lens.append(start + 1)
@@ -211,7 +222,8 @@ class ModelRunner:
             meta.prefills = [self._torch_span(*s) for s in spans]
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev), rows
+        logits_idx = torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, logits_idx, rows, prompt_rows
 
     def _torch_span(self, first: int, end: int, ctx: int, table: list[int]) -> PrefillSpan:
         """A span for torch's SDPA: its own K/V when it starts at position 0, else the
@@ -237,13 +249,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):
-        """Run the step; returns (logits for the sampling rows, those rows)."""
-        input_ids, positions, meta, logits_idx, rows = self.prepare(out, kv)
-        if self.graphs is not None and self.graphs.can_run(meta.num_decodes, input_ids.shape[0], on_layer_done):
-            return self.graphs.run(input_ids, positions, meta, logits_idx), rows
+        """Run the step; returns (logits for the sampling rows, those rows, prompt logits), the
+        last a list of (seq, first position, logits of that and the following positions)."""
+        input_ids, positions, meta, logits_idx, rows, prompt_rows = self.prepare(out, kv)
+        if (
+            not prompt_rows
+            and self.graphs is not None
+            and self.graphs.can_run(meta.num_decodes, input_ids.shape[0], on_layer_done)
+        ):
+            return self.graphs.run(input_ids, positions, meta, logits_idx), rows, []
         meta.on_layer_done = on_layer_done
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
-        return logits, rows
+        if not prompt_rows:
+            return logits, rows, []
+        prompt_logits, at = [], len(rows)
+        for seq, first_pos, count in prompt_rows:
+            prompt_logits.append((seq, first_pos, logits[at : at + count]))
+            at += count
+        return logits[: len(rows)], rows, prompt_logits
 
 
 def sweep_stale_kv_files(directory: str) -> list[str]:

@@ -48,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    # per prompt token (from the second on), its logprob and the top ones: the prompt is then
+    # computed whole, never taken from the prefix cache, a lower KV tier or another worker
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -84,6 +87,11 @@ class SamplingParams:
             self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs",
             f"logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
+        _bad(
+            self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         self._check_stops()
 

@@ -297,11 +297,14 @@ class Scheduler:
                     held.append(self.waiting.hold())
                     continue
             cached, num_cached = [], 0
-            # a request whose KV was imported (or is being recomputed) already owns blocks
-            if seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id):
+            # a request whose KV was imported (or is being recomputed) already owns blocks; one
+            # that wants its prompt's logprobs computes the whole prompt (no cache, no tier)
+            fresh = seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id)
+            if fresh and seq.needs_prompt_logprobs:
+                fresh = False
+            elif fresh:
                 cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
             computed = max(num_cached, seq.num_computed_tokens)
-            fresh = seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id)
             loadable = self._external_hit(seq, computed) if fresh else 0
             if loadable:
                 if not self.kv.allocate(seq.seq_id, computed + loadable, cached):

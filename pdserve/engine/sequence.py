@@ -135,6 +135,8 @@ class Sequence:
     text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0  # how much of the text has been reported as deltas
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with params.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -160,6 +162,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt must be computed
+        here, token by token, rather than found in a cache or received."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
 
 @dataclass
@@ -196,3 +204,6 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # delta since the last report
     new_text: str = ""
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs, in the request's first output (and its final one):
+    # per prompt token {token id: logprob} (that token's, then the top ones), the first None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -92,6 +92,7 @@ class _Choice:
         self.token_ids: list[int] = list(inp.resume_token_ids or ())
         self._texts: list[str] = []
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
+        self.prompt_logprobs: list[dict | None] | None = None  # from the worker that computed the prompt
         self.finished = False
         self.arrival_s = time.monotonic()
         # a resumed choice had its first token long ago: its gaps count from now, not its TTFT
@@ -109,13 +110,22 @@ class _Choice:
         if self.logprobs is not None:
             new_lps = [{int(k): v for k, v in e.items()} for e in ev.logprobs or ()]
             self.logprobs += new_lps
+        new_plps = None
+        if ev.prompt_logprobs and self.prompt_logprobs is None:
+            new_plps = self.prompt_logprobs = [
+                None if e is None else {int(k): v for k, v in e.items()} for e in ev.prompt_logprobs
+            ]
         self.finished = ev.finished
         now = time.monotonic()
         m = self.group.engine.metrics
         if ids:
             if self.first_token_s is None:
                 self.first_token_s = now
-                m.on_first_token(self.arrival_s, None, now, len(self.prompt))
+                # the prefill worker's own prefill time, when it says: the rest of TTFT waited
+                # (in the router, on the way, in the worker's queue)
+                prefill_s = ev.prefill_s
+                scheduled = None if prefill_s is None else max(self.arrival_s, now - prefill_s)
+                m.on_first_token(self.arrival_s, scheduled, now, len(self.prompt))
                 gap = None
             else:
                 gap = now - self.last_token_s
@@ -123,7 +133,14 @@ class _Choice:
             m.on_tokens(len(ids), gap)
         final = None
         if self.finished:
-            final = Completion("".join(self._texts), self.token_ids, self.logprobs, ev.finish_reason, ev.stop_reason)
+            final = Completion(
+                "".join(self._texts),
+                self.token_ids,
+                self.logprobs,
+                ev.finish_reason,
+                ev.stop_reason,
+                prompt_logprobs=self.prompt_logprobs,
+            )
             m.on_finish(
                 final.finish_reason or "stop",
                 self.arrival_s,
@@ -131,7 +148,7 @@ class _Choice:
                 self.last_token_s,
                 len(self.token_ids),
             )
-        self.group._queue.put_nowait((self.index, ChoiceOutput(ids, ev.text, new_lps, final)))
+        self.group._queue.put_nowait((self.index, ChoiceOutput(ids, ev.text, new_lps, final, prompt_logprobs=new_plps)))
 
 
 class RouterGroup:
@@ -150,7 +167,7 @@ class RouterGroup:
             return
         if err is not None:
             self._ack.set_exception(err)
-            self.abort()
+            self._stop(finished=False)  # refused before it was accepted: not a finished request
             return
         self._pending_acks -= 1
         if self._pending_acks == 0:
@@ -179,14 +196,22 @@ class RouterGroup:
         return items
 
     def abort(self) -> None:
-        """The client left (or the request failed): stop every choice still running."""
+        """The client left (or the request failed): stop every choice still running, each a
+        finished request with reason "abort"."""
+        self._stop(finished=True)
+
+    def _stop(self, finished: bool) -> None:
+        """Stop every choice still running; count them as finished (aborted) requests only if
+        `finished`: a request refused before it was accepted (a 400, a 503) never started, and
+        the collocated server does not count one either."""
         m = self.engine.metrics
         for c, t in zip(self.subs, self.tasks):
             if not t.done():
                 t.cancel()
                 if not c.finished:
                     c.finished = True  # counted once, however often abort is called
-                    m.on_finish("abort", c.arrival_s, c.first_token_s, c.last_token_s, len(c.token_ids))
+                    if finished:
+                        m.on_finish("abort", c.arrival_s, c.first_token_s, c.last_token_s, len(c.token_ids))
 
 
 class DisaggEngine:
@@ -360,10 +385,25 @@ class DisaggEngine:
             g.abort()
 
     @property
+    def loading(self) -> str | None:
+        """Until the first worker registers (a fresh deployment whose workers still load their
+        model, or a router started before its workers), the router is not failed but loading."""
+        return None if self.registry.all() else "waiting for the first worker to register"
+
+    @property
     def failure(self) -> str | None:
         """Why requests cannot be served now (the app answers 503 with it), or None. One live
         worker of either role is enough: it runs requests whole until the other role is back."""
-        return None if self.registry.alive() or self.awaiting_workers else "no worker is alive"
+        if self.registry.alive() or self.awaiting_workers or self.loading:
+            return None
+        return "no worker is alive"
+
+    def _no_worker(self) -> APIError:
+        """The 503 for a request no worker can take: not ready yet (none has registered), or
+        every worker it knew is gone."""
+        if self.loading:
+            return APIError(503, f"not ready: {self.loading}", code="loading", headers={"Retry-After": "2"})
+        return APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
 
     @property
     def num_in_flight(self) -> int:
@@ -373,7 +413,7 @@ class DisaggEngine:
         if self.draining:
             raise APIError(503, "the router is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.registry.alive() and not self.awaiting_workers:
-            raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
+            raise self._no_worker()
         if self.num_in_flight + len(inputs) > self.max_in_flight:
             self.metrics.rejected.inc()
             raise APIError(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
@@ -568,7 +608,7 @@ class DisaggEngine:
         if one is alive)."""
         w = worker or self.placer.pick_any(self.registry, exclude=set())
         if w is None:
-            raise APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
+            raise self._no_worker()
         c.group.acknowledge()
         c.workers = {w.worker_id}
         if worker is not None:  # counted in the decode worker's load, as a placed decode is

@@ -9,6 +9,7 @@ the collocated AsyncEngine, or the router's DisaggEngine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -23,7 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.server import protocol as P
-from pdserve.server.engine_client import EngineClient, EngineInput
+from pdserve.server.engine_client import ChoiceOutput, Completion, EngineClient, EngineInput
 from pdserve.server.errors import APIError, bad_request, install_handlers
 from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
 from pdserve.server.metrics import CONTENT_TYPE
@@ -108,6 +109,7 @@ class _Api:
         self.engine = engine
         self.settings = settings
         self._token_text: TokenText | None = None
+        self.created = int(time.time())  # the model cards' "created": when this server started
 
     # ---- helpers
     def _check_key(self, request: Request) -> None:
@@ -202,18 +204,31 @@ class _Api:
         req: P.CompletionRequest = await self._parse(request, P.CompletionRequest, resume)
         self._check_request(req, req.prompts())
         prompts = [await self._encode(p) if isinstance(p, str) else p for p in req.prompts()]
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        # echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated, as
+        # OpenAI's legacy API and vLLM do for scoring a text; the engine still samples one
+        # token (its step computes the prompt), which the reply leaves out
+        echo_only = req.echo and req.max_tokens == 0
+        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs)
         echo = None
         if req.echo:
             echo = [
                 p if isinstance(p, str) else self._core().tokenizer.decode(ids)
                 for p, ids in zip(req.prompts(), prompts)
             ]
+            if req.logprobs is not None:  # the prompt's tokens are listed with their logprobs
+                params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         rid = resume.request_id if resume else f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormatter(
-            rid, self.served_names()[0], self._text(), len(prompts) * req.n, req.logprobs, echo_texts=echo, n=req.n
+            rid,
+            self.served_names()[0],
+            self._text(),
+            len(prompts) * req.n,
+            req.logprobs,
+            echo_texts=echo,
+            echo_ids=prompts if echo else None,
+            n=req.n,
         )
-        return await self._generate(request, req, rid, prompts, params, fmt, resume)
+        return await self._generate(request, req, rid, prompts, params, fmt, resume, echo_only=echo_only)
 
     async def _chat(self, request: Request, resume: ResumeRequest | None = None):
         req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest, resume)
@@ -235,6 +250,7 @@ class _Api:
         params,
         fmt,
         resume: ResumeRequest | None = None,
+        echo_only: bool = False,
     ):
         inputs = []
         for ids in prompts:
@@ -258,6 +274,8 @@ class _Api:
         except BaseException:
             group.abort()
             raise
+        if echo_only and group is not None:
+            group = _NothingGenerated(group)
         num_prompt_tokens = sum(len(p) for p in prompts)
         client_id = request.headers.get("x-request-id")
 
@@ -315,12 +333,11 @@ class _Api:
         P.check_model(model_id, self.served_names())
         return self._model_card(model_id, core)
 
-    @staticmethod
-    def _model_card(name: str, core) -> dict:
+    def _model_card(self, name: str, core) -> dict:
         return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": self.created,
             "owned_by": "pdserve",
             "root": core.model_config.name,
             "max_model_len": core.max_model_len,
@@ -353,9 +370,10 @@ class _Api:
                 num_blocks=s["num_blocks"],
                 kv_usage=s["kv_usage"],
             )
-        if e.failure is not None or e.engine is None or e.draining:
+        loading = e.loading
+        if e.failure is not None or e.engine is None or e.draining or loading:
             body["status"] = "failed" if e.failure else ("draining" if e.draining else "loading")
-            body["reason"] = e.failure
+            body["reason"] = e.failure or loading
             return JSONResponse(body, status_code=503)
         return body
 
@@ -364,6 +382,35 @@ class _Api:
             self._check_key(request)
         m = self.engine.metrics
         return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
+
+
+class _NothingGenerated:
+    """A request stream whose generated tokens are dropped (echo with max_tokens 0): each
+    choice ends with its prompt logprobs and no token, finish reason "length"."""
+
+    def __init__(self, group):
+        self.group = group
+        self.subs = group.subs
+
+    async def accepted(self) -> None:
+        await self.group.accepted()
+
+    async def next_batch(self):
+        batch = await self.group.next_batch()
+        if batch is None:
+            return None
+        out = []
+        for index, c in batch:
+            final = None
+            if c.final is not None:
+                f = c.final
+                final = Completion("", [], [] if f.logprobs is not None else None, "length", None, f.prompt_logprobs)
+            empty_lps = [] if c.new_logprobs is not None else None
+            out.append((index, ChoiceOutput([], "", empty_lps, final, prompt_logprobs=c.prompt_logprobs)))
+        return out
+
+    def abort(self) -> None:
+        self.group.abort()
 
 
 def _resumed(inputs: list[EngineInput], resume: ResumeRequest, stream: bool, fmt):

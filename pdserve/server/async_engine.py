@@ -42,13 +42,13 @@ def choice_output(out: RequestOutput) -> ChoiceOutput:
     """The front end's view of an engine output: its new part, and the whole completion once
     the request has finished (whose logprobs then cover every token: the new ones are its tail)."""
     c = out.outputs[0]
+    plp = out.prompt_logprobs
     if not out.finished:  # the engine's running outputs hold only what is new
-        return ChoiceOutput(out.new_token_ids, out.new_text, c.logprobs)
+        return ChoiceOutput(out.new_token_ids, out.new_text, c.logprobs, prompt_logprobs=plp)
     lps, n = c.logprobs, len(out.new_token_ids)
     new_lps = None if lps is None else (lps[len(lps) - n :] if n else [])
-    return ChoiceOutput(
-        out.new_token_ids, out.new_text, new_lps, Completion(c.text, c.token_ids, lps, c.finish_reason, c.stop_reason)
-    )
+    final = Completion(c.text, c.token_ids, lps, c.finish_reason, c.stop_reason, prompt_logprobs=plp)
+    return ChoiceOutput(out.new_token_ids, out.new_text, new_lps, final, prompt_logprobs=plp)
 
 
 class _Sub:
@@ -317,6 +317,10 @@ class AsyncEngine:
         gc.freeze()
         self.ready.set()
 
+    @property
+    def loading(self) -> str | None:
+        return "the model is loading" if self.engine is None and self.failure is None else None
+
     def _on_failure(self, reason: str) -> None:
         self.failure = reason
         if self.metrics is not None:
@@ -346,7 +350,8 @@ class AsyncEngine:
                 continue  # aborted while this step ran
             m = out.metrics
             gap_s = None
-            if not sub.started:
+            first = not sub.started
+            if first:
                 sub.started = True
                 sub.first_token_s = m["first_token_time"]
                 self._num_waiting -= 1
@@ -368,7 +373,10 @@ class AsyncEngine:
                     sub.last_token_s,
                     sub.num_tokens,
                 )
-            sub.group.put((sub.index, choice_output(out)))
+            c = choice_output(out)
+            if first and m.get("first_scheduled_time") is not None:
+                c.prefill_s = max(0.0, m["first_token_time"] - m["first_scheduled_time"])
+            sub.group.put((sub.index, c))
 
     # ---- the engine thread
     def _post(self, fn, *args) -> None:

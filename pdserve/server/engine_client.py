@@ -41,6 +41,8 @@ class Completion:
     logprobs: list[dict[int, float]] | None  # per token, when asked for
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # per prompt token, the first None, when asked for (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +56,11 @@ class ChoiceOutput:
     new_text: str
     new_logprobs: list[dict[int, float]] | None = None
     final: Completion | None = None
+    # on a request's first output: seconds from its first scheduling to its first token (the
+    # engine's clock; a router adds it to its own view of the request's queue and prefill)
+    prefill_s: float | None = None
+    # the prompt's logprobs (SamplingParams.prompt_logprobs), on the output that first has them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,6 +103,11 @@ class EngineClient(Protocol):
     @property
     def failure(self) -> str | None:
         """Why requests cannot be served now (503 with it), or None."""
+
+    @property
+    def loading(self) -> str | None:
+        """What it is still waiting for before it can serve, nothing having failed (the model
+        loading, workers registering): /health says "loading" with it; None once ready."""
 
     @property
     def num_waiting(self) -> int:

@@ -123,11 +123,19 @@ class CompletionFormatter(_Base):
     object_name = chunk_object_name = "text_completion"
     _delta_key = '"text":'
 
-    def __init__(self, *a, echo_texts: list[str] | None = None, n: int = 1, **kw):
+    def __init__(
+        self, *a, echo_texts: list[str] | None = None, echo_ids: list[list[int]] | None = None, n: int = 1, **kw
+    ):
+        """`echo_texts`: per prompt, the text echoed before each of its choices; with logprobs,
+        `echo_ids` are its tokens, listed with their logprobs (the engine's prompt logprobs)
+        before the generated ones, as OpenAI's legacy API and vLLM do."""
         super().__init__(*a, **kw)
         self.echo_texts = echo_texts  # per prompt; choice i echoes prompt i // n
+        self.echo_ids = echo_ids if echo_texts and self.top_logprobs is not None else None
         self.n = n
-        self._offsets = [0] * self.num_choices
+        # a choice's text offsets count from the start of the text it returns: the echo's end
+        self._offsets = [len(self._echo(i)) for i in range(self.num_choices)]
+        self._prompt_sent: set[int] = set()
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict]) -> dict | None:
         if self.top_logprobs is None:
@@ -145,6 +153,28 @@ class CompletionFormatter(_Base):
             "text_offset": offsets,
         }
 
+    def _prompt_part(self, index: int, prompt_lps: list[dict | None] | None) -> dict:
+        """The echoed prompt's tokens as logprobs (the first has none: nothing predicts it);
+        offsets from 0, each token's text after the one before."""
+        ids = self.echo_ids[index // self.n]
+        lps = prompt_lps or [None] * len(ids)
+        tokens, offsets, at = [], [], 0
+        for t in ids:
+            s = self.token_text(t)
+            tokens.append(s)
+            offsets.append(at)
+            at += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if e is None else e[t] for t, e in zip(ids, lps)],
+            "top_logprobs": [None if e is None else self._top_dict(t, e) for t, e in zip(ids, lps)],
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _join(a: dict, b: dict | None) -> dict:
+        return a if b is None else {k: a[k] + b[k] for k in a}
+
     def _top_dict(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
         items = _top(entry, self.top_logprobs)
         if all(t != token_id for t, _ in items):  # the sampled token is always listed
@@ -152,14 +182,15 @@ class CompletionFormatter(_Base):
         return {self.token_text(t): lp for t, lp in items}
 
     def resume(self, index: int, token_ids: list[int]) -> None:
-        self._offsets[index] = sum(len(self.token_text(t)) for t in token_ids)
+        self._offsets[index] = len(self._echo(index)) + sum(len(self.token_text(t)) for t in token_ids)
+        self._prompt_sent.add(index)  # the resumed stream sent the echo already
 
     def _echo(self, index: int) -> str:
         return self.echo_texts[index // self.n] if self.echo_texts else ""
 
     def preamble(self) -> list[dict]:
-        if not self.echo_texts:
-            return []
+        if not self.echo_texts or self.echo_ids is not None:
+            return []  # with logprobs the echo goes with the prompt's logprobs, in the first chunk
         return [
             self._envelope(
                 self.chunk_object_name, [{"index": i, "text": self._echo(i), "logprobs": None, "finish_reason": None}]
@@ -176,6 +207,10 @@ class CompletionFormatter(_Base):
             "logprobs": self._logprobs(index, out.new_token_ids, out.new_logprobs or []),
             "finish_reason": out.final.finish_reason if out.final else None,
         }
+        if self.echo_ids is not None and index not in self._prompt_sent:
+            self._prompt_sent.add(index)
+            choice["text"] = self._echo(index) + choice["text"]
+            choice["logprobs"] = self._join(self._prompt_part(index, out.prompt_logprobs), choice["logprobs"])
         if out.final:
             choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
@@ -184,11 +219,14 @@ class CompletionFormatter(_Base):
         choices = []
         for index, out in enumerate(finals):
             c = out.final
+            lps = self._logprobs(index, c.token_ids, c.logprobs or [])
+            if self.echo_ids is not None:
+                lps = self._join(self._prompt_part(index, c.prompt_logprobs), lps)
             choices.append(
                 {
                     "index": index,
                     "text": self._echo(index) + c.text,
-                    "logprobs": self._logprobs(index, c.token_ids, c.logprobs or []),
+                    "logprobs": lps,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }

@@ -158,6 +158,12 @@ def output_event(out: ChoiceOutput) -> dict:
         "finish_reason": out.final.finish_reason if out.final else None,
         "stop_reason": out.final.stop_reason if out.final else None,
         "logprobs": [{str(k): v for k, v in e.items()} for e in lps] if lps else None,
+        "prefill_s": out.prefill_s,
+        "prompt_logprobs": (
+            [None if e is None else {str(k): v for k, v in e.items()} for e in out.prompt_logprobs]
+            if out.prompt_logprobs
+            else None
+        ),
     }
 
 
@@ -169,7 +175,11 @@ async def stream_outputs(group: RequestGroup, first_out: ChoiceOutput | None = N
         if first_out is not None and first_out.finished:
             # the first token (already streamed by the prefill worker) ended the request
             end = output_event(first_out)
-            yield event_line(OutputEvent(**{**end, "token_ids": [], "text": "", "logprobs": None}))
+            yield event_line(
+                OutputEvent(
+                    **{**end, "token_ids": [], "text": "", "logprobs": None, "prefill_s": None, "prompt_logprobs": None}
+                )
+            )
             group.abort()
             return
         while (batch := await group.next_batch()) is not None:

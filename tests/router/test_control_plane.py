@@ -142,6 +142,28 @@ def test_one_role_serves_alone_while_the_other_is_gone(sharp_model_dir):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
 
 
+def test_a_router_is_loading_until_a_worker_registers_and_failed_once_all_are_dead(tiny_model_dir):
+    """/health: "loading" (503) before any worker has registered, with the reason, and a request
+    then gets a 503 that says so; "ok" once one has; "failed" when every worker it knew died."""
+    with Cluster(tiny_model_dir, prefill=0, decode=0) as c:
+        h = httpx.get(c.url + "/health", timeout=5)
+        assert h.status_code == 503 and h.json()["status"] == "loading", h.text
+        assert "register" in h.json()["reason"]
+        r = httpx.post(c.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and "Retry-After" in r.headers
+        args = ["worker", "--role", "decode", "--model", tiny_model_dir, "--router", c.url, "--worker-id", "decode0"]
+        args += ["--threads", "1", "--advertise-host", "127.0.0.1", *ENGINE]
+        from pdserve.testing.cluster import Proc
+
+        c.workers.append(Proc("decode0", *args, env=c.env))
+        c.wait_workers(0, 1, 120)
+        wait_for(lambda: httpx.get(c.url + "/health", timeout=5).status_code == 200, 10, "the router to be ok")
+        c.worker("decode0").kill()
+        wait_for(lambda: not alive_ids(c), 10, "the router to notice the dead worker")
+        h = httpx.get(c.url + "/health", timeout=5)
+        assert h.status_code == 503 and h.json()["status"] == "failed", h.text
+
+
 def test_a_stopped_decode_worker_does_not_freeze_its_streams(sharp_model_dir):
     """SIGSTOP of the decode worker mid-stream: the router stops hearing it, replays the
     request elsewhere, and the stream finishes with the right text long before SIGCONT."""

@@ -189,3 +189,54 @@ def test_echo_and_tokenize(client, model_id, tiny_server, tiny_offline):
     assert tok["tokens"] == tiny_offline.tokenizer.encode(PROMPTS[0]) and tok["count"] == r.usage.prompt_tokens
     chat = httpx.post(tiny_server.url + "/tokenize", json={"messages": CHAT}, headers=auth).json()
     assert chat["count"] == len(offline_chat(tiny_offline, CHAT).prompt_token_ids)
+
+
+def test_echo_with_logprobs_lists_the_prompt_first(client, model_id, tiny_offline):
+    ref = tiny_offline.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    )[0]
+    r = client.completions.create(
+        model=model_id, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, logprobs=1, extra_body=EXTRA
+    )
+    c = r.choices[0]
+    lp = c.logprobs
+    n_prompt = len(ref.prompt_token_ids)
+    assert c.text == PROMPTS[1] + ref.outputs[0].text
+    assert len(lp.tokens) == n_prompt + 3
+    # the first prompt token has no logprob (nothing predicts it); the others are the engine's
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    want += [e[t] for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    # offsets index the returned text, echo included
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert "".join(lp.tokens) == c.text
+    # streamed: the echo and the prompt's logprobs come in the first chunk, the rest after
+    tokens, offsets, text = [], [], ""
+    for chunk in client.completions.create(
+        model=model_id, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, logprobs=1, stream=True,
+        extra_body=EXTRA,
+    ):  # fmt: skip
+        ch = chunk.choices[0]
+        text += ch.text
+        if ch.logprobs:
+            tokens += ch.logprobs.tokens
+            offsets += ch.logprobs.text_offset
+    assert (text, tokens, offsets) == (c.text, lp.tokens, lp.text_offset)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, model_id, tiny_offline):
+    # what evaluation harnesses send to score a text: the prompt back with its logprobs
+    r = client.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=0)
+    c = r.choices[0]
+    ref = tiny_offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    assert c.text == PROMPTS[1] and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    assert c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    chunks = list(
+        client.completions.create(model=model_id, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=0, stream=True)
+    )
+    assert "".join(ch.choices[0].text for ch in chunks) == PROMPTS[1]
+    assert chunks[-1].choices[0].finish_reason == "length"

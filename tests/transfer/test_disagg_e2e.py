@@ -93,3 +93,52 @@ def _each_prompt_as_collocated(url: str, reference: dict) -> None:
         )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference[prompt]
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_echo_logprobs_and_the_router_metrics(cluster, tiny_model_dir):
+    import httpx
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=16, num_gpu_blocks=512)
+    ref = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, ignore_eos=True))[0]
+    before = httpx.get(cluster.url + "/metrics").text
+    # the prompt's logprobs come from the prefill worker, the rest from the decode worker
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = r.choices[0].logprobs
+    n = len(ref.prompt_token_ids)
+    assert r.choices[0].text == PROMPTS[1] + ref.outputs[0].text and len(lp.tokens) == n + 3
+    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    # a request refused with a 400 is not a finished (aborted) request
+    bad = httpx.post(cluster.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 10**6})
+    assert bad.status_code == 400
+    after = httpx.get(cluster.url + "/metrics").text
+    key = "pdserve:request_success_total"
+    assert _sample(after, key, finished_reason="abort") == _sample(before, key, finished_reason="abort")
+    # the router splits TTFT into waiting and prefill with the prefill worker's own time
+    for h in ("pdserve:request_queue_time_seconds_count", "pdserve:request_prefill_time_seconds_count"):
+        assert _sample(after, h) == _sample(before, h) + 1, h
+    assert (
+        0
+        < _sample(after, "pdserve:request_prefill_time_seconds_sum")
+        - _sample(before, "pdserve:request_prefill_time_seconds_sum")
+        <= _sample(after, "pdserve:time_to_first_token_seconds_sum")
+        - _sample(before, "pdserve:time_to_first_token_seconds_sum")
+    )
+    cluster.wait_idle()

@@ -1,0 +1,88 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs) and vLLM's prompt dicts, on a tiny model."""
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.sampling_params import InvalidRequest
+
+TEXT = "the quick brown fox jumps over the lazy dog, " * 3
+PLP = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+
+
+def reference(model_dir, ids):
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].log_softmax(-1)
+
+
+def check(out, lps_ref, k):
+    ids, plp = out.prompt_token_ids, out.prompt_logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for p in range(1, len(ids)):
+        entry = plp[p]
+        assert entry[ids[p]] == pytest.approx(lps_ref[p - 1, ids[p]].item(), abs=1e-4)
+        top = lps_ref[p - 1].topk(k).indices.tolist()
+        assert set(top) <= set(entry) and len(entry) <= k + 1
+
+
+def test_prompt_logprobs_match_transformers_over_chunks_and_cache_hits(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16)
+    ids = llm.tokenizer.encode(TEXT)
+    assert len(ids) > 3 * 16  # computed over several chunks
+    ref = reference(tiny_model_dir, ids)
+    first = llm.generate(TEXT, PLP)[0]
+    check(first, ref, 3)
+    # the prompt is in the prefix cache now: its logprobs are computed again all the same
+    hits = llm.engine.block_manager.stats.hits_tokens
+    again = llm.generate(TEXT, PLP)[0]
+    check(again, ref, 3)
+    assert llm.engine.block_manager.stats.hits_tokens == hits
+    # and a request without prompt logprobs still reuses the cache
+    llm.generate(TEXT, SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.block_manager.stats.hits_tokens > hits
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=64)
+    prompts = [TEXT[:80], "a much longer prompt that spans several kv blocks of four tokens", TEXT[::-1][:80]]
+    params = SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        check(out, reference(tiny_model_dir, out.prompt_token_ids), 0)
+
+
+def test_streamed_outputs_carry_prompt_logprobs_first_and_last(tiny_llm):
+    eng = tiny_llm.engine
+    eng.add_request("r", "hello there", SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[0].prompt_logprobs is not None and outs[-1].prompt_logprobs == outs[0].prompt_logprobs
+    assert all(o.prompt_logprobs is None for o in outs[1:-1])
+    plain = tiny_llm.generate("hello there", SamplingParams(max_tokens=2))[0]
+    assert plain.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("bad", [-1, 10_000])
+def test_prompt_logprobs_are_bounded(bad):
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(prompt_logprobs=bad)
+    assert e.value.param == "prompt_logprobs"
+
+
+def test_generate_takes_vllm_prompt_dicts(tiny_llm):
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = tiny_llm.tokenizer.encode("hello world")
+    want = tiny_llm.generate("hello world", sp)[0].outputs[0].token_ids
+    got = tiny_llm.generate([{"prompt": "hello world"}, {"prompt_token_ids": ids}], sp)
+    assert [o.outputs[0].token_ids for o in got] == [want, want]
+    assert tiny_llm.generate({"prompt": "hello world"}, sp)[0].outputs[0].token_ids == want
+    for bad in ({"text": "x"}, {"prompt": 3}, {"prompt": "a", "prompt_token_ids": [1]}, 4.5):
+        with pytest.raises(ValueError, match="prompt"):
+            tiny_llm.generate([bad], sp)
