@@ -270,6 +270,9 @@ inline void weighted_v_pairs(const uint16_t* pb, int64_t pb_stride, const c10::B
 // end. The cut depends only on the sequence's own length, never on the batch or
 // the thread count, so a sequence's numbers do not change with its neighbours.
 constexpr int64_t kSplit = 256;
+// Multiply-adds (context tokens x query heads x head dim) below which a step's decode
+// attention is not split over OpenMP's team: tens of microseconds on one core.
+constexpr int64_t kSerialWork = int64_t{1} << 20;
 
 // f(std::integral_constant<int, NG>{}, g) over the G query heads of a KV head, in
 // groups of 3, then 2, then 1 (the group size is the kernels' register count).
@@ -304,7 +307,14 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
   // per (piece, KV head): G maxima, G sums, G x D accumulators
   std::vector<float> part_m(pieces * KVH * G), part_l(pieces * KVH * G), part_acc(pieces * KVH * G * D);
 
-  pds::parallel_for(0, pieces * KVH, 1, [&](int64_t begin, int64_t end) {
+  // On OpenMP's team (steps that also run oneDNN GEMMs) a loop ends in a barrier that waits
+  // for every thread of the team, and one that another process has descheduled costs the
+  // rest of its time slice: milliseconds for a few microseconds of work. A step's attention
+  // that small runs on the calling thread alone (pool.h's own loops never wait that way).
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += lens[b] * H * D;
+  const int64_t grain = pds::use_openmp() && work < kSerialWork ? pieces * KVH : 1;
+  pds::parallel_for(0, pieces * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores;
     std::vector<uint16_t> pbuf;  // bf16 weights (AVX512-BF16 path)
     std::vector<const T*> krows, vrows;
