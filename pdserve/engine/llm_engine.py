@@ -502,16 +502,20 @@ class LLMEngine:
             self.kv_store.close()
 
 
-def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor) -> None:
+def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor, rows_at_once: int = 256) -> None:
     """Append to `seq.prompt_logprobs` what the logits at prompt positions `first_pos`, ... say
-    of the prompt tokens that follow them: that token's logprob, then the top ones."""
+    of the prompt tokens that follow them: that token's logprob, then the top ones. A few rows
+    at a time: a long chunk's log-softmax over a large vocabulary would otherwise be a second
+    copy of all its logits."""
     k = seq.params.prompt_logprobs
-    lps = torch.log_softmax(logits.float(), dim=-1)
-    nxt = torch.tensor(seq.prompt_token_ids[first_pos + 1 : first_pos + 1 + lps.shape[0]], device=lps.device)
-    own = lps.gather(1, nxt[:, None])[:, 0].tolist()
-    top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
-    for r, (tok, lp) in enumerate(zip(nxt.tolist(), own)):
-        entry = {tok: lp}
-        if k:
-            entry.update((i, v) for i, v in zip(top_i[r].tolist(), top_v[r].tolist()) if i != tok)
-        seq.prompt_logprobs.append(entry)
+    for r0 in range(0, logits.shape[0], rows_at_once):
+        lps = torch.log_softmax(logits[r0 : r0 + rows_at_once].float(), dim=-1)
+        at = first_pos + r0 + 1
+        nxt = torch.tensor(seq.prompt_token_ids[at : at + lps.shape[0]], device=lps.device)
+        own = lps.gather(1, nxt[:, None])[:, 0].tolist()
+        top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
+        for r, (tok, lp) in enumerate(zip(nxt.tolist(), own)):
+            entry = {tok: lp}
+            if k:
+                entry.update((i, v) for i, v in zip(top_i[r].tolist(), top_v[r].tolist()) if i != tok)
+            seq.prompt_logprobs.append(entry)
