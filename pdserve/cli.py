@@ -57,10 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except BrokenPipeError:
+        if args.command in SERVERS:
+            raise  # a server's broken pipe is a fault to report, not a reader that left
         # the reader went away (`pdserve plan --json | head`): end quietly, as Unix tools do;
         # stdout is pointed at /dev/null so the interpreter's final flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool a pipe ended
+
+
+# long-running processes: their output is a log, and a BrokenPipeError there is a real fault
+SERVERS = frozenset({"serve", "router", "worker"})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 
@@ -12,20 +13,31 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import RequestOutput
 
 
+def _is_ids(p) -> bool:
+    return isinstance(p, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in p)
+
+
 def _prompt(p):
     """A prompt as the engine takes it (text or token ids), from any form `generate` accepts."""
+    if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)):  # a numpy array, a tensor
+        p = p.tolist()
     if isinstance(p, dict):
         keys = set(p) - {"multi_modal_data", "mm_processor_kwargs"}
         if keys == {"prompt"} and isinstance(p["prompt"], str):
             return p["prompt"]
-        if keys == {"prompt_token_ids"} and isinstance(p["prompt_token_ids"], (list, tuple)):
-            return list(p["prompt_token_ids"])
+        ids = p.get("prompt_token_ids")
+        if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
+            ids = ids.tolist()
+        if keys == {"prompt_token_ids"} and _is_ids(ids):
+            return [int(t) for t in ids]
         if p.get("multi_modal_data"):
             raise ValueError("multi-modal prompts are not supported")
         raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids', got {sorted(p)}")
-    if isinstance(p, str) or (isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p)):
+    if isinstance(p, str):
         return p
-    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(p).__name__}")
+    if _is_ids(p):
+        return [int(t) for t in p]
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(p).__name__} {p!r:.60}")
 
 
 class LLM:
@@ -60,7 +72,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list. A prompt is a string, a list of token ids, or, as
         in vLLM, a dict: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
+            prompts = prompts.tolist()  # a numpy array or a tensor: one prompt (1-D) or a batch (2-D)
+        if isinstance(prompts, (str, dict)) or _is_ids(prompts) and len(prompts) > 0:
             prompts = [prompts]
         prompts = [_prompt(p) for p in prompts]
         params = sampling_params or SamplingParams()

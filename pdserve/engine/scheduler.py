@@ -39,6 +39,11 @@ from pdserve.kv.block_manager import BlockManager
 MAX_HELD = 16
 
 
+# At most this many prompt tokens a step for a prompt whose logprobs are wanted: its logits
+# are kept for every position (512 x a 128K vocabulary in fp32: 256 MiB).
+PROMPT_LOGPROBS_CHUNK = 512
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -253,9 +258,13 @@ class Scheduler:
             return 0
         return self.external.count_hits(sb.hashes[first:last]) * bs
 
-    def _chunk_limit(self, budget: int) -> int:
+    def _chunk_limit(self, budget: int, seq: Sequence | None = None) -> int:
         limit = self.config.long_prefill_token_threshold
-        return min(budget, limit) if limit else budget
+        n = min(budget, limit) if limit else budget
+        if seq is not None and seq.needs_prompt_logprobs:
+            # every position of the chunk keeps its logits over the whole vocabulary
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
+        return n
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -265,7 +274,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, self._chunk_limit(budget))
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._chunk_limit(budget, seq))
             if n <= 0:
                 i += 1
                 continue
@@ -321,7 +330,7 @@ class Scheduler:
             n = seq.num_tokens - computed
             if not self.config.enable_chunked_prefill and n > budget:
                 break
-            n = min(n, self._chunk_limit(budget))
+            n = min(n, self._chunk_limit(budget, seq))
             if not self.kv.allocate(seq.seq_id, computed + n, cached):
                 if self._release_waiting_blocks(seq):
                     continue
@@ -343,6 +352,8 @@ class Scheduler:
         """Whether the rest of a waiting prompt, less the prefix the cache holds, fits one step."""
         if seq.num_computed_tokens or self.kv.owns_blocks(seq.seq_id):
             return False
+        if seq.needs_prompt_logprobs:  # computed whole: the cache does not count
+            return seq.num_tokens <= self._chunk_limit(budget)
         _, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
         return seq.num_tokens - num_cached <= self._chunk_limit(budget)
 

@@ -210,7 +210,9 @@ class RouterGroup:
                 t.cancel()
                 if not c.finished:
                     c.finished = True  # counted once, however often abort is called
-                    if finished:
+                    # a choice that already had its first token counted (a sibling refused
+                    # after it started) ends as an abort in the metrics too
+                    if finished or c.first_token_s is not None:
                         m.on_finish("abort", c.arrival_s, c.first_token_s, c.last_token_s, len(c.token_ids))
 
 
@@ -384,11 +386,18 @@ class DisaggEngine:
             g.fail(err)
             g.abort()
 
+    # how long a router waits for its first worker before it calls itself failed: long enough
+    # for workers to load a large model, short enough that a wrong --router URL or cluster
+    # secret (workers that can never register) reaches an alert on "failed"
+    first_worker_timeout_s = 600.0
+
     @property
     def loading(self) -> str | None:
         """Until the first worker registers (a fresh deployment whose workers still load their
         model, or a router started before its workers), the router is not failed but loading."""
-        return None if self.registry.all() else "waiting for the first worker to register"
+        if self.registry.all() or time.monotonic() - self.started_s > self.first_worker_timeout_s:
+            return None
+        return "waiting for the first worker to register"
 
     @property
     def failure(self) -> str | None:
@@ -396,6 +405,11 @@ class DisaggEngine:
         worker of either role is enough: it runs requests whole until the other role is back."""
         if self.registry.alive() or self.awaiting_workers or self.loading:
             return None
+        if not self.registry.all():
+            return (
+                f"no worker has registered in {self.first_worker_timeout_s:.0f} s: check the workers' "
+                "--router URL and that they hold this deployment's cluster secret"
+            )
         return "no worker is alive"
 
     def _no_worker(self) -> APIError:
@@ -463,10 +477,11 @@ class DisaggEngine:
             return
         if self.max_local_prefill_length:
             d = self.placer.pick_decode(self.registry)
-            # the prefix index is read only for a prompt that is too long without it
-            short = len(c.prompt) <= self.max_local_prefill_length
+            # the prefix index is read only for a prompt that is too long without it; a prompt
+            # whose logprobs are wanted is computed whole wherever it goes: its hits do not count
+            whole = len(c.prompt) <= self.max_local_prefill_length or c.params.prompt_logprobs is not None
             if d is not None and conductor.prefill_locally(
-                len(c.prompt), 0 if short else self.placer.cached_tokens(d, c.prompt), self.max_local_prefill_length
+                len(c.prompt), 0 if whole else self.placer.cached_tokens(d, c.prompt), self.max_local_prefill_length
             ):
                 await self._run_whole(c, "local_prefill", worker=d)
                 return

@@ -376,6 +376,10 @@ class AsyncEngine:
             c = choice_output(out)
             if first and m.get("first_scheduled_time") is not None:
                 c.prefill_s = max(0.0, m["first_token_time"] - m["first_scheduled_time"])
+            if not first:
+                # the prompt's logprobs travel once, with the first output (a worker's stream
+                # to its router included); the final completion still holds them
+                c.prompt_logprobs = None
             sub.group.put((sub.index, c))
 
     # ---- the engine thread

@@ -12,6 +12,7 @@ import json
 import time
 
 from pdserve.server.engine_client import ChoiceOutput
+from pdserve.server.errors import APIError
 
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -133,8 +134,9 @@ class CompletionFormatter(_Base):
         self.echo_texts = echo_texts  # per prompt; choice i echoes prompt i // n
         self.echo_ids = echo_ids if echo_texts and self.top_logprobs is not None else None
         self.n = n
-        # a choice's text offsets count from the start of the text it returns: the echo's end
-        self._offsets = [len(self._echo(i)) for i in range(self.num_choices)]
+        # text offsets run through every listed token, each after the text of the one before
+        # (as vLLM counts them): with echo, the prompt's tokens come first
+        self._offsets = [0] * self.num_choices
         self._prompt_sent: set[int] = set()
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict]) -> dict | None:
@@ -154,16 +156,20 @@ class CompletionFormatter(_Base):
         }
 
     def _prompt_part(self, index: int, prompt_lps: list[dict | None] | None) -> dict:
-        """The echoed prompt's tokens as logprobs (the first has none: nothing predicts it);
-        offsets from 0, each token's text after the one before."""
+        """The echoed prompt's tokens as logprobs (the first has none: nothing predicts it),
+        offsets from 0; the generated tokens' offsets continue after them. Called before the
+        generated tokens' part of the same choice."""
         ids = self.echo_ids[index // self.n]
-        lps = prompt_lps or [None] * len(ids)
+        if prompt_lps is None or len(prompt_lps) != len(ids):
+            raise APIError(502, "the engine returned no logprobs for the prompt (a worker older than the router?)")
+        lps = prompt_lps
         tokens, offsets, at = [], [], 0
         for t in ids:
             s = self.token_text(t)
             tokens.append(s)
             offsets.append(at)
             at += len(s)
+        self._offsets[index] = at
         return {
             "tokens": tokens,
             "token_logprobs": [None if e is None else e[t] for t, e in zip(ids, lps)],
@@ -172,8 +178,10 @@ class CompletionFormatter(_Base):
         }
 
     @staticmethod
-    def _join(a: dict, b: dict | None) -> dict:
-        return a if b is None else {k: a[k] + b[k] for k in a}
+    def _join(a: dict | None, b: dict | None) -> dict | None:
+        if a is None or b is None:
+            return a if b is None else b
+        return {k: a[k] + b[k] for k in a}
 
     def _top_dict(self, token_id: int, entry: dict[int, float]) -> dict[str, float]:
         items = _top(entry, self.top_logprobs)
@@ -182,7 +190,8 @@ class CompletionFormatter(_Base):
         return {self.token_text(t): lp for t, lp in items}
 
     def resume(self, index: int, token_ids: list[int]) -> None:
-        self._offsets[index] = len(self._echo(index)) + sum(len(self.token_text(t)) for t in token_ids)
+        listed = list(self.echo_ids[index // self.n]) if self.echo_ids is not None else []
+        self._offsets[index] = sum(len(self.token_text(t)) for t in listed + list(token_ids))
         self._prompt_sent.add(index)  # the resumed stream sent the echo already
 
     def _echo(self, index: int) -> str:
@@ -201,16 +210,18 @@ class CompletionFormatter(_Base):
     def chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None  # bytes of an unfinished character: nothing to show yet
+        prompt_part = None
+        if self.echo_ids is not None and index not in self._prompt_sent:
+            self._prompt_sent.add(index)
+            prompt_part = self._prompt_part(index, out.prompt_logprobs)
         choice = {
             "index": index,
-            "text": out.new_text,
+            "text": out.new_text if prompt_part is None else self._echo(index) + out.new_text,
             "logprobs": self._logprobs(index, out.new_token_ids, out.new_logprobs or []),
             "finish_reason": out.final.finish_reason if out.final else None,
         }
-        if self.echo_ids is not None and index not in self._prompt_sent:
-            self._prompt_sent.add(index)
-            choice["text"] = self._echo(index) + choice["text"]
-            choice["logprobs"] = self._join(self._prompt_part(index, out.prompt_logprobs), choice["logprobs"])
+        if prompt_part is not None:
+            choice["logprobs"] = self._join(prompt_part, choice["logprobs"])
         if out.final:
             choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
@@ -219,9 +230,8 @@ class CompletionFormatter(_Base):
         choices = []
         for index, out in enumerate(finals):
             c = out.final
-            lps = self._logprobs(index, c.token_ids, c.logprobs or [])
-            if self.echo_ids is not None:
-                lps = self._join(self._prompt_part(index, c.prompt_logprobs), lps)
+            prompt_part = self._prompt_part(index, c.prompt_logprobs) if self.echo_ids is not None else None
+            lps = self._join(prompt_part, self._logprobs(index, c.token_ids, c.logprobs or []))
             choices.append(
                 {
                     "index": index,

@@ -83,6 +83,32 @@ def test_generate_takes_vllm_prompt_dicts(tiny_llm):
     got = tiny_llm.generate([{"prompt": "hello world"}, {"prompt_token_ids": ids}], sp)
     assert [o.outputs[0].token_ids for o in got] == [want, want]
     assert tiny_llm.generate({"prompt": "hello world"}, sp)[0].outputs[0].token_ids == want
-    for bad in ({"text": "x"}, {"prompt": 3}, {"prompt": "a", "prompt_token_ids": [1]}, 4.5):
+    # numpy arrays and tensors of ids, and numpy integers, as vLLM users pass them
+    np = pytest.importorskip("numpy")
+    for form in (np.array(ids), torch.tensor(ids), [np.int64(t) for t in ids], {"prompt_token_ids": np.array(ids)}):
+        assert tiny_llm.generate(form, sp)[0].outputs[0].token_ids == want
+    assert len(tiny_llm.generate(np.array([ids, ids]), sp)) == 2
+    for bad in ({"text": "x"}, {"prompt": 3}, {"prompt": "a", "prompt_token_ids": [1]}, 4.5, [[1, "a"]]):
         with pytest.raises(ValueError, match="prompt"):
             tiny_llm.generate([bad], sp)
+
+
+def test_a_long_prompt_with_logprobs_is_computed_in_bounded_chunks(tmp_path):
+    from pdserve.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+    from tests.tiny import write_tiny_model
+
+    d = write_tiny_model(str(tmp_path / "m"), max_pos=2048)
+    llm = LLM(d, dtype="float32", block_size=16, num_gpu_blocks=128, max_num_batched_tokens=2048)
+    ids = [(7 * i) % 200 + 1 for i in range(PROMPT_LOGPROBS_CHUNK + 200)]
+    eng = llm.engine
+    eng.add_request("a", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    eng.add_request("b", ids[::-1], SamplingParams(max_tokens=1))
+    first = eng.step()
+    # its logits are kept for every position: at most a chunk of them a step; the other
+    # prompt is not held back by it (whole in this step, its one token out)
+    assert eng.seqs["a"].num_computed_tokens == PROMPT_LOGPROBS_CHUNK
+    assert [o.request_id for o in first if o.finished] == ["b"]
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+    done = {o.request_id: o for o in outs}
+    assert len(done["a"].prompt_logprobs) == len(ids)

@@ -248,3 +248,18 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_server_command_reports_a_broken_pipe():
+    # in serve, router or worker a BrokenPipeError is a fault, not a reader that left
+    code = (
+        "import sys\n"
+        "from pdserve.server import cli\n"
+        "def run(args):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "cli.run = run\n"
+        "from pdserve.cli import main\n"
+        "sys.exit(main(['serve']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 1 and "BrokenPipeError" in done.stderr, done.stderr

@@ -72,3 +72,38 @@ def test_the_check_catches_a_different_signature():
 
     with pytest.raises(AssertionError, match="submit"):
         _check(type("OnlySubmit", (), {"submit": EngineClient.submit}), Wrong)
+
+
+def test_a_router_no_worker_ever_joined_turns_from_loading_to_failed():
+    import time
+
+    async def check():
+        e = DisaggEngine(None, Registry(), metrics=None)
+        e.started_s = time.monotonic()
+        fresh = (e.loading, e.failure)
+        e.started_s -= e.first_worker_timeout_s + 1  # long past the wait for a first worker
+        return fresh, (e.loading, e.failure)
+
+    import asyncio
+
+    (loading, failure), (later_loading, later_failure) = asyncio.run(check())
+    assert "register" in loading and failure is None
+    assert later_loading is None and "no worker has registered" in later_failure and "secret" in later_failure
+
+
+def test_echo_logprobs_without_the_prompts_logprobs_is_an_error_not_nulls():
+    # a worker older than its router drops the field it does not know: say so, do not
+    # answer 200 with null logprobs that a scoring client would read as data
+    from pdserve.server.engine_client import ChoiceOutput, Completion
+    from pdserve.server.errors import APIError
+    from pdserve.server.format import CompletionFormatter
+
+    fmt = CompletionFormatter("id", "m", lambda t: f"<{t}>", 1, 0, echo_texts=["ab"], echo_ids=[[1, 2]])
+    done = ChoiceOutput([3], "x", [{3: -0.5}], Completion("x", [3], [{3: -0.5}], "length"))
+    with pytest.raises(APIError) as e:
+        fmt.full([done], {})
+    assert e.value.status == 502
+    ok = Completion("x", [3], [{3: -0.5}], "length", prompt_logprobs=[None, {2: -1.0}])
+    body = fmt.full([ChoiceOutput([3], "x", [{3: -0.5}], ok)], {})
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [None, -1.0, -0.5] and lp["text_offset"] == [0, 3, 6]

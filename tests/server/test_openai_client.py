@@ -240,3 +240,15 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, model_id, tiny_offline
     )
     assert "".join(ch.choices[0].text for ch in chunks) == PROMPTS[1]
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_echo_logprob_offsets_run_through_every_token_of_a_non_ascii_prompt(client, model_id):
+    # bytes of one character are tokens of their own here, each printing as U+FFFD: the offsets
+    # still count on from token to token, generated ones after the prompt's (as vLLM does)
+    prompt = "h\u00e9llo \U0001f600 w\u00f6rld"
+    r = client.completions.create(
+        model=model_id, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0, extra_body=EXTRA
+    )
+    lp = r.choices[0].logprobs
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert r.choices[0].text.startswith(prompt)
