@@ -73,6 +73,19 @@ Seconds = Annotated[float, Field(ge=0)]  # a lease or a wait; the receiver caps 
 RegisteredText = Annotated[str, Field(max_length=MAX_REGISTRATION_CHARS)]
 
 
+def logprobs_to_wire(entries) -> list | None:
+    """Per-token logprob dicts for JSON ({token id: logprob} keyed by the id as a string); a None
+    entry (the first prompt token's) stays None; no entries at all is None."""
+    if not entries:
+        return None
+    return [None if e is None else {str(k): v for k, v in e.items()} for e in entries]
+
+
+def logprobs_from_wire(entries) -> list:
+    """The inverse of `logprobs_to_wire` (token ids back to ints); None is no entries."""
+    return [None if e is None else {int(k): v for k, v in e.items()} for e in entries or ()]
+
+
 def params_to_json(p: SamplingParams) -> dict:
     return dataclasses.asdict(p)
 

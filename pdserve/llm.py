@@ -17,17 +17,19 @@ def _is_ids(p) -> bool:
     return isinstance(p, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in p)
 
 
+def _listed(x):
+    """A numpy array or a tensor as (nested) lists; anything else as it is."""
+    return x.tolist() if hasattr(x, "tolist") and not isinstance(x, (str, list, tuple)) else x
+
+
 def _prompt(p):
     """A prompt as the engine takes it (text or token ids), from any form `generate` accepts."""
-    if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)):  # a numpy array, a tensor
-        p = p.tolist()
+    p = _listed(p)
     if isinstance(p, dict):
         keys = set(p) - {"multi_modal_data", "mm_processor_kwargs"}
         if keys == {"prompt"} and isinstance(p["prompt"], str):
             return p["prompt"]
-        ids = p.get("prompt_token_ids")
-        if hasattr(ids, "tolist") and not isinstance(ids, (list, tuple)):
-            ids = ids.tolist()
+        ids = _listed(p.get("prompt_token_ids"))
         if keys == {"prompt_token_ids"} and _is_ids(ids):
             return [int(t) for t in ids]
         if p.get("multi_modal_data"):
@@ -72,8 +74,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list. A prompt is a string, a list of token ids, or, as
         in vLLM, a dict: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
-        if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
-            prompts = prompts.tolist()  # a numpy array or a tensor: one prompt (1-D) or a batch (2-D)
+        prompts = _listed(prompts)  # a numpy array or a tensor: one prompt (1-D) or a batch (2-D)
         if isinstance(prompts, (str, dict)) or _is_ids(prompts) and len(prompts) > 0:
             prompts = [prompts]
         prompts = [_prompt(p) for p in prompts]

@@ -453,9 +453,10 @@ class LLMEngine:
             )
         comp.cumulative_logprob = seq.cumulative_logprob if want_lp else None
         # the prompt's logprobs: with the first output (all computed by then) and the final one
-        first_or_last = finished or len(seq.output_token_ids) == len(new_ids)
-        complete = seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs
-        prompt_lps = list(seq.prompt_logprobs) if complete and first_or_last else None
+        prompt_lps = None
+        if seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
+            if finished or len(seq.output_token_ids) == len(new_ids):
+                prompt_lps = list(seq.prompt_logprobs)
         comp.finish_reason = seq.finish_reason.value if seq.finish_reason else None
         comp.stop_reason = seq.stop_reason
         return RequestOutput(

@@ -47,6 +47,7 @@ from pdserve.control_api import (
     ReserveRequest,
     ReserveResponse,
     SavedEvent,
+    logprobs_from_wire,
     params_to_json,
     parse_event,
 )
@@ -108,13 +109,11 @@ class _Choice:
         self._texts.append(ev.text)
         new_lps = None
         if self.logprobs is not None:
-            new_lps = [{int(k): v for k, v in e.items()} for e in ev.logprobs or ()]
+            new_lps = logprobs_from_wire(ev.logprobs)
             self.logprobs += new_lps
         new_plps = None
         if ev.prompt_logprobs and self.prompt_logprobs is None:
-            new_plps = self.prompt_logprobs = [
-                None if e is None else {int(k): v for k, v in e.items()} for e in ev.prompt_logprobs
-            ]
+            new_plps = self.prompt_logprobs = logprobs_from_wire(ev.prompt_logprobs)
         self.finished = ev.finished
         now = time.monotonic()
         m = self.group.engine.metrics

@@ -139,7 +139,9 @@ class CompletionFormatter(_Base):
         self._offsets = [0] * self.num_choices
         self._prompt_sent: set[int] = set()
 
-    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict]) -> dict | None:
+    def _logprobs(self, index: int, token_ids: list[int], entries: list[dict | None]) -> dict | None:
+        """The legacy logprobs of `token_ids`, offsets continuing the choice's; a None entry
+        (the first prompt token's: nothing predicts it) lists the token with null logprobs."""
         if self.top_logprobs is None:
             return None
         tokens, offsets = [], []
@@ -150,32 +152,19 @@ class CompletionFormatter(_Base):
             self._offsets[index] += len(s)
         return {
             "tokens": tokens,
-            "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-            "top_logprobs": [self._top_dict(t, e) for t, e in zip(token_ids, entries)],
+            "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
+            "top_logprobs": [None if e is None else self._top_dict(t, e) for t, e in zip(token_ids, entries)],
             "text_offset": offsets,
         }
 
     def _prompt_part(self, index: int, prompt_lps: list[dict | None] | None) -> dict:
-        """The echoed prompt's tokens as logprobs (the first has none: nothing predicts it),
-        offsets from 0; the generated tokens' offsets continue after them. Called before the
-        generated tokens' part of the same choice."""
+        """The echoed prompt's tokens as logprobs, offsets from 0; the generated tokens'
+        offsets continue after them. Called before the generated part of the same choice."""
         ids = self.echo_ids[index // self.n]
         if prompt_lps is None or len(prompt_lps) != len(ids):
             raise APIError(502, "the engine returned no logprobs for the prompt (a worker older than the router?)")
-        lps = prompt_lps
-        tokens, offsets, at = [], [], 0
-        for t in ids:
-            s = self.token_text(t)
-            tokens.append(s)
-            offsets.append(at)
-            at += len(s)
-        self._offsets[index] = at
-        return {
-            "tokens": tokens,
-            "token_logprobs": [None if e is None else e[t] for t, e in zip(ids, lps)],
-            "top_logprobs": [None if e is None else self._top_dict(t, e) for t, e in zip(ids, lps)],
-            "text_offset": offsets,
-        }
+        self._offsets[index] = 0
+        return self._logprobs(index, ids, prompt_lps)
 
     @staticmethod
     def _join(a: dict | None, b: dict | None) -> dict | None:

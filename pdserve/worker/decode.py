@@ -23,7 +23,7 @@ import enum
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from pdserve.control_api import DecodeRequest, ErrorEvent, KVReadyEvent, OutputEvent, event_line
+from pdserve.control_api import DecodeRequest, ErrorEvent, KVReadyEvent, OutputEvent, event_line, logprobs_to_wire
 from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, RequestGroup
 from pdserve.server.engine_client import ChoiceOutput
@@ -157,13 +157,9 @@ def output_event(out: ChoiceOutput) -> dict:
         "finished": out.finished,
         "finish_reason": out.final.finish_reason if out.final else None,
         "stop_reason": out.final.stop_reason if out.final else None,
-        "logprobs": [{str(k): v for k, v in e.items()} for e in lps] if lps else None,
+        "logprobs": logprobs_to_wire(lps),
         "prefill_s": out.prefill_s,
-        "prompt_logprobs": (
-            [None if e is None else {str(k): v for k, v in e.items()} for e in out.prompt_logprobs]
-            if out.prompt_logprobs
-            else None
-        ),
+        "prompt_logprobs": logprobs_to_wire(out.prompt_logprobs),
     }
 
 
