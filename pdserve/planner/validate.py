@@ -28,7 +28,12 @@ def consistent_run(
     the KV cache waited, were preempted and recomputed (its e2e grows by multiples), or generation
     stopped early at an end token (it shrinks). Its token time then is not the step time of the
     batch it is labelled with, and it can neither fit nor check a step-time model."""
-    return abs(e2e_s / (prompt_s + (outputs - 1) * token_s) - 1.0) <= tol
+    return abs(e2e_ratio(prompt_s, token_s, e2e_s, outputs) - 1.0) <= tol
+
+
+def e2e_ratio(prompt_s: float, token_s: float, e2e_s: float, outputs: int) -> float:
+    """A run's end-to-end time over its prompt time plus ``outputs - 1`` token times."""
+    return e2e_s / (prompt_s + (outputs - 1) * token_s)
 
 
 def predict(kind: str, tp: int, phase: str, tokens: int, batch: int, engine: str = "vidur") -> tuple[float, float]:
@@ -49,7 +54,8 @@ def rows(engines: dict[str, str] | None = None) -> list[dict]:
         for kind, tp, phase, tokens, batch, measured in s["points"]:
             fitted, roof = predict(kind, tp, phase, tokens, batch, profile)
             run = runs.get((kind, tp, phase, tokens, batch))
-            valid = run is None or consistent_run(*run, s["outputs"])
+            consistency = e2e_ratio(*run, s["outputs"]) if run else None
+            valid = consistency is None or abs(consistency - 1.0) <= CONSISTENCY_TOLERANCE
             out.append(
                 {
                     "engine": s["engine"],
@@ -64,7 +70,7 @@ def rows(engines: dict[str, str] | None = None) -> list[dict]:
                     "roofline_ratio": roof / measured,
                     # run = (prompt s, token s, end-to-end s) of the measured run, where the source has them
                     "valid": valid,
-                    "e2e_consistency": (run[2] / (run[0] + (s["outputs"] - 1) * run[1])) if run else None,
+                    "e2e_consistency": consistency,
                 }
             )
     return out
