@@ -296,6 +296,10 @@ class Scheduler:
         cap = self.config.max_num_partial_prefills if self.config.enable_chunked_prefill else 0
         partial = sum(1 for s in out.scheduled if s.seq.num_computed_tokens + s.num_new_tokens < s.seq.num_tokens)
         held: list[list] = []
+        # Prompt blocks being computed now (by running sequences, and by those this loop starts):
+        # a prompt whose next uncached block is one of them waits for it and hits the cache
+        # then, rather than computing it a second time (n > 1, a burst of one system prompt).
+        inflight = {h for s in self.running for h in self.kv.pending_hashes(s.seq_id)}
         while len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if cap and partial >= cap and seq.num_tokens - seq.num_computed_tokens > self._chunk_limit(budget):
@@ -311,6 +315,11 @@ class Scheduler:
             fresh = seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id)
             if fresh and seq.needs_prompt_logprobs:
                 fresh = False
+            elif fresh and inflight and self.kv.first_uncached_hash(seq.seq_id, seq.all_token_ids) in inflight:
+                if len(held) >= MAX_HELD:
+                    break
+                held.append(self.waiting.hold())
+                continue
             elif fresh:
                 cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
             computed = max(num_cached, seq.num_computed_tokens)
@@ -344,6 +353,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             partial += computed + n < seq.num_tokens
+            inflight.update(self.kv.pending_hashes(seq.seq_id))
         for entry in held:
             self.waiting.restore(entry)
         return out

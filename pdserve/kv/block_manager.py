@@ -119,6 +119,25 @@ class BlockManager:
         self.stats.hits_tokens += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
+    def first_uncached_hash(self, seq_id: str, token_ids: list[int]) -> int | None:
+        """Hash of the first full block of `token_ids` that the prefix cache lacks (the last
+        token aside, as in `find_cached_prefix`); None when all are cached or prefix caching is
+        off. Unlike `find_cached_prefix` it counts no query (the scheduler asks it of a request
+        it may put off)."""
+        if not self.enable_prefix_caching:
+            return None
+        sb = self.seqs.setdefault(seq_id, SeqBlocks())
+        sb.hashes = block_hashes(token_ids, self.block_size, start=sb.hashes)
+        for h in sb.hashes[: (len(token_ids) - 1) // self.block_size]:
+            if h not in self.cached:
+                return h
+        return None
+
+    def pending_hashes(self, seq_id: str) -> list[int]:
+        """Hashes of a sequence's full prompt blocks not registered yet: those it is computing."""
+        sb = self.seqs.get(seq_id)
+        return sb.hashes[sb.num_cached_blocks :] if sb is not None else []
+
     # ---- allocation
     def allocate(self, seq_id: str, num_total_tokens: int, cached: list[Block] | None = None) -> bool:
         """Make the sequence own enough blocks for `num_total_tokens`; False if the pool is short.

@@ -256,6 +256,25 @@ def test_n_returns_n_completions(tiny_llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
+def test_copies_of_a_prompt_are_computed_once(tiny_llm):
+    # n > 1 and a batch of one prompt: the copies wait for the first to fill the cache
+    prompt = "one prompt for every choice, long enough to fill several blocks"
+    ids = tiny_llm.tokenizer.encode(prompt)
+    bs = tiny_llm.engine.block_manager.block_size
+    tail = len(ids) - (len(ids) - 1) // bs * bs  # what a cache hit leaves to compute
+    alone = tokens(tiny_llm.generate(prompt, GREEDY))
+    tiny_llm.engine.block_manager.reset_prefix_cache()
+    before = tiny_llm.engine.num_prompt_tokens_computed
+    outs = tiny_llm.generate([prompt] * 3, GREEDY)
+    assert tiny_llm.engine.num_prompt_tokens_computed - before == len(ids) + 2 * tail
+    assert tokens(outs) == alone * 3
+    tiny_llm.engine.block_manager.reset_prefix_cache()
+    before = tiny_llm.engine.num_prompt_tokens_computed
+    tiny_llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4))
+    assert tiny_llm.engine.num_prompt_tokens_computed - before == len(ids) + 3 * tail
+    assert_idle(tiny_llm)
+
+
 def test_chat_applies_template(tiny_llm):
     out = tiny_llm.chat([{"role": "user", "content": "hi"}], GREEDY)[0]
     assert tiny_llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False).startswith(

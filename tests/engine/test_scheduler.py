@@ -11,8 +11,8 @@ def make(num_blocks=32, block_size=4, **kw):
     return Scheduler(SchedulerConfig(**kw), BlockManager(num_blocks, block_size))
 
 
-def seq(sid, n, priority=0, t=0.0):
-    return Sequence(sid, list(range(1, n + 1)), SamplingParams(), priority=priority, arrival_time=t)
+def seq(sid, n, priority=0, t=0.0, first=1):
+    return Sequence(sid, list(range(first, first + n)), SamplingParams(), priority=priority, arrival_time=t)
 
 
 def run_step(s, out, sample=True):
@@ -129,7 +129,7 @@ def test_max_num_seqs_bounds_running():
 
 def test_preemption_by_recompute_when_blocks_run_out():
     s = make(num_blocks=4, block_size=4)
-    a, b = seq("a", 8), seq("b", 7)
+    a, b = seq("a", 8), seq("b", 7, first=100)  # no common prefix
     s.add(a)
     s.add(b)
     run_step(s, s.schedule())  # a: 2 blocks + b: 2 blocks, pool full
@@ -310,3 +310,50 @@ def test_update_from_output_caches_generated_blocks_unless_told_not_to():
             out = s.schedule()
             s.update_from_output(out, [SampledToken(a, 7 + len(a.output_token_ids))])
         assert a.num_computed_tokens == 7 and len(s.kv.cached) == cached
+
+
+def scheduled(out):
+    return [(x.seq.seq_id, x.seq.num_computed_tokens, x.num_new_tokens) for x in out.scheduled]
+
+
+def test_a_prompt_computed_now_is_not_computed_twice():
+    # n > 1, or a burst of one prompt: the copies wait one step and hit the cache
+    s = make(max_num_batched_tokens=64)
+    for name in ("a", "b", "c"):
+        s.add(seq(name, 10))
+    s.add(seq("other", 10, first=100))
+    out = s.schedule()
+    assert scheduled(out) == [("a", 0, 10), ("other", 0, 10)]
+    run_step(s, out)
+    # the two waiting copies start from a's 8 cached tokens (2 blocks), in their order
+    assert scheduled(s.schedule()) == [("a", 10, 1), ("other", 10, 1), ("b", 8, 2), ("c", 8, 2)]
+
+
+def test_a_prompt_sharing_only_a_prefix_waits_for_that_prefix():
+    s = make(max_num_batched_tokens=16, long_prefill_token_threshold=0, max_num_partial_prefills=2)
+    a = seq("a", 20)  # computed over two steps
+    b = Sequence("b", list(range(1, 5)) + list(range(200, 216)), SamplingParams())  # a's first block, then its own
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert scheduled(out) == [("a", 0, 16)]
+    run_step(s, out)
+    # a's first blocks are in the cache now: b goes on from the one it shares while a finishes
+    assert scheduled(s.schedule()) == [("a", 16, 4), ("b", 4, 12)]
+
+
+def test_a_copy_waits_no_longer_than_the_computation_it_waits_for():
+    s = make()
+    a, b = seq("a", 10), seq("b", 10)
+    s.add(a)
+    s.add(b)
+    assert scheduled(s.schedule()) == [("a", 0, 10)]
+    s.finish(a)  # aborted before its step ended: nothing will be cached
+    assert scheduled(s.schedule()) == [("b", 0, 10)]
+
+
+def test_without_prefix_caching_copies_are_computed_together():
+    s = Scheduler(SchedulerConfig(), BlockManager(32, 4, enable_prefix_caching=False))
+    s.add(seq("a", 10))
+    s.add(seq("b", 10))
+    assert scheduled(s.schedule()) == [("a", 0, 10), ("b", 0, 10)]
