@@ -265,14 +265,17 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", "prompt"
             )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+        # More than the context leaves after the prompt is served up to the context (finish
+        # reason "length"), as vLLM does; more than the whole context is a mistake.
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
             raise InvalidRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the context of {self.max_model_len} tokens",
+                f"max_tokens ({params.max_tokens}) is more than this model's context of {self.max_model_len} tokens",
                 "max_tokens",
             )
         # A request must be able to finish alone, or preemption could cycle forever.

@@ -76,7 +76,11 @@ class Sampler:
 
     def _apply_penalties(self, logits, params, seq_ids, history):
         for i, p in enumerate(params):
-            if not p.needs_penalties:
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids, bias)
+            if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
                 continue
             prompt, output = history[i]
             seen = self._seen.get(seq_ids[i])

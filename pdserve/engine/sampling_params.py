@@ -11,6 +11,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each bias in [-100, 100]
 # The sampler puts top_k in an int64 tensor and seeds a torch.Generator, which
 # accepts [-2^63, 2^64); a value outside would fail the whole batch's step.
 MAX_TOP_K = (1 << 31) - 1
@@ -52,6 +53,9 @@ class SamplingParams:
     # computed whole, never taken from the prefix cache, a lower KV tier or another worker
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # {token id: bias} added to the logits before sampling (OpenAI's logit_bias; logprobs
+    # stay the model's own, as vLLM reports them)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,6 +64,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias is not None:
+            try:  # keys arrive as strings from JSON
+                self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()} or None
+            except (TypeError, ValueError):
+                raise InvalidRequest("logit_bias maps token ids to numbers", "logit_bias") from None
         self._check()
 
     def _check(self):
@@ -94,6 +103,18 @@ class SamplingParams:
             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         self._check_stops()
+        if self.logit_bias:
+            _bad(
+                len(self.logit_bias) > MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"{len(self.logit_bias)} logit_bias entries; at most {MAX_LOGIT_BIAS} are allowed",
+            )
+            _bad(min(self.logit_bias) < 0, "logit_bias", "logit_bias token ids must be >= 0")
+            _bad(
+                not all(-100 <= v <= 100 for v in self.logit_bias.values()),
+                "logit_bias",
+                "logit_bias values must be in [-100, 100]",
+            )
 
     def _check_stops(self):
         _bad(
@@ -114,10 +135,22 @@ class SamplingParams:
         )
         _bad(any(t < 0 for t in self.stop_token_ids), "stop_token_ids", "stop token ids must be >= 0")
 
+    def max_output_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        """The most tokens the request can produce: `max_tokens`, or what the context leaves
+        after the prompt where that is less (a request asking for more ends there, "length")."""
+        room = max_model_len - prompt_len
+        return room if self.max_tokens is None else min(self.max_tokens, room)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Anything that changes the logits before sampling: the penalties and logit_bias."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )

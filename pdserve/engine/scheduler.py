@@ -473,11 +473,12 @@ class Scheduler:
         len_before = len(seq.text)
         seq.text.append(delta)
         if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None
-                return
-            if token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = FinishReason.STOP, token
+            eos = not p.ignore_eos and token in self.eos_token_ids
+            if eos or token in p.stop_token_ids:
+                # the stop token's text is not part of the output unless asked for (as vLLM)
+                if not p.include_stop_str_in_output:
+                    seq.text.truncate(len_before)
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, None if eos else token
                 return
             if p.stop and delta:
                 # only the tail can hold a new match: look back one stop-string length

@@ -137,7 +137,18 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_args: dict | None = None,
+    ) -> str:
+        """The conversation as the model's prompt. `continue_final_message`: the text ends
+        with the last message's content, for the model to go on with it (no end-of-turn after
+        it), as transformers and vLLM do. `template_args`: more variables for the template
+        (vLLM's chat_template_kwargs, `tools`); they never replace the ones set here."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt")
         if self._template is None:
@@ -151,9 +162,22 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        fixed = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": bos,
+            "eos_token": eos,
+        }
+        text = self._template.render({**(template_args or {}), **fixed})
+        if continue_final_message:
+            last = messages[-1].get("content") if messages else None
+            if not isinstance(last, str) or not last.strip() or last.strip() not in text:
+                raise ValueError("continue_final_message: the last message's content is not in the rendered prompt")
+            at = text.rindex(last.strip())
+            # the template may have trimmed the content's trailing space: keep what it kept
+            kept = last.lstrip() if text[at : at + len(last.lstrip())] == last.lstrip() else last.strip()
+            text = text[: at + len(kept)]
+        return text
 
     def save(self, out_dir: str) -> None:
         """Write tokenizer.json + tokenizer_config.json (with the chat template)."""

@@ -443,7 +443,7 @@ class DisaggEngine:
         for inp in inputs:
             if inp.resume_token_ids:
                 continue  # admitted once already, by the router that died
-            max_tokens = inp.params.max_tokens or self.engine.max_model_len - len(inp.prompt_token_ids)
+            max_tokens = inp.params.max_output_tokens(len(inp.prompt_token_ids), self.engine.max_model_len)
             d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens)
             if not d.admitted:
                 self.metrics.rejected.inc()
@@ -517,7 +517,7 @@ class DisaggEngine:
             except WorkerGone:
                 dest.pull = False
         c.group.acknowledge()
-        max_tokens = c.params.max_tokens or self.engine.max_model_len - len(c.prompt)
+        max_tokens = c.params.max_output_tokens(len(c.prompt), self.engine.max_model_len)
         self.placer.book_decode(d.worker_id, c.rid, len(c.prompt), max_tokens)
         c.workers = {p.worker_id, d.worker_id}
         c.remote_ids = {p.worker_id: c.rid, d.worker_id: c.rid}
@@ -626,7 +626,7 @@ class DisaggEngine:
         c.group.acknowledge()
         c.workers = {w.worker_id}
         if worker is not None:  # counted in the decode worker's load, as a placed decode is
-            max_tokens = c.params.max_tokens or self.engine.max_model_len - len(c.prompt)
+            max_tokens = c.params.max_output_tokens(len(c.prompt), self.engine.max_model_len)
             self.placer.book_decode(w.worker_id, c.rid, len(c.prompt), max_tokens)
         self.counters[counter] += 1
         try:

@@ -78,14 +78,17 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_json_body(P.TokenizeRequest))
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"], openapi_extra=_json_body(P.DetokenizeRequest))
     app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/ping", api.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
+    app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     return app
 
 
 # Handlers read their bodies by hand (size limit first, then strict parsing), so
 # FastAPI cannot see them: the schema names the pydantic models they parse into.
-_BODY_MODELS = (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest)
+_BODY_MODELS = (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
@@ -161,9 +164,9 @@ class _Api:
             return await asyncio.to_thread(tok.encode, text)
         return tok.encode(text)
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, **kw) -> str:
         try:
-            return self._core().tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self._core().tokenizer.apply_chat_template(messages, add_generation_prompt, **kw)
         except Exception as e:  # the template itself refuses (raise_exception) or fails to render
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
@@ -184,6 +187,12 @@ class _Api:
             )
         vocab_size = self._core().model_config.vocab_size
         P.check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
+        if req.logit_bias:
+            try:
+                biased = [int(k) for k in req.logit_bias]
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+            P.check_token_ids(biased, vocab_size, "logit_bias")
         for p in prompts:
             if not isinstance(p, str):  # before echo decodes them: the tokenizer fails on unknown ids
                 P.check_token_ids(p, vocab_size, "prompt")
@@ -203,7 +212,9 @@ class _Api:
     async def _completions(self, request: Request, resume: ResumeRequest | None = None):
         req: P.CompletionRequest = await self._parse(request, P.CompletionRequest, resume)
         self._check_request(req, req.prompts())
-        prompts = [await self._encode(p) if isinstance(p, str) else p for p in req.prompts()]
+        ctx = self._core().max_model_len
+        texts = req.prompts()
+        prompts = [req.truncate(await self._encode(p) if isinstance(p, str) else p, ctx) for p in texts]
         # echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated, as
         # OpenAI's legacy API and vLLM do for scoring a text; the engine still samples one
         # token (its step computes the prompt), which the reply leaves out
@@ -212,8 +223,8 @@ class _Api:
         echo = None
         if req.echo:
             echo = [
-                p if isinstance(p, str) else self._core().tokenizer.decode(ids)
-                for p, ids in zip(req.prompts(), prompts)
+                p if isinstance(p, str) and req.truncate_prompt_tokens is None else self._core().tokenizer.decode(ids)
+                for p, ids in zip(texts, prompts)
             ]
             if req.logprobs is not None:  # the prompt's tokens are listed with their logprobs
                 params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
@@ -232,9 +243,14 @@ class _Api:
 
     async def _chat(self, request: Request, resume: ResumeRequest | None = None):
         req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest, resume)
-        text = self._chat_prompt(req.conversation(), req.add_generation_prompt)
+        text = self._chat_prompt(
+            req.conversation(),
+            req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_args=req.template_args(),
+        )
         self._check_request(req, [text])
-        prompt = await self._encode(text)
+        prompt = req.truncate(await self._encode(text), self._core().max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, req.engine_logprobs())
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
@@ -308,6 +324,7 @@ class _Api:
                 indices=indices,
                 completion_tokens=streamed,
                 preamble=resume is None,
+                choice_prompt_tokens=[len(p) for p in prompts for _ in range(req.n)] if req.continuous_usage else None,
             )
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
@@ -354,7 +371,21 @@ class _Api:
         else:
             text = req.prompt
         ids = core.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [core.tokenizer.id_to_token(t) for t in ids]
+        return out
+
+    async def detokenize(self, request: Request):
+        req: P.DetokenizeRequest = await self._parse(request, P.DetokenizeRequest)
+        core = self._core()
+        P.check_token_ids(req.tokens, core.model_config.vocab_size, "tokens")
+        return {"prompt": core.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def version(self, request: Request):
+        from pdserve import __version__
+
+        return {"version": __version__}
 
     async def health(self, request: Request):
         """200 when the engine takes requests, 503 otherwise; KV block counts for operators and tests."""

@@ -92,19 +92,22 @@ class _Base:
         head = dumps({"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model})
         self._chunk_head = head[:-1] + ',"choices":[{"index":'
 
-    def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool) -> str | None:
+    def chunk_json(
+        self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None
+    ) -> str | None:
         """`chunk()` as JSON text. The common chunk (text only, not the last) is written
-        straight from a template: it is one per token per stream, the hot path."""
+        straight from a template: it is one per token per stream, the hot path. `usage_now`:
+        the choice's usage so far, on every chunk (vLLM's continuous_usage_stats)."""
         if out.finished or self.top_logprobs is not None:
             chunk = self.chunk(index, out)
             if chunk is None:
                 return None
             if include_usage:
-                chunk["usage"] = None  # as OpenAI does: usage only on the last chunk
+                chunk["usage"] = usage_now  # as OpenAI does: usage only on the last chunk
             return dumps(chunk)
         if not out.new_text:
             return None  # bytes of an unfinished character: nothing to show yet
-        tail = ',"usage":null}' if include_usage else "}"
+        tail = f',"usage":{dumps(usage_now)}}}' if include_usage else "}"
         return (
             f"{self._chunk_head}{index},{self._delta_key}{dumps(out.new_text)}{self._delta_end},"
             f'"logprobs":null,"finish_reason":null}}]{tail}'

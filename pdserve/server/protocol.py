@@ -13,7 +13,7 @@ import json
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams
 from pdserve.server.errors import APIError, bad_request, from_validation_errors
@@ -26,9 +26,46 @@ class _Strict(BaseModel):
     # Unknown fields are ignored, as OpenAI's own server does, so newer clients keep working.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        # an explicit null means "the default", as OpenAI and vLLM read it (SDKs send them)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+# vLLM's request options that change what is generated and that this server does not
+# implement: refused, never silently ignored (a value equal to vLLM's default is let through).
+_NOT_IMPLEMENTED = {
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "logprob_token_ids": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "spaces_between_special_tokens": True,
+    "truncation_side": "left",
+    "cache_salt": None,
+    "chat_template": None,
+    "documents": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "repetition_detection": None,
+    "thinking_token_budget": None,
+}
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Strict):
@@ -57,11 +94,20 @@ class _SamplingFields(_Strict):
     user: str | None = None
     priority: int = Field(0, ge=_PRIORITY_MIN, le=_PRIORITY_MAX)
 
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data):
+        if isinstance(data, dict):
+            for name, default in _NOT_IMPLEMENTED.items():
+                if name in data and data[name] != default and data[name] not in (None, [], {}):
+                    raise bad_request(f"{name} is not supported by this server", name)
+        return data
+
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             # choice j is seeded with seed + j, which must still be a valid seed
             raise bad_request(f"seed + n - 1 must be at most {SEED_MAX}", "seed")
@@ -93,6 +139,7 @@ class _SamplingFields(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
+                logit_bias=self.logit_bias,
                 **given,
             )
         except InvalidRequest as e:
@@ -101,6 +148,25 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far on every chunk too (vLLM's `continuous_usage_stats`, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: as many as the context holds
+        with one token to generate), as vLLM truncates; the prompt as it is without the field."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens ({k}) is more than this model's context of {max_model_len} tokens",
+                "truncate_prompt_tokens",
+            )
+        k = max_model_len - 1 if k == -1 else k
+        return ids[-k:] if k else []
 
 
 Prompt = str | list[int] | list[str | list[int]]
@@ -137,14 +203,15 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # any role the chat template knows (vLLM passes custom ones through); the template refuses the rest
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM joins text parts
 
 
 class ResponseFormat(_Strict):
@@ -157,6 +224,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    echo: bool = False
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -167,10 +237,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request("only response_format type 'text' is supported", "response_format")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
+        if self.tools and self.tool_choice != "none":
+            # the tools reach the chat template; calling them needs a tool-call parser, as in vLLM
+            raise bad_request("tool calls are not supported by this server (tool_choice 'none' only)", "tools")
         if self.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+        if self.echo:
+            raise bad_request("echo is not supported on chat completions by this server", "echo")
+
+    def template_args(self) -> dict:
+        """What the chat template is rendered with besides the messages."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            extra["tools"] = self.tools
+        return extra
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -191,10 +275,16 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -273,7 +363,7 @@ def parse_body(raw: bytes, model_cls: type[_Strict]):
 
 
 def check_model(requested: str | None, served: list[str]) -> None:
-    if requested is not None and requested not in served:
+    if requested and requested not in served:  # none or "" is the served model, as in vLLM
         raise APIError(
             404,
             f"the model {requested!r} does not exist; this server serves {served}",

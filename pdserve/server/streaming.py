@@ -49,6 +49,7 @@ async def sse_events(
     indices: list[int] | None = None,
     completion_tokens: int = 0,
     preamble: bool = True,
+    choice_prompt_tokens: list[int] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body of a streamed response; one write per engine step, however many chunks it made.
 
@@ -56,7 +57,10 @@ async def sse_events(
     chunk's token ids as a comment before it. A resumed stream runs only the choices that had not
     finished (`group` is None when none is left): `indices` maps the group's choices to the
     client's, `completion_tokens` counts what streamed before, and the preamble is not sent again.
+    `choice_prompt_tokens` (per choice, the client's order): every chunk carries its choice's usage
+    so far (vLLM's continuous_usage_stats).
     """
+    per_choice: dict[int, int] = {}
     finish = "error"
     try:
         if tag_tokens:
@@ -69,7 +73,11 @@ async def sse_events(
             for i, out in batch:
                 index = i if indices is None else indices[i]
                 completion_tokens += len(out.new_token_ids)
-                chunk = fmt.chunk_json(index, out, include_usage)
+                now = None
+                if choice_prompt_tokens is not None:
+                    per_choice[index] = per_choice.get(index, 0) + len(out.new_token_ids)
+                    now = usage(choice_prompt_tokens[index], per_choice[index])
+                chunk = fmt.chunk_json(index, out, include_usage, now)
                 tag = tokens_comment(index, out.new_token_ids, out.finished) if tag_tokens else ""
                 if chunk is not None:
                     parts.append(f"{tag}data: {chunk}\n\n")

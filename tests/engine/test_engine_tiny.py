@@ -92,7 +92,7 @@ def test_prefix_cache_reuses_blocks(tiny_llm):
         ("", SamplingParams(), "prompt"),
         ([[]], SamplingParams(), "prompt"),  # one prompt of zero token ids
         ("x" * 600, SamplingParams(), "prompt"),  # longer than the 512-token context
-        ("hello", SamplingParams(max_tokens=510), "max_tokens"),
+        ("hello", SamplingParams(max_tokens=513), "max_tokens"),  # more than the whole context
         ([10**6], SamplingParams(), "prompt"),
     ],
 )
@@ -121,6 +121,10 @@ def test_bad_requests_are_named_and_leak_nothing(tiny_llm, prompt, params, param
         ({"stop": "x" * 500_000}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params(kw, param):
@@ -207,6 +211,26 @@ def test_stop_string_trims_and_streams_no_stop_text(tiny_llm):
     cut = free.index(stop)
     assert final.outputs[0].text == free[:cut] == streamed
     assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
+
+
+def test_max_tokens_past_the_context_ends_at_the_context(tiny_model_dir):
+    # as vLLM: served up to the context (512 tokens), finish reason "length", not refused
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=16, num_gpu_blocks=40)
+    out = llm.generate([[5] * 500], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 512 - 500 and out.finish_reason == "length"
+    assert_idle(llm)
+
+
+def test_logit_bias_forces_and_forbids_tokens(tiny_llm):
+    free = tiny_llm.generate("abc", GREEDY)[0].outputs[0].token_ids
+    forced = tiny_llm.generate("abc", SamplingParams(temperature=0, max_tokens=5, logit_bias={70: 100}))[0]
+    assert forced.outputs[0].token_ids == [70] * 5
+    banned = tiny_llm.generate("abc", SamplingParams(temperature=0, max_tokens=12, logit_bias={free[0]: -100}))[0]
+    assert banned.outputs[0].token_ids[0] != free[0]
+    with pytest.raises(InvalidRequest) as e:
+        tiny_llm.generate("abc", SamplingParams(logit_bias={10**6: 1.0}))
+    assert e.value.param == "logit_bias"
+    assert_idle(tiny_llm)
 
 
 def test_stop_token_ids_and_eos(tiny_llm):
@@ -374,3 +398,19 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     offline = tiny_llm.generate("abc", p)[0].outputs[0]
     assert (offline.token_ids, offline.text, offline.logprobs) == (c.token_ids, c.text, c.logprobs)
     assert offline.finish_reason == c.finish_reason == "length"
+
+
+def test_chat_template_kwargs_and_continue_final_message(tiny_llm):
+    tok = tiny_llm.tokenizer
+    tok.chat_template = (
+        "{% if think %}[think]{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    tok._template = None
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    assert tok.apply_chat_template(msgs[:1], template_args={"think": True}) == "[think]<user>hi</s><assistant>"
+    # the variables the server sets win over the caller's
+    assert tok.apply_chat_template(msgs[:1], False, template_args={"messages": []}) == "<user>hi</s>"
+    assert tok.apply_chat_template(msgs, False, continue_final_message=True) == "<user>hi</s><assistant>Sure, "
+    with pytest.raises(ValueError):
+        tok.apply_chat_template([*msgs[:1], {"role": "assistant", "content": ""}], False, continue_final_message=True)

@@ -282,8 +282,13 @@ def test_update_from_output_stop_strings_stop_ids_min_tokens_and_context():
 
     st = run(Sequence("st", [9, 9], SamplingParams(stop=["xy"], ignore_eos=True)), [1, 2, 3])
     assert st.is_finished and (st.output_text, st.stop_reason, st.finish_reason) == ("a", "xy", FinishReason.STOP)
+    # a stop token's (or EOS's) text is left out unless include_stop_str_in_output, as in vLLM
     ids = run(Sequence("ids", [9, 9], SamplingParams(stop_token_ids=[4])), [1, 4])
-    assert ids.is_finished and ids.stop_reason == 4 and ids.output_text == "az"
+    assert ids.is_finished and ids.stop_reason == 4 and ids.output_text == "a" and ids.output_token_ids == [1, 4]
+    kept = run(Sequence("kept", [9, 9], SamplingParams(stop_token_ids=[4], include_stop_str_in_output=True)), [1, 4])
+    assert kept.output_text == "az"
+    eos = run(Sequence("eos", [9, 9], SamplingParams()), [1, 3, 2])
+    assert (eos.output_text, eos.stop_reason, eos.finish_reason) == ("ay", None, FinishReason.STOP)
     # EOS (token 2) before min_tokens does not end it; the context (10 tokens) does
     ctx = run(Sequence("ctx", [9] * 6, SamplingParams(min_tokens=2, max_tokens=None)), [2, 1, 1, 1])
     assert ctx.is_finished and ctx.finish_reason is FinishReason.LENGTH and ctx.num_tokens == 10

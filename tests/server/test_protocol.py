@@ -37,7 +37,7 @@ def test_parse_accepts_openai_shapes_and_ignores_unknown_fields():
         b'{"messages": [{"role": "user", "content": [{"type": "text", '
         b'"text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 3}',
     )
-    assert chat.conversation() == [{"role": "user", "content": "ab"}]
+    assert chat.conversation() == [{"role": "user", "content": "a\nb"}]
     params = chat.sampling_params(3, chat.engine_logprobs())
     assert params.max_tokens == 3 and params.logprobs is None and params.temperature == 1.0
 

@@ -46,6 +46,32 @@ def test_greedy_text_equals_collocated(cluster, reference):
     assert counters["kv_bytes"] > 0 and counters["kv_failed"] == 0
 
 
+def test_sampling_options_travel_to_the_workers(cluster, tiny_model_dir):
+    # logit_bias reaches the worker that samples the first token and the one that samples the
+    # rest; a stop token's text is left out, as collocated
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    llm = LLM(tiny_model_dir, dtype="float32", block_size=16, num_gpu_blocks=512)
+    r = client.completions.create(
+        model=model,
+        prompt=PROMPTS[0],
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"70": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == llm.tokenizer.decode([70]) * 4
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    stop = free.token_ids[3]
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop]))[0].outputs[0]
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"stop_token_ids": [stop]}
+    )
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
+    assert len(ref.token_ids) == free.token_ids.index(stop) + 1
+
+
 @pytest.mark.parametrize(
     "mode, transport, layerwise",
     [("push", "tcp", "--no-kv-layerwise"), ("pull", "tcp", "--kv-layerwise"), ("push", "nixl", "--kv-layerwise")],

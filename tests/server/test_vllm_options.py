@@ -1,0 +1,142 @@
+"""vLLM's request options and leniencies that users switching from vLLM rely on, against a real
+server with the official `openai` client: what is done as vLLM does it, and what is refused."""
+
+import pytest
+
+from pdserve import SamplingParams
+from tests.server.conftest import API_KEY, CONTEXT
+
+pytestmark = pytest.mark.integration
+
+openai = pytest.importorskip("openai")
+
+USER = [{"role": "user", "content": "what is 2 + 2?"}]
+EXTRA = {"ignore_eos": True}
+
+
+def test_explicit_nulls_mean_the_defaults(tiny_server):
+    import httpx
+
+    body = {"model": "tiny", "messages": USER, "max_tokens": 3, "n": None, "logprobs": None, "stream": None}
+    body |= {"temperature": 0, "ignore_eos": True, "stop": None, "seed": None, "stream_options": None}
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_any_role_the_template_renders_and_an_empty_model_name(client):
+    messages = [{"role": "narrator", "content": "once upon a time"}, *USER]
+    r = client.chat.completions.create(model="", messages=messages, max_tokens=2, extra_body=EXTRA)
+    assert r.model == "tiny" and r.usage.completion_tokens == 2
+
+
+def test_text_parts_are_joined_by_newlines(client, tiny_offline):
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=1)
+    whole = tiny_offline.tokenizer.apply_chat_template([{"role": "user", "content": "Name three\ncolors."}])
+    assert r.usage.prompt_tokens == len(tiny_offline.tokenizer.encode(whole))
+
+
+def test_continue_final_message_goes_on_from_the_assistant_text(client, tiny_offline):
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        extra_body={**EXTRA, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    prompt = tiny_offline.tokenizer.apply_chat_template(messages, False, continue_final_message=True)
+    assert prompt.endswith("The answer is")
+    ref = tiny_offline.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(client, tiny_offline):
+    ids = list(range(40, 90))
+    r = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=3, temperature=0, extra_body={**EXTRA, "truncate_prompt_tokens": 10}
+    )
+    ref = tiny_offline.generate([ids[-10:]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert r.usage.prompt_tokens == 10 and r.choices[0].text == ref.outputs[0].text
+
+
+def test_logit_bias_steers_sampling_and_leaves_logprobs_alone(client, tiny_offline):
+    r = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=4, temperature=0, logit_bias={"70": 100}, logprobs=1, extra_body=EXTRA
+    )
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tiny_offline.tokenizer.decode([70]) * 4
+    plain = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0, extra_body=EXTRA)
+    assert r.choices[0].text != plain.choices[0].text
+    # the model's own logprob of the forced token: well below 0 for a random model's 259 tokens
+    assert all(x < -1 for x in lp.token_logprobs)
+
+
+def test_max_tokens_past_the_context_ends_at_it(client):
+    ids = [65] * (CONTEXT - 3)
+    r = client.completions.create(model="tiny", prompt=ids, temperature=0, extra_body=EXTRA)  # default 16
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_continuous_usage_stats_on_every_chunk(client):
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=USER,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body=EXTRA,
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert counts and counts == sorted(counts) and counts[-1] <= 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks if c.usage)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"cache_salt": "tenant"}, "cache_salt"),
+    ],
+)
+def test_options_not_implemented_are_refused_not_ignored(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == param
+
+
+def test_options_at_vllm_defaults_pass(client):
+    extra = {**EXTRA, "use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "structured_outputs": None}
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, extra_body=extra)
+    assert r.usage.completion_tokens == 2
+
+
+def test_tools_reach_the_template_with_tool_choice_none(client):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=2, tools=tools, tool_choice="none", extra_body=EXTRA
+    )
+    assert r.usage.completion_tokens == 2
+
+
+def test_tokenize_detokenize_version_ping(tiny_server):
+    import httpx
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=tiny_server.url, headers=auth) as h:
+        t = h.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+        assert len(t["token_strs"]) == t["count"] and "".join(t["token_strs"]).replace("\u0120", " ") == "hello world"
+        assert h.post("/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": "hello world"}
+        bad = h.post("/detokenize", json={"tokens": [10**6]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert h.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert h.get("/version").json()["version"]
+        assert h.get("/ping").status_code == 200 and h.post("/ping").json()["status"] == "ok"
