@@ -98,6 +98,11 @@ class ServerMetrics:
         self.decode = Histogram(
             "pdserve:request_decode_time_seconds", "Time from first token to last token.", LATENCY_BUCKETS_S
         )
+        self.tpot = Histogram(
+            "pdserve:request_time_per_output_token_seconds",
+            "A request's mean time per output token after the first (decode time / (tokens - 1)).",
+            TOKEN_GAP_BUCKETS_S,
+        )
         self.req_prompt = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS)
         self.req_generation = Histogram(
             "pdserve:request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
@@ -137,6 +142,8 @@ class ServerMetrics:
             self.e2e.observe(last_token_s - arrival_s)
             if first_token_s is not None:
                 self.decode.observe(last_token_s - first_token_s)
+                if num_generated_tokens > 1:
+                    self.tpot.observe((last_token_s - first_token_s) / (num_generated_tokens - 1))
         self.req_generation.observe(num_generated_tokens)
 
     # ---- engine-wide state, mirrored at scrape time
@@ -156,7 +163,7 @@ class _Collector:
 
     def collect(self):
         m, name = self.m, self.m.model_name
-        for h in (m.ttft, m.itl, m.e2e, m.queue, m.prefill, m.decode, m.req_prompt, m.req_generation):
+        for h in (m.ttft, m.itl, m.e2e, m.queue, m.prefill, m.decode, m.tpot, m.req_prompt, m.req_generation):
             yield h.family(name)
         yield _counter("pdserve:prompt_tokens", "Prompt tokens processed.", name, m.prompt_tokens.value)
         yield _counter("pdserve:generation_tokens", "Tokens generated.", name, m.generation_tokens.value)

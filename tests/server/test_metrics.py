@@ -15,6 +15,7 @@ HISTOGRAMS = [
     "request_queue_time_seconds",
     "request_prefill_time_seconds",
     "request_decode_time_seconds",
+    "request_time_per_output_token_seconds",
 ]
 
 
@@ -53,6 +54,9 @@ def test_metrics_populated_after_requests(tiny_server):
         assert buckets[-1].value == count > 0 and value(h, "_sum") > 0
         assert count >= value(before.get(f"pdserve:{name}", h), "_count")
     assert value(after["pdserve:inter_token_latency_seconds"], "_count") >= 10  # 5 gaps per request
+    # one mean time per output token for each of the two requests (each has 5 gaps)
+    tpot = "pdserve:request_time_per_output_token_seconds"
+    assert value(after[tpot], "_count") - value(before.get(tpot, after[tpot]), "_count") == 2
 
     assert (
         value(after["pdserve:generation_tokens"], "_total") - value(before["pdserve:generation_tokens"], "_total") == 12
