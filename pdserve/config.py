@@ -204,6 +204,13 @@ class KVTierConfig:
             raise ConfigError(f"unknown kv_store {self.kv_store!r} (the shared tier is 'mooncake')")
         if self.kv_store and not self.kv_store_master:
             raise ConfigError("kv_store needs kv_store_master (HOST:PORT of the Mooncake master)")
+        if self.kv_disk_dir:
+            # the directory (or the nearest part of its path that exists) must be a directory
+            at = os.path.abspath(self.kv_disk_dir)
+            while not os.path.exists(at) and os.path.dirname(at) != at:
+                at = os.path.dirname(at)
+            if not os.path.isdir(at):
+                raise ConfigError(f"kv_disk_dir {self.kv_disk_dir!r}: {at} is not a directory")
 
     @property
     def enabled(self) -> bool:

@@ -276,6 +276,7 @@ class DisaggEngine:
     # ---- lifecycle
     def start(self) -> None:
         self._http = httpx.AsyncClient(
+            trust_env=False,  # internal traffic: an operator's http_proxy must not catch it
             timeout=httpx.Timeout(10.0, read=None),
             auth=self._auth,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),

@@ -34,7 +34,7 @@ def run(args) -> int:
         print(f"pdserve scale: {e}", file=sys.stderr)
         return 2
     base = args.router.rstrip("/")
-    with httpx.Client(auth=auth.http_auth(secret), timeout=10) as client:
+    with httpx.Client(auth=auth.http_auth(secret), timeout=10, trust_env=False) as client:
         try:
             if args.status or (args.prefill is None and args.decode is None):
                 r = client.get(base + "/internal/admin/pools")

@@ -129,6 +129,10 @@ class AsyncEngine:
         self.metrics: ServerMetrics | None = None
         self.stats: dict | None = None
         self.failure: str | None = None  # why the engine is unusable, if it is
+        # called on the loop when the engine could not be built: its process exits (a config
+        # that does not load will not load on a retry; a supervisor sees the exit, not a
+        # server that is up and useless)
+        self.on_load_failure: Callable[[str], None] | None = None
         self.draining = False
         self.ready = asyncio.Event()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -321,11 +325,13 @@ class AsyncEngine:
     def loading(self) -> str | None:
         return "the model is loading" if self.engine is None and self.failure is None else None
 
-    def _on_failure(self, reason: str) -> None:
+    def _on_failure(self, reason: str, loading: bool = False) -> None:
         self.failure = reason
         if self.metrics is not None:
             self.fail_all(APIError(503, f"the engine failed: {reason}"))
         self.ready.set()  # wake waiters so they see the failure
+        if loading and self.on_load_failure is not None:
+            self.on_load_failure(reason)
 
     def _on_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -392,9 +398,12 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         try:
             engine = self._make_engine()
-        except Exception as e:  # a bad model path or config: the server stays up and says why
-            log.exception("engine failed to load")
-            self._post(self._on_failure, f"load failed: {e}")
+        except Exception as e:  # a bad model path or config
+            if isinstance(e, ValueError):  # ConfigError and friends: the message says it all
+                log.error("engine failed to load: %s", e)
+            else:
+                log.exception("engine failed to load")
+            self._post(self._on_failure, f"load failed: {e}", True)
             return
         self._post(self._on_ready, engine)
         trace = self.step_trace

@@ -75,8 +75,10 @@ def run(args) -> int:
         "serving",
         extra={"fields": {"host": args.host, "port": args.port, "mode": args.mode, "auth": args.api_key is not None}},
     )
-    server = serving.serve(app, args.host, args.port, engine, args.shutdown_timeout)
-    return 0 if server.started else 1
+    server = serving.make_server(app, args.host, args.port, engine, args.shutdown_timeout)
+    engine.on_load_failure = lambda reason: server.exit(2)
+    server.run()
+    return server.status
 
 
 def _start_store_master(args) -> str | None:

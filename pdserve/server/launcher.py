@@ -285,7 +285,7 @@ class _Pools:
         self.next_index = len(workers)
         self.router_url = router_url
         self.url = f"{router_url}/internal/admin/pools/poll"
-        self.http = httpx.Client(auth=auth.http_auth(secret), timeout=2)
+        self.http = httpx.Client(auth=auth.http_auth(secret), timeout=2, trust_env=False)
         self.polled_s = 0.0
 
     def running(self) -> dict[str, int]:

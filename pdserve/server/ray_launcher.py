@@ -165,7 +165,7 @@ def launch(args) -> int:
         extra={"fields": {"router": router_url, "workers": list(workers), "placement": args.placement}},
     )
     print(f"pdserve serve --ray: router at {router_url}", flush=True)
-    http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=5)
+    http = httpx.Client(auth=auth.http_auth(token.encode()), timeout=5, trust_env=False)
     try:
         return _supervise(args, Actor, router, workers, router_url, http, env)
     finally:

@@ -38,6 +38,17 @@ class DrainingServer(uvicorn.Server):
         self.on_drain = on_drain  # called once when the drain starts (e.g. tell the router)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.exit_code: int | None = None  # set by `exit`; else 0, or 1 if the port never bound
+
+    def exit(self, code: int) -> None:
+        """Stop now with `code` (from the loop): nothing was served, nothing to drain."""
+        self.exit_code = code
+        self.should_exit = True
+
+    @property
+    def status(self) -> int:
+        """The process's exit status once `run` returned."""
+        return self.exit_code if self.exit_code is not None else (0 if self.started else 1)
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()

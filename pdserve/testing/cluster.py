@@ -77,7 +77,7 @@ class Cluster:
         token = auth.new_token()
         self.secret = token.encode()
         self.env = {auth.TOKEN_ENV: token, **(env or {})}
-        self.http = httpx.Client(auth=auth.http_auth(self.secret), timeout=10)
+        self.http = httpx.Client(auth=auth.http_auth(self.secret), timeout=10, trust_env=False)
         self.router = Proc("router", "router", *model_args, *router_args, env=self.env, host=host)
         self.url = self.router.url
         self.workers: list[Proc] = []

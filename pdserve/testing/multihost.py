@@ -35,7 +35,7 @@ class HostDeployment:
         timeout_s: float = 180,
     ):
         self.token = auth.new_token()
-        self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10)
+        self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10, trust_env=False)
         self.env = {**os.environ, auth.TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
         self.url = f"http://{router_host.address}:{ROUTER_PORT}"
         self.procs: list[tuple[str, subprocess.Popen, object]] = []
@@ -136,7 +136,7 @@ class RayDeployment:
         self, cluster, model: str | None = None, serve_args=(), timeout_s: float = 240, served_model_name: str = "model"
     ):
         self.token = auth.new_token()
-        self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10)
+        self.http = httpx.Client(auth=auth.http_auth(self.token.encode()), timeout=10, trust_env=False)
         head = cluster.hosts[0]
         self.url = f"http://{head.address}:{ROUTER_PORT}"
         self._log = tempfile.TemporaryFile()

@@ -95,6 +95,7 @@ class WorkerApi:
         self.save_timeout_s = save_timeout_s
         self.max_lease_s = max_lease_s
         self.start_drain = None  # set by the process that serves this API (serving.DrainingServer)
+        self.exit = None  # its `exit(code)`: stop the process now
         self._faults = faults.FaultSet.from_env(faults.WORKER_FAULTS)  # tests and the chaos benchmark only
 
     # Each route takes its body as a control_api model: FastAPI validates it, and a body

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,8 +84,10 @@ def run(args) -> int:
         app, args.host, port, api.engine, args.shutdown_timeout, on_drain=tell_router, log_level="warning"
     )
     api.start_drain = server.start_drain  # /internal/drain: the router retires this worker
+    api.engine.on_load_failure = lambda reason: server.exit(2)
+    api.exit = server.exit
     server.run()
-    return 0 if server.started else 1
+    return server.status
 
 
 def build(args, port: int):
@@ -169,6 +172,8 @@ def build(args, port: int):
         if not args.router:
             return
         await engine.ready.wait()
+        if engine.failure is not None:  # the process exits (on_load_failure): never register
+            return
         from pdserve import costmodel
         from pdserve.server import calibrate
 
@@ -215,9 +220,12 @@ async def _register_loop(
 
     kv_pub = KVEventPublisher()
     restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
-    async with httpx.AsyncClient(base_url=args.router, timeout=5, auth=auth.http_auth(secret)) as client:
+    async with httpx.AsyncClient(
+        base_url=args.router, timeout=5, auth=auth.http_auth(secret), trust_env=False
+    ) as client:
         registered = False
         pending, last_live = None, {}
+        unreachable_logged_s = None  # when "router unreachable" was last logged (once a minute)
         while True:
             # beats keep their period however long the engine took to answer and the post took:
             # a busy worker that beat every 1.5 s was declared dead under a 2 s timeout
@@ -261,7 +269,11 @@ async def _register_loop(
                 }
                 r = await client.post("/internal/heartbeat", json=body.wire())
                 if r.status_code == 401:
-                    log.error("the router refused our cluster token: %s", r.text)
+                    _refused(api, r)
+                    return
+                if unreachable_logged_s is not None:
+                    log.info("router %s reachable again", args.router)
+                    unreachable_logged_s = None
                 registered = r.status_code == 200  # 404: the router forgot us (restart): register again
                 if r.status_code == 404:
                     # the router that reserved blocks here is gone: nobody will ever decode those
@@ -270,11 +282,17 @@ async def _register_loop(
                     kv_pub.want_snapshot = registered and bool(HeartbeatResponse.model_validate(r.json()).kv_snapshot)
             except httpx.HTTPStatusError as e:
                 registered = False
+                if e.response.status_code == 401:
+                    _refused(api, e.response)
+                    return
                 if e.response.status_code == 400:  # e.g. the router cannot reach the address we gave
                     log.error("registration refused: %s", e.response.text)
             except (httpx.HTTPError, OSError) as e:
                 registered = False
-                log.debug("router unreachable: %s", e)
+                now = time.monotonic()
+                if unreachable_logged_s is None or now - unreachable_logged_s >= 60:
+                    log.warning("router %s unreachable (retrying every %.1f s): %s", args.router, args.heartbeat_s, e)
+                    unreachable_logged_s = now
             except ValidationError as e:  # a registration the router would refuse, or an answer we cannot read
                 registered = False
                 log.error("bad registration or heartbeat answer: %s", e)
@@ -289,6 +307,12 @@ async def _register_loop(
 
 async def _post(client, path, body) -> None:
     r = await client.post(path, json=body)
-    if r.status_code == 401:
-        log.error("the router refused our cluster token: %s", r.text)
     r.raise_for_status()
+
+
+def _refused(api, response) -> None:
+    """The router refuses our cluster secret: retrying cannot help, so the worker exits (2)."""
+    log.error(
+        "the router refused this worker's cluster secret (%s); check --cluster-token-file: exiting", response.text
+    )
+    api.exit(2)

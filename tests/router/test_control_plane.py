@@ -104,6 +104,25 @@ def test_only_holders_of_the_cluster_token_get_in(tiny_model_dir):
         assert complete(c, 4).status_code == 200
 
 
+def test_a_worker_with_the_wrong_secret_exits_and_a_proxy_catches_nothing(tiny_model_dir):
+    """A worker the router refuses stops at once with status 2 (retrying cannot help), and
+    an operator's http_proxy does not catch the deployment's own loopback traffic."""
+    from pdserve.testing.cluster import Proc
+
+    proxy = {"HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
+    with Cluster(tiny_model_dir, worker_args=ENGINE + ["--no-calibrate"], env=proxy) as c:
+        assert complete(c, 3).status_code == 200  # registered and served through the proxy-laden env
+        args = ["worker", "--role", "decode", "--model", tiny_model_dir, "--router", c.url, "--no-calibrate"]
+        intruder = Proc("intruder", *args, *ENGINE, env={auth.TOKEN_ENV: auth.new_token()})
+        try:
+            intruder.proc.wait(120)
+            assert intruder.proc.returncode == 2, intruder.log()
+            assert "refused this worker's cluster secret" in intruder.log()
+        finally:
+            intruder.kill()
+        assert len(alive_ids(c)) == 2
+
+
 def test_reservation_leases_are_capped_by_the_worker(tiny_model_dir):
     """A caller asking for a day-long lease gets the worker's cap: the blocks come back."""
     with Cluster(tiny_model_dir, worker_args=ENGINE, decode_args=["--max-kv-lease-s", "1"]) as c:
