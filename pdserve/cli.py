@@ -50,7 +50,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = config_first(sys.argv[1:] if argv is None else list(argv))  # the command line wins over --config
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    for name in ("port", "router_port"):  # an operator's typo, not an OverflowError from bind()
+        port = getattr(args, name, None)
+        if isinstance(port, int) and not 0 <= port <= 65535:
+            parser.error(f"--{name.replace('_', '-')} {port}: a port is 0-65535")
     if getattr(args, "_missing", None):
         print(f"pdserve {args.command}: not available ({args._missing})", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv.block_manager import BlockManager
+from pdserve.kv.shm_files import sweep_stale_kv_files
 from pdserve.kv.slots import slot_list
 
 
@@ -267,40 +268,3 @@ class ModelRunner:
             prompt_logits.append((seq, first_pos, logits[at : at + count]))
             at += count
         return logits[: len(rows)], rows, prompt_logits
-
-
-def sweep_stale_kv_files(directory: str) -> list[str]:
-    """Remove KV cache files left by dead workers (`pdserve-kv-<pid>-...`).
-
-    atexit cannot run for a worker that was killed (SIGKILL, OOM, a crash), and
-    /dev/shm is RAM: without this sweep every such death leaks a whole KV cache."""
-    import os
-    import re
-
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = re.match(r"pdserve-kv-(\d+)-[0-9a-f]+-\d+[kv]$", name)
-        if not m or _pid_alive(int(m.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True

@@ -99,7 +99,7 @@ def run(args) -> int:
     except (ModelLoadError, ValueError) as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
-    log.info("router listening", extra={"fields": {"host": args.host, "port": args.port, "policy": args.router_policy}})
+    log.info("router starting", extra={"fields": {"host": args.host, "port": args.port, "policy": args.router_policy}})
     # under `pdserve serve` the launcher owns the listening socket: while a crashed router
     # restarts, clients wait in its backlog instead of being refused
     sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None

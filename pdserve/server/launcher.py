@@ -38,6 +38,7 @@ import httpx
 
 from pdserve import auth, flags
 from pdserve.control_api import PoolPollRequest, PoolPollResponse
+from pdserve.kv.shm_files import sweep_stale_kv_files
 from pdserve.ports import die_with_parent
 from pdserve.server.front import Front
 from pdserve.settings import COMMANDS
@@ -163,6 +164,10 @@ class Child:
     """One supervised process: restarted with backoff whenever it crashes. A worker that
     exits 0 was drained on purpose (its pool shrank, or someone stopped it): retired."""
 
+    # where decode workers keep their KV caches as files (--kv-shm-dir): a child that died
+    # without its exit handlers leaves them there, in RAM, until swept
+    shm_dir = ""
+
     def __init__(self, name: str, cmd: list[str], env: dict, role: str = "router", pass_fds=(), cores=None):
         self.name, self.cmd, self.env, self.role, self.pass_fds = name, cmd, env, role, tuple(pass_fds)
         self.cores = set(cores) if cores else None  # pinned to these from its first instruction, restarts too
@@ -194,6 +199,7 @@ class Child:
             code = self.proc.poll()
             if code is None:
                 return
+            self._sweep()
             if code == USAGE_ERROR:
                 raise ConfigError(f"{self.name} refused its configuration (exit code {code}); see its error above")
             if code == 0 and self.role != "router":
@@ -222,11 +228,23 @@ class Child:
             log.warning("%s did not stop in time; killing it", self.name)
             self.proc.kill()
             self.proc.wait()
+            self._sweep()
+
+    def _sweep(self) -> None:
+        if self.role != "router" and self.shm_dir:
+            removed = sweep_stale_kv_files(self.shm_dir)
+            if removed:
+                log.info("%s: removed %d KV cache files it left in %s", self.name, len(removed), self.shm_dir)
 
 
 def launch(args) -> int:
     env = _child_env(args)
     os.environ.update({k: env[k] for k in (auth.TOKEN_ENV, auth.TOKEN_FILE_ENV) if k in env})
+    try:
+        auth.load_cluster_secret()  # an unreadable token file: said before anything starts
+    except ValueError as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return USAGE_ERROR
     try:
         listener = _listen(args.host, args.port)
     except OSError as e:
@@ -248,6 +266,7 @@ def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int
     fd, port = internal.fileno(), internal.getsockname()[1]
     router_url = f"http://{LOOPBACK}:{port}"  # the workers started here skip the front
     secret = auth.load_cluster_secret()
+    Child.shm_dir = getattr(args, "kv_shm_dir", "")
     router_cmd = _command(configs, "router", "router", router_settings(args, LOOPBACK, port))
     cores = _cores()
     placement = _placement(args, cores)

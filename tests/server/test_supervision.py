@@ -97,6 +97,21 @@ def test_sigterm_drains_then_exits_clean(model):
     dep.http.close()
 
 
+def test_a_worker_killed_at_shutdown_leaves_no_kv_files(model):
+    """A decode worker that does not stop in time is killed; its shared-memory KV cache
+    (RAM) is removed by the launcher, not left until another worker starts there."""
+    dep = Deployment(model, "--served-model-name", "tiny", "--shutdown-timeout", "2")
+    decode = dep.child("decode-1")
+    assert any(f.startswith(f"pdserve-kv-{decode.pid}-") for f in os.listdir("/dev/shm"))
+    decode.suspend()  # SIGSTOP: it cannot drain nor run its exit handlers
+    dep.proc.send_signal(signal.SIGTERM)
+    assert dep.proc.wait(90) == 0, dep.log()
+    assert not decode.is_running()
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(f"pdserve-kv-{decode.pid}-")] == []
+    assert "did not stop in time" in dep.log() and "removed" in dep.log()
+    dep.http.close()
+
+
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):
     """Sharp (greedy picks survive a recompute, see tests/transfer/test_faults.py) and long

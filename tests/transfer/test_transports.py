@@ -116,7 +116,7 @@ def test_stale_kv_files_of_dead_workers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from pdserve.engine.model_runner import sweep_stale_kv_files
+    from pdserve.kv.shm_files import sweep_stale_kv_files
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
