@@ -10,6 +10,7 @@ bodies workers and supervisors send are models of pdserve/control_api.py.
 from __future__ import annotations
 
 import logging
+import os
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -286,6 +287,10 @@ class _RouterCollector:
         )
         for w in self.registry.all():
             restarts.add_metric([w.worker_id, w.role], w.restarts)
+        # the router's own, as its supervisor told it (its other counters start again from 0 then)
+        from pdserve.server.launcher import RESTARTS_ENV
+
+        restarts.add_metric(["router", "router"], float(os.environ.get(RESTARTS_ENV, "0") or 0))
         yield restarts
         alive = GaugeMetricFamily("pdserve:workers_alive", "Live workers by role.", labels=["role"])
         queue = GaugeMetricFamily("pdserve:worker_queue_requests", "Waiting requests per role.", labels=["role"])

@@ -247,6 +247,8 @@ class DisaggEngine:
         self.draining = False
         self.ready = asyncio.Event()
         self.stats: dict | None = None
+        self._counter_last: dict[tuple[str, str], float] = {}  # (worker id, counter): its last value
+        self._counter_base: dict[str, float] = {}  # what workers counted before they restarted
         self.num_waiting = 0
         self.counters = {
             "kv_bytes": 0,
@@ -360,17 +362,37 @@ class DisaggEngine:
             "kv_usage": 1 - free / num_blocks if num_blocks else 0.0,
             "workers_alive": {r: len(self.registry.alive(r)) for r in ("prefill", "decode")},
         }
-        for key in (
-            "prefix_cache_queries_tokens",
-            "prefix_cache_hits_tokens",
-            "num_preemptions",
-            "prompt_tokens_computed",
-        ):
-            self.stats[key] = sum(w.stats.get(key, 0) for w in alive if w.stats)
+        self.stats.update(self._worker_counters())
         stores = [w.stats["kv_store"] for w in alive if w.stats and isinstance(w.stats.get("kv_store"), dict)]
         if stores:
             self.stats["kv_store"] = sum_kv_store_stats(stores)
         self.metrics.set_engine_stats(self.stats)
+
+    # the workers' own counters, summed into the router's /metrics
+    WORKER_COUNTERS = (
+        "prefix_cache_queries_tokens",
+        "prefix_cache_hits_tokens",
+        "num_preemptions",
+        "prompt_tokens_computed",
+    )
+
+    def _worker_counters(self) -> dict[str, float]:
+        """Totals that never go down: a dead worker's last count stays in (it happened), and a
+        worker whose count fell has restarted from 0, so its count before stays in too.
+        Prometheus reads a total that falls as a counter reset and its rate() goes wrong."""
+        for w in self.registry.all():
+            for key in self.WORKER_COUNTERS:
+                v = (w.stats or {}).get(key)
+                if v is None:
+                    continue
+                last = self._counter_last.get((w.worker_id, key), 0)
+                if v < last:
+                    self._counter_base[key] = self._counter_base.get(key, 0) + last
+                self._counter_last[(w.worker_id, key)] = v
+        totals = dict.fromkeys(self.WORKER_COUNTERS, 0)
+        for (_, key), v in self._counter_last.items():
+            totals[key] += v
+        return {k: v + self._counter_base.get(k, 0) for k, v in totals.items()}
 
     async def shutdown(self, reason: str = "the router is shutting down") -> None:
         self.draining = True

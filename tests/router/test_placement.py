@@ -112,3 +112,27 @@ def test_publisher_to_index_through_the_heartbeat_path():
     assert idx.hit_blocks("w", block_hashes(b, 4)) == 3
     with pytest.raises(APIError):
         _feed_index(idx, "w", {"events": []})
+
+
+def test_router_counters_never_go_down_when_workers_die_or_restart():
+    import asyncio
+
+    from pdserve.router.disagg import DisaggEngine
+    from pdserve.router.registry import Registry, WorkerInfo
+
+    async def make():
+        return DisaggEngine(None, Registry(), metrics=None)
+
+    e = asyncio.run(make())
+    reg = e.registry
+    for wid in ("p0", "d0"):
+        reg.register(WorkerInfo(wid, "http://127.0.0.1:1", "both"))
+    reg.heartbeat("p0", {"prompt_tokens_computed": 100, "num_preemptions": 2})
+    reg.heartbeat("d0", {"prompt_tokens_computed": 50})
+    assert e._worker_counters()["prompt_tokens_computed"] == 150
+    reg.mark_dead("d0")  # dead: what it counted still happened
+    assert e._worker_counters()["prompt_tokens_computed"] == 150
+    reg.register(WorkerInfo("p0", "http://127.0.0.1:2", "both"))  # restarted under its name, from 0
+    reg.heartbeat("p0", {"prompt_tokens_computed": 10, "num_preemptions": 0})
+    totals = e._worker_counters()
+    assert totals["prompt_tokens_computed"] == 160 and totals["num_preemptions"] == 2

@@ -64,6 +64,8 @@ def test_dead_processes_are_restarted_and_counted(model):
             assert time.monotonic() < deadline, "the dead router's reservation kept its blocks"
             time.sleep(0.2)
         assert dep.child("router").pid != router.pid
+        text = httpx.get(dep.url + "/metrics", timeout=5).text
+        assert metric(text, 'pdserve:worker_restarts_total{role="router",worker_id="router"}') == 1, text
         assert dep.proc.poll() is None
     finally:
         assert dep.stop() == 0, dep.log()
