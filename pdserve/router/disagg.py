@@ -300,12 +300,22 @@ class DisaggEngine:
             await asyncio.sleep(0.05)
 
     async def _expire_loop(self) -> None:
+        period_s = self.registry.timeout_s / 4
+        last_s = time.monotonic()
         while True:
-            gone = self.registry.expire()
+            now = time.monotonic()
+            if now - last_s > self.registry.timeout_s:
+                # this loop itself did not run (the router was stopped, or its loop blocked): the
+                # workers' beats wait unread in the sockets, so their silence is ours, not theirs
+                log.warning("the router stalled for %.1f s: not expiring workers on it", now - last_s - period_s)
+                self.registry.forgive(now)
+            last_s = now
+            gone = self.registry.expire(now)
             if gone:
-                self.refresh_stats()
+                log.warning("no heartbeat from %s for %.1f s: counted dead", ", ".join(gone), self.registry.timeout_s)
                 self.workers_lost(gone)
-            await asyncio.sleep(self.registry.timeout_s / 4)
+            self.refresh_stats()  # also after workers found dead by failed calls
+            await asyncio.sleep(period_s)
 
     async def _pool_loop(self) -> None:
         interval_s = self.pools.autoscale.interval_s if self.pools.autoscale is not None else 1.0
@@ -351,7 +361,8 @@ class DisaggEngine:
     def refresh_stats(self) -> None:
         """What /health shows: the decode pool's KV and everyone's queues."""
         alive = self.registry.alive()
-        dec = [w.stats for w in alive if w.can_decode() and w.stats]
+        # the decode pool's KV; with no decode worker, the prefill workers serve requests whole
+        dec = [w.stats for w in alive if w.can_decode() and w.stats] or [w.stats for w in alive if w.stats]
         num_blocks = sum(s.get("num_blocks", 0) for s in dec)
         free = sum(s.get("num_free_blocks", 0) for s in dec)
         self.stats = {

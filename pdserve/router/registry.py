@@ -75,6 +75,13 @@ class Registry:
             if w is not None:
                 w.alive = False
 
+    def forgive(self, now: float) -> None:
+        """Count every live worker as heard from at `now` (after a stall of the router's own)."""
+        with self._lock:
+            for w in self._workers.values():
+                if w.alive:
+                    w.last_seen_s = max(w.last_seen_s, now)
+
     def expire(self, now: float | None = None) -> list[str]:
         """Mark workers silent for longer than the timeout dead; returns their ids."""
         now = time.monotonic() if now is None else now

@@ -46,6 +46,10 @@ from pdserve.settings import COMMANDS
 log = logging.getLogger("pdserve.launcher")
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_S = 0.5, 30.0, 60.0
+# A router that answered since it (re)started and then answers nothing for this long is hung
+# (stopped, deadlocked, its loop blocked): it is killed, so that it restarts and the front
+# resumes its streams, rather than every request waiting on it forever.
+ROUTER_HUNG_S = 20.0
 RESTARTS_ENV = "PDSERVE_RESTARTS"  # in each worker's environment: how often it was restarted (it tells the router)
 LOOPBACK = "127.0.0.1"
 USAGE_ERROR = 2  # what a pdserve command exits with for bad flags or config: restarting cannot help
@@ -306,12 +310,13 @@ class _Pools:
         self.url = f"{router_url}/internal/admin/pools/poll"
         self.http = httpx.Client(auth=auth.http_auth(secret), timeout=2, trust_env=False)
         self.polled_s = 0.0
+        self.answered_s = 0.0  # when the router last answered a poll
 
     def running(self) -> dict[str, int]:
         live = [w for w in self.workers if not w.retired]
         return {role: sum(w.role == role for w in live) for role in ("prefill", "decode")}
 
-    def reconcile(self, now: float) -> None:
+    def reconcile(self, now: float, router: Child) -> None:
         self.workers = [w for w in self.workers if not w.retired]
         if now - self.polled_s < 1.0:
             return
@@ -321,7 +326,13 @@ class _Pools:
             r = self.http.post(self.url, json=PoolPollRequest(running=running).wire())
             wanted = PoolPollResponse.model_validate(r.json()).wanted if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            return  # the router is (re)starting: try again next round
+            # (re)starting, or hung: one that answered since it started and went silent is hung
+            silent_s = time.monotonic() - self.answered_s
+            if self.answered_s > router.started_s and silent_s > ROUTER_HUNG_S and router.proc.poll() is None:
+                log.error("the router has not answered for %.0f s: killing it so that it restarts", silent_s)
+                router.proc.kill()
+            return
+        self.answered_s = time.monotonic()
         for role in ("prefill", "decode"):
             for _ in range(max(0, (wanted or {}).get(role, 0) - running[role])):
                 name = f"{role}-{self.next_index}"
@@ -385,7 +396,7 @@ def _supervise(router: Child, pools: _Pools, grace_s: float, front: _FrontThread
         try:
             for c in [router, *pools.workers]:
                 c.tend(now)
-            pools.reconcile(now)
+            pools.reconcile(now, router)
         except ConfigError as e:
             log.error("%s: stopping the deployment", e)
             code, stopping = USAGE_ERROR, True

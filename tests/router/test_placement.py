@@ -136,3 +136,13 @@ def test_router_counters_never_go_down_when_workers_die_or_restart():
     reg.heartbeat("p0", {"prompt_tokens_computed": 10, "num_preemptions": 0})
     totals = e._worker_counters()
     assert totals["prompt_tokens_computed"] == 160 and totals["num_preemptions"] == 2
+
+
+def test_a_router_that_stalled_forgives_its_workers():
+    from pdserve.router.registry import Registry, WorkerInfo
+
+    reg = Registry(timeout_s=2)
+    reg.register(WorkerInfo("w", "http://127.0.0.1:1", "both"))
+    later = reg.get("w").last_seen_s + 30  # the router's loop did not run for 30 s
+    reg.forgive(later)
+    assert reg.expire(later + 1) == [] and reg.expire(later + 3) == ["w"]

@@ -99,6 +99,29 @@ def test_sigterm_drains_then_exits_clean(model):
     dep.http.close()
 
 
+def test_a_hung_router_is_killed_and_restarted(model):
+    """A router that stops answering (here SIGSTOP) would hold every request through the front
+    forever; once it has been silent for ROUTER_HUNG_S the launcher kills it and it restarts."""
+    dep = Deployment(model, "--served-model-name", "tiny")
+    try:
+        router = dep.child("router")
+        # a stall shorter than that, longer than the workers' heartbeat timeout (2 s): the
+        # router does not blame its workers for the beats it did not read
+        router.suspend()
+        time.sleep(6)
+        router.resume()
+        assert dep.complete(4).status_code == 200
+        time.sleep(1)
+        assert "counted dead" not in dep.log() and dep.child("router").pid == router.pid
+        router.suspend()
+        r = dep.complete(4, timeout_s=120)  # waits in the listener until the new router takes it
+        assert r.status_code == 200, r.text
+        assert dep.child("router").pid != router.pid
+        assert "has not answered" in dep.log()
+    finally:
+        assert dep.stop() == 0, dep.log()
+
+
 def test_a_worker_killed_at_shutdown_leaves_no_kv_files(model):
     """A decode worker that does not stop in time is killed; its shared-memory KV cache
     (RAM) is removed by the launcher, not left until another worker starts there."""
