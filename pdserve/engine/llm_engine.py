@@ -501,9 +501,16 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """Stop the KV store's threads (and flush nothing: tiers are caches)."""
-        if self.kv_store is not None:
-            self.kv_store.close()
+        """Stop the KV store's threads. With a tier that outlives the process (disk), the
+        prefixes the pool still caches are saved first, most recent first, so that a restart
+        finds them: a prefix whose first blocks stayed in the pool would otherwise miss whole."""
+        if self.kv_store is None:
+            return
+        if any(t.persistent for t in self.kv_store.local):
+            self._move_tiers()
+            held = [BlockRef(b.block_id, h, b.token_ids) for h, b in reversed(self.block_manager.cached.items())]
+            self.kv_store.offload([b for b in held if b.token_ids is not None])
+        self.kv_store.close()
 
 
 def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor, rows_at_once: int = 256) -> None:

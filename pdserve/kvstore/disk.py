@@ -5,6 +5,11 @@ renamed, so a crash leaves either the whole block or nothing under its name;
 temporaries left by a crash are removed at start. At start the directory is
 indexed (oldest modification first), so a restarted worker finds what it wrote
 before. The byte bound is kept by removing the least recently used files.
+
+A write that fails (the file system is full, read-only or gone) is declined:
+counted in the tier's errors, logged once and then at most once a minute with
+a count (a full disk fails every block), and the tier reports itself unhealthy
+until a write succeeds again. Reads go on meanwhile.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import uuid
 from collections import OrderedDict
 
@@ -25,8 +31,9 @@ _KEY = re.compile(r"^[0-9a-f]{1,64}-[0-9a-f]{1,64}$")  # model fingerprint - blo
 
 class DiskTier(KVTier):
     name = "disk"
+    persistent = True
 
-    def __init__(self, directory: str, capacity_bytes: int):
+    def __init__(self, directory: str, capacity_bytes: int, log_interval_s: float = 60.0):
         super().__init__()
         if capacity_bytes <= 0:
             raise ValueError("the disk tier needs a positive --kv-disk-bytes")
@@ -36,6 +43,11 @@ class DiskTier(KVTier):
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._writing: dict[str, int] = {}  # key -> size of blocks being written (not readable yet)
         self.used_bytes = 0  # both of the above
+        self.log_interval_s = log_interval_s
+        self._write_failing = False  # the last write failed
+        self._failed = 0  # writes failed since writes last succeeded
+        self._failed_unlogged = 0  # of those, not yet in a log message
+        self._failure_logged_at = float("-inf")
         self._index()
 
     def _path(self, key: str) -> str:
@@ -72,6 +84,18 @@ class DiskTier(KVTier):
     def contains(self, key: str) -> bool:
         with self.lock:
             return key in self._files
+
+    def touch(self, key: str) -> bool:
+        with self.lock:
+            if key not in self._files:
+                return False
+            self._files.move_to_end(key)
+            return True
+
+    def healthy(self) -> bool:
+        """False while writes fail: blocks are not being kept."""
+        with self.lock:
+            return not self._write_failing
 
     def get(self, key: str) -> bytes | None:
         with self.lock:
@@ -123,18 +147,50 @@ class DiskTier(KVTier):
             os.replace(tmp, self._path(key))
         except OSError as e:  # the disk is full or gone: a cache declines, it does not fail
             _unlink(tmp)
-            log.warning("disk KV tier: cannot write %s: %s", key, e)
             with self.lock:
                 self._writing.pop(key, None)
                 self.used_bytes -= len(data)
                 self.stats.errors += 1
+                self._write_failed(e)
             return False
         with self.lock:
             self._writing.pop(key, None)
             self._files[key] = len(data)
             self.stats.bytes_in += len(data)
             self.stats.stores += 1
+            if self._write_failing:
+                log.info(
+                    "disk KV tier %s: writes succeed again (%d blocks were not written meanwhile)",
+                    self.directory,
+                    self._failed,
+                )
+                self._write_failing, self._failed, self._failed_unlogged = False, 0, 0
         return True
+
+    def _write_failed(self, e: OSError) -> None:
+        """Under the lock. Logs the first failure and then at most once per `log_interval_s`:
+        a full disk fails every block, and one line a block would flood the log."""
+        self._failed += 1
+        self._failed_unlogged += 1
+        now = time.monotonic()
+        if not self._write_failing:
+            log.warning(
+                "disk KV tier %s: cannot write blocks: %s; not keeping blocks on disk until a write succeeds "
+                "(kv_tier_healthy 0; failures counted in kv_tier_errors, logged at most every %.0f s)",
+                self.directory,
+                e,
+                self.log_interval_s,
+            )
+        elif now - self._failure_logged_at >= self.log_interval_s:
+            log.warning(
+                "disk KV tier %s: still cannot write blocks: %s (%d more not written)",
+                self.directory,
+                e,
+                self._failed_unlogged,
+            )
+        else:
+            return
+        self._write_failing, self._failure_logged_at, self._failed_unlogged = True, now, 0
 
     def __len__(self) -> int:
         return len(self._files)

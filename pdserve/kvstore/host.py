@@ -4,8 +4,9 @@ It holds blocks decoded (`codec.KVBlock`: the tensor and what names it), since
 nothing outside this process can touch them: a save is one copy out of the pool
 and a load one copy back, with no encoding and no checksum. Blocks the pool drops
 to stay within its bound are handed to `spill` (the disk tier below, when there
-is one, which encodes them), so a block leaves the worker only when every tier
-under it is full too. Byte strings are kept as they are.
+is one, which encodes them, or only marks them recently used where the store
+already wrote them through to it), so a block leaves the worker only when every
+tier under it is full too. Byte strings are kept as they are.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ class HostTier(KVTier):
                     with self.lock:
                         self._spilling.pop(old_key, None)
         return True
+
+    def blocks(self) -> list[tuple[str, bytes | KVBlock]]:
+        """What the tier holds now, least recently used first."""
+        with self.lock:
+            return list(self._blocks.items())
 
     def __len__(self) -> int:
         return len(self._blocks)

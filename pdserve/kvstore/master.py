@@ -1,10 +1,14 @@
-"""A Mooncake Store master as a child process, for tests, benchmarks and single-host runs.
+"""A Mooncake Store master as child processes, for tests, benchmarks and single-host runs.
 
-`mooncake_master` serves two things from one process: the store's RPC service
-(where objects live, which clients are alive) and, embedded, the HTTP metadata
-server the clients' transfer engines use to find each other's memory. Both
-bind to one host on ports of our choosing; a restart reuses the same ports so
-that clients configured with the old addresses reconnect.
+Two processes: `mooncake_master`, the store's RPC service (where objects live,
+which clients are alive), and the HTTP metadata server the clients' transfer
+engines use to find each other's memory. The master could embed the latter, but
+(mooncake 0.3.13) its embedded server listens on every interface whatever
+`--http_metadata_server_host` says, and Mooncake has no authentication: so it
+runs as Mooncake's own Python server (`mooncake.http_metadata_server`), which
+binds where it is told. Every port binds to one host (loopback by default) and
+is of our choosing; a restart reuses the same ports so that clients configured
+with the old addresses reconnect.
 
 Everything the master writes goes to its stderr (kept in memory, for error
 messages), never to log files. It holds all objects in its clients' memory:
@@ -52,7 +56,7 @@ def _find_binary() -> str | None:
 
 
 class MooncakeMaster:
-    """One `mooncake_master` with its HTTP metadata server.
+    """One `mooncake_master` with its HTTP metadata server, both listening on `host` only.
 
     Defaults suit a cache: evict early and in larger steps (puts fail while a
     full store is still evicting), and lease an object only briefly to a reader
@@ -84,9 +88,10 @@ class MooncakeMaster:
         self.client_ttl_s = client_ttl_s
         self.start_timeout_s = start_timeout_s
         self.extra_args = tuple(extra_args)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None  # mooncake_master
+        self.metadata_proc: subprocess.Popen | None = None
         self._log: collections.deque[str] = collections.deque(maxlen=200)
-        self._reader: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
 
     @property
     def rpc_address(self) -> str:
@@ -104,11 +109,7 @@ class MooncakeMaster:
             self.host,
             "--rpc_port",
             str(self.rpc_port),
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host",
-            self.host,
-            "--http_metadata_server_port",
-            str(self.http_port),
+            "--enable_http_metadata_server=false",
             "--metrics_host",
             self.host,
             "--metrics_port",
@@ -126,43 +127,64 @@ class MooncakeMaster:
             *self.extra_args,
         ]
 
+    def metadata_command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mooncake.http_metadata_server",
+            "--host",
+            self.host,
+            "--port",
+            str(self.http_port),
+            "--log-level",
+            "WARNING",
+        ]
+
     def start(self) -> MooncakeMaster:
         """Start the master (again, on the same ports) and wait until it accepts clients."""
         if self.running():
             return self
+        self.stop()  # what is left of a half-dead pair
         missing = mooncake_missing()
         if missing:
             raise RuntimeError(missing)
         self._log.clear()
-        self.proc = subprocess.Popen(
-            self.command(_find_binary()),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            close_fds=True,
-            preexec_fn=die_with_parent,
-        )  # noqa: PLW1509 - one C call, no locks taken
-        self._reader = threading.Thread(
-            target=self._read_log, args=(self.proc.stdout,), name="mooncake-master-log", daemon=True
-        )
-        self._reader.start()
         try:
+            self.metadata_proc = self._spawn(self.metadata_command(), "metadata server: ")
+            self.proc = self._spawn(self.command(_find_binary()), "")
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _read_log(self, pipe) -> None:
+    def _spawn(self, cmd: list[str], tag: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+            preexec_fn=die_with_parent,
+        )  # noqa: PLW1509 - one C call, no locks taken
+        reader = threading.Thread(
+            target=self._read_log, args=(proc.stdout, tag), name="mooncake-master-log", daemon=True
+        )
+        reader.start()
+        self._readers.append(reader)
+        return proc
+
+    def _read_log(self, pipe, tag: str) -> None:
         for line in iter(pipe.readline, b""):
-            self._log.append(line.decode(errors="replace").rstrip())
+            self._log.append(tag + line.decode(errors="replace").rstrip())
         pipe.close()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n" + self.log_tail())
+            for name, proc in (("mooncake_master", self.proc), ("the metadata server", self.metadata_proc)):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n" + self.log_tail())
             if self._accepts():
                 return
             time.sleep(0.05)
@@ -186,27 +208,28 @@ class MooncakeMaster:
         return "\n".join(list(self._log)[-lines:])
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return all(p is not None and p.poll() is None for p in (self.proc, self.metadata_proc))
 
     def kill(self) -> None:
         """SIGKILL, as a crash would; `start()` brings it back on the same ports."""
         self.stop(grace_s=0.0)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM, then SIGKILL after `grace_s`; reaps the process."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        """SIGTERM, then SIGKILL after `grace_s`; reaps both processes."""
+        procs = [p for p in (self.proc, self.metadata_proc) if p is not None]
+        self.proc = self.metadata_proc = None
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+        for proc in procs:
             try:
                 proc.wait(timeout=grace_s if grace_s > 0 else None)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._reader is not None:
-            self._reader.join(timeout=2.0)
-            self._reader = None
+        for reader in self._readers:
+            reader.join(timeout=2.0)
+        self._readers = []
 
     def __enter__(self) -> MooncakeMaster:  # noqa: PYI034 - 3.10 has no typing.Self
         return self.start()
@@ -215,6 +238,7 @@ class MooncakeMaster:
         self.stop()
 
     def __del__(self) -> None:
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        for proc in (getattr(self, "proc", None), getattr(self, "metadata_proc", None)):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -16,11 +16,23 @@ comes back on the same address, the client remounts its segment by itself
 within about a second; if it does not (RPC failures go on while the probe
 succeeds) or never connected, the tier sets up a fresh client, at most once
 per `reconnect_interval_s`.
+
+Where a client listens (mooncake 0.3.13, read from `ss -ltnp` and Mooncake's
+source): its transfer engine's RPC and its TCP transport bind to every
+interface (INADDR_ANY, hard-coded), on ports drawn from 15000-17000
+(`MC_MIN_RPC_PORT`/`MC_MAX_RPC_PORT` move the range); no flag or variable binds
+them to one address, and Mooncake has no authentication. `MC_TCP_BIND_ADDRESS`
+only sets the address the engine tells its peers: the tier sets it to
+`local_hostname` (unless it is set), so peers connect over loopback by default
+and a client in a network namespace with nothing but loopback starts at all.
+The tier warns once at start that those ports are open.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import queue
 import socket
 import threading
@@ -35,10 +47,13 @@ from pdserve.kvstore.tier import KVTier
 RPC_FAIL = -900  # the client's return code for a failed call to the master
 DEFAULT_METADATA_PORT = 8080  # mooncake_master's default --http_metadata_server_port
 
+log = logging.getLogger("pdserve.kvstore")
+
 # Clients we gave up on while their master was unreachable. Destroying one then
 # blocks for ~10 s; kept here, it is never destroyed and costs its segment's
 # memory until the process exits.
 _PARKED: list = []
+_warned_listeners = False
 
 
 class _Worker:
@@ -128,6 +143,8 @@ class MooncakeTier(KVTier):
         self._connect_at = float("-inf")
         self._rpc_fail_since: float | None = None
         self._closed = False
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)  # read by the engine's setup
+        _warn_listeners()
         with self.lock:
             self._ready()  # connect now if the master is up; later if not
 
@@ -316,6 +333,23 @@ class MooncakeTier(KVTier):
         if store is not None:  # still in use by the blocked thread
             _PARKED.append(store)
         old.retire()
+
+
+def _warn_listeners() -> None:
+    """Once a process: what Mooncake opens that pdserve cannot keep on loopback."""
+    global _warned_listeners
+    if _warned_listeners:
+        return
+    _warned_listeners = True
+    lo, hi = os.environ.get("MC_MIN_RPC_PORT", "15000"), os.environ.get("MC_MAX_RPC_PORT", "17000")
+    log.warning(
+        "Mooncake Store client: its transfer engine listens on every interface (two TCP ports in %s-%s, "
+        "whatever address it is given) without authentication; whoever reaches them can read and write the "
+        "KV blocks in this worker's segment. Firewall that range or run the cluster in a network namespace "
+        "(docs/kv_store.md)",
+        lo,
+        hi,
+    )
 
 
 def _wait(fut: Future, timeout_s: float) -> None:

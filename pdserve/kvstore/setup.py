@@ -38,6 +38,8 @@ def build_kv_store(config, model_config, runner, secret: bytes | None = None) ->
         if disk is not None:
 
             def spill(key: str, data: bytes | codec.KVBlock) -> bool:  # runs on the saver thread
+                if disk.touch(key):  # written through when it entered host memory: nothing to encode
+                    return True
                 return disk.put(key, data.to_bytes() if isinstance(data, codec.KVBlock) else data)
 
         tiers.append(HostTier(t.kv_offload_bytes, spill=spill))

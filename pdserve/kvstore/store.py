@@ -3,8 +3,11 @@
 The engine's pool is the first tier (L1). Below it, nearest first:
 
 - `host` (L2): evicted blocks are written here, asynchronously;
-- `disk` (L3): what the host tier drops spills here (or evicted blocks go
-  straight here when there is no host tier);
+- `disk` (L3): blocks saved to the host tier are written through to it, so
+  that a restart (even after a crash) finds them, and what the host tier
+  drops spills here if it is not there yet (or evicted blocks go straight
+  here when there is no host tier); a clean close writes down what host
+  memory holds and the disk does not;
 - a shared tier (Mooncake Store): every block this worker computes is
   published, so every other worker of the cluster can load it.
 
@@ -91,7 +94,11 @@ class TieredKVStore:
         self._done_lock = threading.Lock()
         self._done_event = threading.Event()
         self.pending_loads = 0
+        # the first local tier below the nearest one that outlives the process: blocks saved to the
+        # nearest are written through to it
+        self._through = next((t for t in self.local[1:] if t.persistent), None)
         self._closed = False
+        self._close_by = float("inf")  # past this, the saver writes nothing more
         self._threads = [
             threading.Thread(target=self._saver, name="kvstore-save", daemon=True),
             threading.Thread(target=self._loader, name="kvstore-load", daemon=True),
@@ -164,24 +171,13 @@ class TieredKVStore:
             self._enqueue(fresh, "shared")
 
     def _saver(self) -> None:
-        while True:
-            item = self._save_q.get()
-            if item is None:
-                return
+        while (item := self._save_q.get()) is not None:
             where, blocks = item
-            tiers = self.local[:1] if where == "local" else self.shared
-            sign = b"" if where == "local" else self.secret
             for block_hash, token_ids, kv in blocks:
                 key = codec.block_key(self.fingerprint, block_hash)
                 try:
-                    blob = None
-                    for tier in tiers:
-                        if tier.holds_blocks:  # in-process: kept decoded, its own copy of the data
-                            tier.put(key, codec.KVBlock(self.fingerprint, block_hash, tuple(token_ids), kv.clone()))
-                            continue
-                        if blob is None:
-                            blob = codec.encode(self.fingerprint, block_hash, token_ids, kv, sign)
-                        tier.put(key, blob)
+                    if time.monotonic() < self._close_by:
+                        self._save(where, key, block_hash, token_ids, kv)
                 except Exception:  # a tier must never take the engine down
                     log.exception("KV store: saving a block failed")
                 finally:
@@ -189,6 +185,47 @@ class TieredKVStore:
                         self._queued_bytes -= self.block_bytes
                         if where == "local":
                             self._unsaved.pop(key, None)
+        self._write_down()
+
+    def _save(self, where: str, key: str, block_hash: int, token_ids: tuple, kv: torch.Tensor) -> None:
+        tiers = self.local[:1] if where == "local" else self.shared
+        sign = b"" if where == "local" else self.secret
+        blob = None
+        for tier in tiers:
+            if tier.holds_blocks:  # in-process: kept decoded, its own copy of the data
+                tier.put(key, codec.KVBlock(self.fingerprint, block_hash, tuple(token_ids), kv.clone()))
+                continue
+            if blob is None:
+                blob = codec.encode(self.fingerprint, block_hash, token_ids, kv, sign)
+            tier.put(key, blob)
+        # written through: the disk holds what host memory holds (a kill loses nothing saved), and the
+        # host tier's spill finds the block there and writes nothing: in steady state the same writes
+        if where == "local" and self._through is not None and not self._through.touch(key):
+            self._through.put(key, blob or codec.encode(self.fingerprint, block_hash, token_ids, kv))
+
+    def _write_down(self) -> None:
+        """On a clean close: what host memory holds and the disk does not (a write that failed, a
+        block the disk evicted since), written down to it, oldest first, until the close deadline."""
+        if self._through is None:
+            return
+        held = self.local[0].blocks()
+        written = there = 0
+        for key, data in held:
+            if time.monotonic() >= self._close_by:
+                break
+            if self._through.touch(key):
+                there += 1
+            elif self._through.put(key, data.to_bytes() if isinstance(data, codec.KVBlock) else data):
+                written += 1
+            elif not self._through.healthy():  # the disk refuses writes: the rest would fail too
+                break
+        if held:
+            log.info(
+                "KV store: closing: %d blocks of host memory written down to disk, %d there already, %d not written",
+                written,
+                there,
+                len(held) - written - there,
+            )
 
     # ---- loading (engine thread: start and poll; loader thread: read, check, copy in)
     def start_load(self, seq_id: str, blocks: list[BlockRef]) -> None:
@@ -309,13 +346,18 @@ class TieredKVStore:
             "shared": bool(self.shared),
         }
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the threads. The saver first writes what is queued, then what host memory holds
+        and the disk does not down to disk, so a restart finds it; all within `timeout_s`."""
         if self._closed:
             return
         self._closed = True
+        self._close_by = time.monotonic() + timeout_s
         self._save_q.put(None)
         self._load_q.put(None)
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.1, self._close_by + 1.0 - time.monotonic()))
+        if self._threads[0].is_alive():  # a write that hangs (a dead network disk): not our wait
+            log.warning("KV store: closing: the saver is still writing after %.0f s; left behind", timeout_s)
         for tier in self.tiers:
             tier.close()

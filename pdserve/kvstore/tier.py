@@ -41,6 +41,7 @@ class KVTier(abc.ABC):
     name: str = ""
     shared: bool = False  # True when every worker of the cluster sees the same blocks
     holds_blocks: bool = False  # True when put/get take decoded `codec.KVBlock`s (in-process tiers)
+    persistent: bool = False  # True when its blocks outlive the process (a restart finds them)
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -58,6 +59,10 @@ class KVTier(abc.ABC):
     def put(self, key: str, data: bytes) -> bool:
         """Store `data` under `key` (replacing nothing if it is there); False if refused."""
 
+    def touch(self, key: str) -> bool:
+        """Whether the tier holds `key`, which then counts as just used (the last to be evicted)."""
+        return self.contains(key)
+
     def count_prefix(self, keys: list[str]) -> int:
         """How many of `keys`, from the first, the tier holds in a row."""
         n = 0
@@ -68,7 +73,8 @@ class KVTier(abc.ABC):
         return n
 
     def healthy(self) -> bool:
-        """False while the backend is unreachable (the shared store's master is down)."""
+        """False while the backend is unreachable (the shared store's master is down) or refuses
+        writes (the disk is full)."""
         return True
 
     def close(self) -> None:  # noqa: B027 - optional: most tiers have nothing to release

@@ -1,7 +1,10 @@
 """The Mooncake Store tier against a real master on loopback: sharing, refusals, a master crash."""
 
+import contextlib
 import hashlib
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -75,10 +78,71 @@ def test_two_clients_and_a_second_process_share_blocks(master):
         assert child.returncode == 0, child.stderr[-2000:]
         assert f"read {hashlib.sha256(_block(1)).hexdigest()}" in child.stdout
         assert "stored True" in child.stdout
+        assert "listens on every interface" in child.stderr  # what pdserve cannot bind: said at start
         assert a.get("from-child") == b"c" * 200_000
     finally:
         a.close()
         b.close()
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the process listens on, read from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    addr, port = cols[1].split(":")
+                    raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+                    found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def test_master_and_metadata_server_listen_on_loopback_only(master):
+    """Mooncake has no authentication: nothing the master side opens may be reachable from the network."""
+    socks = _listening(master.proc.pid) | _listening(master.metadata_proc.pid)
+    assert {port for _, port in socks} >= {master.rpc_port, master.http_port, master.metrics_port}, socks
+    assert {addr for addr, _ in socks} == {"127.0.0.1"}, socks
+
+
+# Inside a network namespace that has only loopback: the isolation docs/kv_store.md recommends
+# for the ports the clients open on every interface.
+NETNS_CHILD = """
+import subprocess
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+from pdserve.kvstore.master import MooncakeMaster
+from pdserve.kvstore.mooncake import MooncakeTier
+with MooncakeMaster() as m:
+    a, b = (MooncakeTier(m.rpc_address, m.metadata_url, segment_bytes=16 << 20, local_buffer_bytes=4 << 20)
+            for _ in range(2))
+    print("shared", a.put("k", b"v" * 100_000) and b.get("k") == b"v" * 100_000)
+    a.close()
+    b.close()
+"""
+
+
+def test_a_store_in_a_loopback_only_network_namespace_works():
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip")
+    if subprocess.run(["unshare", "-n", "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("creating a network namespace needs root (CAP_SYS_ADMIN)")
+    env = {k: v for k, v in os.environ.items() if k != "MC_TCP_BIND_ADDRESS"}
+    child = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", NETNS_CHILD],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "GLOG_minloglevel": "2"},
+    )
+    assert child.returncode == 0 and "shared True" in child.stdout, child.stderr[-2000:]
 
 
 def test_oversize_and_empty_puts_are_refused(master):

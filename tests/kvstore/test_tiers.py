@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import subprocess
+import threading
+import time
 
 import pytest
 import torch
@@ -104,6 +109,50 @@ def test_disk_tier_bound_restart_and_leftovers(tmp_path):
     assert smaller.used_bytes <= 650 and len(os.listdir(d)) == 2
 
 
+@contextlib.contextmanager
+def _small_file_system(path: str, size: int):
+    """A real file system of `size` bytes (a tmpfs: writes past it fail with ENOSPC), unmounted after."""
+    os.makedirs(path)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path], check=False)
+    if mount.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", path], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", path], check=True)
+
+
+def test_disk_tier_on_a_full_file_system_logs_once_and_is_unhealthy_until_a_write_succeeds(tmp_path, caplog):
+    with _small_file_system(str(tmp_path / "fs"), 64 << 10) as d:
+        tier = DiskTier(d, 16 << 20, log_interval_s=3600)  # a bound the file system cannot hold
+        with caplog.at_level(logging.INFO, logger="pdserve.kvstore"):
+            stored = [tier.put(f"{i:x}-0", bytes(8000)) for i in range(40)]
+            failed = stored.count(False)
+            assert stored[0] and failed > 20 and tier.stats.errors == failed and not tier.healthy()
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warnings) == 1 and "No space left" in warnings[0], warnings
+            assert tier.get("0-0") == bytes(8000)  # reads go on
+            tier.log_interval_s = 0  # due again: the next failure is logged with what was not written since
+            assert not tier.put("ff-0", bytes(8000))
+            assert f"({failed} more not written)" in caplog.records[-1].getMessage()
+            for key in list(tier._files)[:2]:
+                tier.forget(key)
+            assert tier.put("fe-0", bytes(8000)) and tier.healthy()
+            assert f"writes succeed again ({failed + 1} blocks" in caplog.records[-1].getMessage()
+
+
+def test_a_full_file_system_under_the_disk_tier_costs_requests_nothing(sharp_model, reference, tmp_path, caplog):
+    with _small_file_system(str(tmp_path / "fs"), 64 << 10) as d:
+        with caplog.at_level(logging.WARNING, logger="pdserve.kvstore"):
+            with _llm(sharp_model, kv_disk_dir=d, kv_disk_bytes=64 << 20) as llm:
+                assert [_run(llm, [p])[0] for p in PROMPTS * 2] == reference * 2
+                _wait_saved(llm)
+                disk = _tier(llm, "disk")
+                assert disk["errors"] > 20 and disk["stores"] > 0 and not disk["healthy"], disk
+        assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+
+
 # ---- the store between the pool and the tiers
 
 
@@ -151,10 +200,51 @@ def test_store_finds_a_prefix_split_between_disk_and_host(tmp_path):
         store.close()
 
 
+def test_a_clean_close_writes_what_only_host_memory_held_down_to_disk(tmp_path, caplog):
+    """Blocks in host memory the disk does not hold (its write failed, or it evicted them since) are
+    written down on a clean close, so a restarted worker loads them."""
+    from pdserve.kvstore.store import BlockRef
+
+    store, host, disk = _store(tmp_path)
+    kvs = [torch.randn(SHAPE) for _ in range(4)]
+    for h, kv in enumerate(kvs):
+        assert host.put(codec.block_key(FP, h), codec.KVBlock(FP, h, (h,), kv))
+    assert len(disk) == 0
+    with caplog.at_level(logging.INFO, logger="pdserve.kvstore"):
+        store.close()
+    assert "4 blocks of host memory written down to disk, 0 there already, 0 not written" in caplog.text
+    again, _, disk = _store(tmp_path)  # a restart: empty host memory, the same directory
+    try:
+        assert len(disk) == 4 and again.count_hits([0, 1, 2, 3]) == 4
+        assert _load(again, [BlockRef(4 + h, h, (h,)) for h in range(4)]) == 4
+        assert all(torch.equal(_slot(again, 4 + h), kvs[h]) for h in range(4))
+    finally:
+        again.close()
+
+
+def test_close_does_not_wait_for_a_disk_that_hangs(tmp_path):
+    from pdserve.kvstore.store import BlockRef, TieredKVStore
+
+    gate = threading.Event()
+
+    class HangingDisk(DiskTier):
+        def put(self, key, data):
+            gate.wait(30)
+            return super().put(key, data)
+
+    caches = [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(2)]
+    store = TieredKVStore([HostTier(1 << 20), HangingDisk(str(tmp_path / "kv"), 1 << 20)], FP, caches, 4)
+    store.offload([BlockRef(i, i, (i,)) for i in range(4)])
+    t0 = time.monotonic()
+    store.close(timeout_s=0.5)
+    took = time.monotonic() - t0
+    gate.set()
+    store._threads[0].join(10)
+    assert took < 2.5 and not store._threads[0].is_alive()
+
+
 def test_store_loads_a_block_still_on_its_way_to_the_tiers(tmp_path):
     """An evicted block is a hit from the moment it leaves the pool, before the saver wrote it."""
-    import threading
-
     from pdserve.kvstore.store import BlockRef
 
     gate = threading.Event()
@@ -242,6 +332,23 @@ def test_disk_tier_survives_a_restart_and_corrupt_files_are_misses(sharp_model, 
         assert [_run(llm, [p])[0] for p in PROMPTS] == reference
         disk = _tier(llm, "disk")
         assert disk["hits"] > 0 and disk["errors"] >= 1, disk
+
+
+def test_a_restart_loads_what_host_memory_held(sharp_model, reference, tmp_path):
+    """Host memory large enough never to spill: blocks reach the disk only by being written
+    through as they enter it (a kill would lose none), and a restarted worker loads them."""
+    d = str(tmp_path / "kv")
+    kw = dict(kv_offload_bytes=8 << 20, kv_disk_dir=d, kv_disk_bytes=64 << 20)
+    with _llm(sharp_model, **kw) as llm:
+        assert [_run(llm, [p])[0] for p in PROMPTS] == reference
+        _wait_saved(llm)
+        host, disk = _tier(llm, "host"), _tier(llm, "disk")
+        assert host["evictions"] == 0 and disk["stores"] == host["stores"] >= 8 * (len(PROMPTS) - 3), (host, disk)
+    with _llm(sharp_model, **kw) as llm:  # a restarted worker: empty pool and host memory
+        assert [_run(llm, [p])[0] for p in PROMPTS] == reference
+        disk = _tier(llm, "disk")
+        # every prompt: those whose blocks were still in the pool were saved at the close
+        assert disk["hits"] >= 8 * len(PROMPTS) and disk["errors"] == 0, disk
 
 
 def test_full_disk_bound_still_serves_correctly(sharp_model, reference, tmp_path):
