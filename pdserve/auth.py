@@ -65,10 +65,14 @@ def load_cluster_secret(token_file: str | None = None, create_default: bool = Tr
     """The deployment's secret (see the module docstring for where it comes from)."""
     token_file = token_file or os.environ.get(TOKEN_FILE_ENV)
     if token_file:
+        path = Path(token_file).expanduser()
         try:
-            return parse_token(Path(token_file).expanduser().read_text())
+            text, mode = path.read_text(), path.stat().st_mode
         except OSError as e:
             raise ValueError(f"cannot read the cluster token file {token_file}: {e.strerror}") from None
+        if mode & 0o077:
+            log.warning("the cluster token file %s is readable by others (mode %o): chmod 600 it", path, mode & 0o777)
+        return parse_token(text)
     if os.environ.get(TOKEN_ENV):
         return parse_token(os.environ[TOKEN_ENV])
     path = DEFAULT_TOKEN_FILE.expanduser()

@@ -113,11 +113,16 @@ def test_middleware_guards_internal_routes_and_hands_the_body_on():
     assert verifier.refused == 2
 
 
-def test_token_from_file_env_or_a_private_default(tmp_path, monkeypatch):
+def test_token_from_file_env_or_a_private_default(tmp_path, monkeypatch, caplog):
     f = tmp_path / "token"
     f.write_text("file-token-0123456789\n")
     monkeypatch.setenv(auth.TOKEN_ENV, "env-token-0123456789")
+    f.chmod(0o600)
     assert auth.load_cluster_secret(str(f)) == b"file-token-0123456789"
+    assert "readable by others" not in caplog.text
+    f.chmod(0o644)  # still read, with a warning
+    assert auth.load_cluster_secret(str(f)) == b"file-token-0123456789"
+    assert "readable by others (mode 644)" in caplog.text
     assert auth.load_cluster_secret() == b"env-token-0123456789"
     monkeypatch.delenv(auth.TOKEN_ENV)
     monkeypatch.delenv(auth.TOKEN_FILE_ENV, raising=False)

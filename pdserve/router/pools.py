@@ -151,7 +151,13 @@ class PoolManager:
         w.stats = {**(w.stats or {}), "draining": True}
         self.retired += 1
         if self._log:
-            self._log.info("retiring worker %s (%s): pool over its wanted size", w.worker_id, w.role)
+            wanted = (self.sizes.wanted or {}).get(w.role)
+            self._log.info(
+                "retiring worker %s (%s): the pool is over its wanted size (%s; `pdserve scale` changes it)",
+                w.worker_id,
+                w.role,
+                wanted,
+            )
         await self._drain(w)
 
     def _autoscale(self, now_s: float) -> None:

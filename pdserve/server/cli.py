@@ -66,6 +66,8 @@ def run(args) -> int:
         from pdserve.server.launcher import launch
 
         return launch(args)
+    if args.prefill != 1 or args.decode != 1:
+        log.warning("--prefill and --decode size the pools of --mode disaggregated; collocated runs one engine")
     try:
         app, engine = _build(args)
     except ValueError as e:  # ConfigError and friends: refuse before binding the port

@@ -221,7 +221,12 @@ class WorkerApi:
         if self.start_drain is None:
             raise APIError(400, "this worker cannot drain on request", code="not_supported")
         started = self.start_drain()
-        log.warning("asked to leave the pool: draining" if started else "asked to drain again: already draining")
+        log.warning(
+            "the router asked this worker to leave its pool (the pool is over its wanted size; "
+            "`pdserve scale --status` shows it): draining"
+            if started
+            else "asked to drain again: already draining"
+        )
         return DrainResponse(draining=True)
 
     async def fault(self, request: Request) -> FaultResponse:
