@@ -238,7 +238,8 @@ class ModelledConfig:
     )
 
 
-MODEL = Section(EngineConfig, only=("model",))
+# the router tokenizes and checks lengths as the workers will: the same model and context
+MODEL = Section(EngineConfig, only=("model", "max_model_len"))
 AUTOSCALE = Section(AutoscaleConfig)
 ROUTER_SECTIONS = (
     MODEL,

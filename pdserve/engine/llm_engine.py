@@ -506,11 +506,21 @@ class LLMEngine:
         finds them: a prefix whose first blocks stayed in the pool would otherwise miss whole."""
         if self.kv_store is None:
             return
-        if any(t.persistent for t in self.kv_store.local):
-            self._move_tiers()
-            held = [BlockRef(b.block_id, h, b.token_ids) for h, b in reversed(self.block_manager.cached.items())]
-            self.kv_store.offload([b for b in held if b.token_ids is not None])
-        self.kv_store.close()
+        try:
+            if any(t.persistent for t in self.kv_store.local):
+                self._move_tiers()
+                bm = self.block_manager
+                # most recently used first: blocks in use, then the free queue from its young end,
+                # where a freed sequence's head block lands after its tail (a prefix's head first)
+                in_use = [b for b in bm.cached.values() if b.ref_cnt > 0]
+                idle = [bm.blocks[i] for i in reversed(bm.free_queue) if bm.blocks[i].block_hash is not None]
+                refs = [BlockRef(b.block_id, b.block_hash, b.token_ids) for b in in_use + idle if b.token_ids]
+                saved = self.kv_store.save_all(refs)
+                log.info("closing: %d cached blocks of the pool saved to the KV store's tiers", saved)
+        except Exception:  # a failed device (the step that failed): the store still closes
+            log.exception("closing: saving the pool's cached blocks failed")
+        finally:
+            self.kv_store.close()
 
 
 def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor, rows_at_once: int = 256) -> None:

@@ -33,6 +33,8 @@ import urllib.request
 
 from pdserve.ports import die_with_parent, free_port
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 PIP_HINT = "pip install mooncake-transfer-engine-non-cuda"
 APT_HINT = "apt-get install -y libibverbs1"
 
@@ -196,8 +198,9 @@ class MooncakeMaster:
     def _accepts(self) -> bool:
         try:
             socket.create_connection((self.host, self.rpc_port), timeout=0.2).close()
-            # any HTTP answer will do: a 404 for an unknown key means it serves
-            urllib.request.urlopen(self.metadata_url + "?key=probe", timeout=0.5).close()
+            # any HTTP answer will do: a 404 for an unknown key means it serves (asked directly:
+            # an http_proxy in the environment would answer for it)
+            _DIRECT.open(self.metadata_url + "?key=probe", timeout=0.5).close()
         except urllib.error.HTTPError:
             return True
         except OSError:

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from urllib.parse import urlsplit
 
 from pdserve.kvstore.master import mooncake_missing
 from pdserve.kvstore.tier import KVTier
@@ -144,6 +145,7 @@ class MooncakeTier(KVTier):
         self._rpc_fail_since: float | None = None
         self._closed = False
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)  # read by the engine's setup
+        _bypass_proxy(urlsplit(metadata_url).hostname)
         _warn_listeners()
         with self.lock:
             self._ready()  # connect now if the master is up; later if not
@@ -333,6 +335,17 @@ class MooncakeTier(KVTier):
         if store is not None:  # still in use by the blocked thread
             _PARKED.append(store)
         old.retire()
+
+
+def _bypass_proxy(host: str | None) -> None:
+    """The client's HTTP calls to the metadata server (libcurl) follow http_proxy like any
+    other: the cluster's own address goes direct."""
+    if not host:
+        return
+    for var in ("no_proxy", "NO_PROXY"):
+        hosts = [h for h in os.environ.get(var, "").split(",") if h]
+        if host not in hosts:
+            os.environ[var] = ",".join([*hosts, host])
 
 
 def _warn_listeners() -> None:

@@ -158,6 +158,24 @@ class TieredKVStore:
         if evicted and self.local:
             self._enqueue(evicted, "local")
 
+    def save_all(self, blocks: list[BlockRef], timeout_s: float = 5.0) -> int:
+        """Before a close: keep in the local tiers every block of `blocks` (in that order) none
+        of them holds, queueing as fast as the saver drains, until `timeout_s`. The number queued."""
+        if not self.local:
+            return 0
+        held = lambda b: any(t.contains(codec.block_key(self.fingerprint, b.block_hash)) for t in self.local)
+        todo = [b for b in blocks if not held(b)]
+        deadline, queued = time.monotonic() + timeout_s, 0
+        while todo and time.monotonic() < deadline:
+            room = (self.max_queued_bytes - self._queued_bytes) // self.block_bytes
+            if room <= 0:
+                time.sleep(0.01)
+                continue
+            self._enqueue(todo[:room], "local")
+            queued += len(todo[:room])
+            todo = todo[room:]
+        return queued
+
     def publish(self, computed: list[BlockRef]) -> None:
         """Blocks this worker just computed: put them where every worker can load them."""
         if not self.shared:

@@ -48,7 +48,7 @@ def build(args):
 
     secret = auth.load_cluster_secret(args.cluster_token_file)
     info = load_model_info(args.model)
-    core = _Core(info.config, Tokenizer.from_loaded(info))
+    core = _Core(info.config, Tokenizer.from_loaded(info), args.max_model_len)
     names = args.served_model_name or []
     registry = Registry(timeout_s=args.worker_timeout_s)
     ms = lambda v: None if v is None else v / 1e3
@@ -79,10 +79,12 @@ def build(args):
 class _Core:
     """What the OpenAI app reads from an engine: name, tokenizer, context length."""
 
-    def __init__(self, model_config, tokenizer):
+    def __init__(self, model_config, tokenizer, max_model_len: int | None = None):
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.max_model_len = model_config.max_position_embeddings
+        # as the engine takes it: --max-model-len, never past the model's own
+        positions = model_config.max_position_embeddings
+        self.max_model_len = min(max_model_len or positions, positions)
 
 
 def run(args) -> int:

@@ -304,11 +304,13 @@ class DisaggEngine:
         last_s = time.monotonic()
         while True:
             now = time.monotonic()
-            if now - last_s > self.registry.timeout_s:
+            stalled_s = now - last_s - period_s
+            if stalled_s > 0.1:
                 # this loop itself did not run (the router was stopped, or its loop blocked): the
-                # workers' beats wait unread in the sockets, so their silence is ours, not theirs
-                log.warning("the router stalled for %.1f s: not expiring workers on it", now - last_s - period_s)
-                self.registry.forgive(now)
+                # workers' beats waited unread in the sockets, so that silence is ours, not theirs
+                if stalled_s > self.registry.timeout_s / 2:
+                    log.warning("the router stalled for %.1f s: its workers are not blamed for it", stalled_s)
+                self.registry.forgive(stalled_s)
             last_s = now
             gone = self.registry.expire(now)
             if gone:

@@ -75,12 +75,12 @@ class Registry:
             if w is not None:
                 w.alive = False
 
-    def forgive(self, now: float) -> None:
-        """Count every live worker as heard from at `now` (after a stall of the router's own)."""
+    def forgive(self, seconds: float) -> None:
+        """Do not count `seconds` the router itself stalled against any live worker's silence."""
         with self._lock:
             for w in self._workers.values():
                 if w.alive:
-                    w.last_seen_s = max(w.last_seen_s, now)
+                    w.last_seen_s += seconds
 
     def expire(self, now: float | None = None) -> list[str]:
         """Mark workers silent for longer than the timeout dead; returns their ids."""

@@ -80,7 +80,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_json_body(P.TokenizeRequest))
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"], openapi_extra=_json_body(P.DetokenizeRequest))
     app.add_api_route("/health", api.health, methods=["GET"])
-    app.add_api_route("/ping", api.health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's) name for it
+        app.add_api_route("/ping", api.health, methods=[method])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
     return app
@@ -367,6 +368,8 @@ class _Api:
             text = self._chat_prompt(
                 [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
                 req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                template_args=req.template_args(),
             )
         else:
             text = req.prompt

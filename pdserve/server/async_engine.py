@@ -129,10 +129,11 @@ class AsyncEngine:
         self.metrics: ServerMetrics | None = None
         self.stats: dict | None = None
         self.failure: str | None = None  # why the engine is unusable, if it is
-        # called on the loop when the engine could not be built: its process exits (a config
-        # that does not load will not load on a retry; a supervisor sees the exit, not a
-        # server that is up and useless)
-        self.on_load_failure: Callable[[str], None] | None = None
+        # called on the loop when the engine could not be built, with the exit status its process
+        # should end with: 2 for a configuration or model that cannot load (a retry would fail
+        # alike: a supervisor stops), 1 for anything else (out of memory, a passing read error:
+        # a supervisor restarts it)
+        self.on_load_failure: Callable[[int], None] | None = None
         self.draining = False
         self.ready = asyncio.Event()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -325,13 +326,13 @@ class AsyncEngine:
     def loading(self) -> str | None:
         return "the model is loading" if self.engine is None and self.failure is None else None
 
-    def _on_failure(self, reason: str, loading: bool = False) -> None:
+    def _on_failure(self, reason: str, load_status: int | None = None) -> None:
         self.failure = reason
         if self.metrics is not None:
             self.fail_all(APIError(503, f"the engine failed: {reason}"))
         self.ready.set()  # wake waiters so they see the failure
-        if loading and self.on_load_failure is not None:
-            self.on_load_failure(reason)
+        if load_status is not None and self.on_load_failure is not None:
+            self.on_load_failure(load_status)
 
     def _on_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -398,12 +399,16 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         try:
             engine = self._make_engine()
-        except Exception as e:  # a bad model path or config
-            if isinstance(e, ValueError):  # ConfigError and friends: the message says it all
+        except Exception as e:
+            from pdserve.engine.loader import ModelLoadError
+
+            if isinstance(e, (ValueError, ModelLoadError)):  # config, model path: the message says it all
                 log.error("engine failed to load: %s", e)
+                status = 2
             else:
                 log.exception("engine failed to load")
-            self._post(self._on_failure, f"load failed: {e}", True)
+                status = 1
+            self._post(self._on_failure, f"load failed: {e}", status)
             return
         self._post(self._on_ready, engine)
         trace = self.step_trace

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -26,11 +26,16 @@ class _Strict(BaseModel):
     # Unknown fields are ignored, as OpenAI's own server does, so newer clients keep working.
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    # fields whose explicit null means something other than their default
+    _null_kept: ClassVar[frozenset[str]] = frozenset()
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data):
         # an explicit null means "the default", as OpenAI and vLLM read it (SDKs send them)
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in cls._null_kept}
 
 
 # vLLM's request options that change what is generated and that this server does not
@@ -173,8 +178,10 @@ Prompt = str | list[int] | list[str | list[int]]
 
 
 class CompletionRequest(_SamplingFields):
+    # the legacy completions API's default is 16; null asks for as many as the context leaves
+    _null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: Prompt
-    max_tokens: int | None = 16  # the legacy completions API's default
+    max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -218,17 +225,35 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Strict):
+    """How messages become the prompt: the same for a chat completion and /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+    def check_template(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+
+    def template_args(self) -> dict:
+        """What the chat template is rendered with besides the messages."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            extra["tools"] = self.tools
+        return extra
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict | None = None
     echo: bool = False
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
     tool_choice: str | dict | None = None
 
     def check(self) -> None:
@@ -242,19 +267,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("tool calls are not supported by this server (tool_choice 'none' only)", "tools")
         if self.tool_choice not in (None, "none"):
             raise bad_request("tool_choice is not supported by this server", "tool_choice")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise bad_request(
-                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
-            )
+        self.check_template()
         if self.echo:
             raise bad_request("echo is not supported on chat completions by this server", "echo")
-
-    def template_args(self) -> dict:
-        """What the chat template is rendered with besides the messages."""
-        extra = dict(self.chat_template_kwargs or {})
-        if self.tools:
-            extra["tools"] = self.tools
-        return extra
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -269,17 +284,17 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
+        self.check_template()
 
 
 class DetokenizeRequest(_Strict):

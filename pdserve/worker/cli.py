@@ -84,7 +84,7 @@ def run(args) -> int:
         app, args.host, port, api.engine, args.shutdown_timeout, on_drain=tell_router, log_level="warning"
     )
     api.start_drain = server.start_drain  # /internal/drain: the router retires this worker
-    api.engine.on_load_failure = lambda reason: server.exit(2)
+    api.engine.on_load_failure = server.exit
     api.exit = server.exit
     server.run()
     return server.status

@@ -29,6 +29,14 @@ def parse_params(req):
         return e
 
 
+def test_nulls_mean_the_defaults_but_max_tokens_on_completions_means_no_limit():
+    req = parse(P.CompletionRequest, b'{"prompt": "x", "n": null, "stop": null, "echo": null, "max_tokens": null}')
+    assert (req.n, req.stop, req.echo, req.max_tokens) == (1, None, False, None)
+    assert parse(P.CompletionRequest, b'{"prompt": "x"}').max_tokens == 16
+    chat = parse(P.ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}], "logprobs": null}')
+    assert chat.logprobs is False and chat.max_tokens is None
+
+
 def test_parse_accepts_openai_shapes_and_ignores_unknown_fields():
     req = parse(P.CompletionRequest, b'{"prompt": [[1, 2], "text"], "n": 2, "future_field": {"x": 1}}')
     assert req.prompts() == [[1, 2], "text"] and req.max_tokens == 16

@@ -80,6 +80,25 @@ def test_max_tokens_past_the_context_ends_at_it(client):
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_a_null_max_tokens_on_completions_asks_for_what_the_context_leaves(tiny_server):
+    import httpx
+
+    body = {"model": "tiny", "prompt": [65] * (CONTEXT - 5), "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+
+
+def test_tokenize_renders_messages_as_the_chat_does(client, tiny_server):
+    import httpx
+
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    how = {"continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, extra_body=how)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    t = httpx.post(tiny_server.url + "/tokenize", json={"messages": messages, **how}, headers=auth).json()
+    assert t["count"] == r.usage.prompt_tokens
+
+
 def test_continuous_usage_stats_on_every_chunk(client):
     chunks = list(
         client.chat.completions.create(
