@@ -83,7 +83,7 @@ def agreement(threads: int, max_tokens: int) -> None:
             if out.token_ids[0] == got[t]:
                 same += 1
                 continue
-            lp = out.logprobs[0]
+            lp = {tok: x.logprob for tok, x in out.logprobs[0].items()}
             gaps.append(lp[out.token_ids[0]] - lp.get(got[t], min(lp.values())))
     print(
         f"top-1 agreement along the int8 path: {same}/{total} = {same / total:.1%} "

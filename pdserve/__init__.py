@@ -6,7 +6,7 @@ the simulator import without torch.
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Logprob", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):
@@ -14,6 +14,10 @@ def __getattr__(name):
         from pdserve.llm import LLM
 
         return LLM
+    if name == "Logprob":
+        from pdserve.engine.sequence import Logprob
+
+        return Logprob
     if name == "SamplingParams":
         from pdserve.engine.sampling_params import SamplingParams
 

@@ -52,6 +52,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.engine.logprob_objects = True  # {token id: Logprob}, as vLLM's LLM gives them
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -128,11 +129,27 @@ class LLM:
         return finals
 
     def chat(
-        self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True, **kw
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        **kw,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+        """One conversation (a list of {"role", "content"}) or a list of them; the template
+        arguments are vLLM's (`continue_final_message`: go on with the last message's text)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                c, add_generation_prompt, continue_final_message=continue_final_message, template_args=extra
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, **kw)
 
     def get_tokenizer(self):

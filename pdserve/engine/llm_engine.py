@@ -18,7 +18,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
-from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence
+from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence, as_logprobs
 from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
@@ -78,6 +78,9 @@ class LLMEngine:
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
+        # outputs' logprobs as {token id: Logprob} (the offline API, as vLLM's) rather than
+        # {token id: float} (what the servers format and send between workers)
+        self.logprob_objects = False
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
         self._step_observers: list[Callable[[StepRecord], None]] = []
         self._idle = True  # found with nothing to do since the last step (StepRecord.idle)
@@ -460,6 +463,12 @@ class LLMEngine:
         if seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
             if finished or len(seq.output_token_ids) == len(new_ids):
                 prompt_lps = list(seq.prompt_logprobs)
+        if self.logprob_objects:  # the offline API's form (vLLM's Logprob), not the servers'
+            if comp.logprobs is not None:
+                ranks = seq.logprob_ranks[-len(comp.logprobs) :] if comp.logprobs else []
+                comp.logprobs = as_logprobs(comp.logprobs, ranks, self._token_text)
+            if prompt_lps is not None:
+                prompt_lps = as_logprobs(prompt_lps, seq.prompt_logprob_ranks, self._token_text)
         comp.finish_reason = seq.finish_reason.value if seq.finish_reason else None
         comp.stop_reason = seq.stop_reason
         return RequestOutput(
@@ -479,6 +488,9 @@ class LLMEngine:
             },
             prompt_logprobs=prompt_lps,
         )
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- introspection
     @property
@@ -533,7 +545,9 @@ def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor, 
         lps = torch.log_softmax(logits[r0 : r0 + rows_at_once].float(), dim=-1)
         at = first_pos + r0 + 1
         nxt = torch.tensor(seq.prompt_token_ids[at : at + lps.shape[0]], device=lps.device)
-        own = lps.gather(1, nxt[:, None])[:, 0].tolist()
+        own_t = lps.gather(1, nxt[:, None])
+        own = own_t[:, 0].tolist()
+        seq.prompt_logprob_ranks.extend(((lps > own_t).sum(dim=1) + 1).tolist())
         top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
         for r, (tok, lp) in enumerate(zip(nxt.tolist(), own)):
             entry = {tok: lp}

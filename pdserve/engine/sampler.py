@@ -13,8 +13,9 @@ from pdserve.engine.sampling_params import SamplingParams
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # per row: (logprob of the sampled token, {token_id: logprob} of the top-k) or None
-    logprobs: list[tuple[float, dict[int, float]] | None]
+    # per row: (logprob of the sampled token, {token_id: logprob} of the top-k, the sampled
+    # token's rank in the vocabulary) or None
+    logprobs: list[tuple[float, dict[int, float], int] | None]
 
 
 class _Seen:
@@ -136,7 +137,9 @@ class Sampler:
             if p.logprobs > 0:
                 vals, ids = raw[i].topk(p.logprobs)
                 top = dict(zip(ids.tolist(), vals.tolist()))
-            out.append((raw[i, tokens[i]].item(), top))
+            own = raw[i, tokens[i]]
+            rank = int((raw[i] > own).sum()) + 1  # among the whole vocabulary, as vLLM reports it
+            out.append((own.item(), top, rank))
         return out
 
 

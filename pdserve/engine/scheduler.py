@@ -460,6 +460,7 @@ class Scheduler:
         if logprobs is not None:
             seq.cumulative_logprob += logprobs[0]
             seq.logprobs.append({token: logprobs[0], **logprobs[1]})
+            seq.logprob_ranks.append(logprobs[2] if len(logprobs) > 2 else None)  # not sent between workers
         self._check_stop(seq, token, detokenize(seq, token) if detokenize is not None else "")
         if seq.finish_reason is not None and not seq.is_finished:
             self.finish(seq)

@@ -135,8 +135,10 @@ class Sequence:
     text: OutputText = field(default_factory=OutputText)
     emitted_text_len: int = 0  # how much of the text has been reported as deltas
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprob_ranks: list[int | None] = field(default_factory=list)  # each chosen token's, in the vocabulary
     # with params.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+    prompt_logprob_ranks: list[int | None] = field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -168,6 +170,42 @@ class Sequence:
         """Prompt logprobs asked for and not all computed yet: the prompt must be computed
         here, token by token, rather than found in a cache or received."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability as vLLM's offline API gives it: the value, the token's rank in
+    the whole vocabulary (1 = the most likely), and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def as_logprobs(entries: list, ranks: list, decode) -> list:
+    """Per position {token id: logprob} (the chosen token first, then the top ones) as
+    {token id: Logprob}; `ranks[i]` is the chosen token's rank (None where unknown). A top
+    token's rank is one more than the number of listed tokens above it: every token above a
+    top-k token is in the top k, or is the chosen one."""
+    out = []
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = next(iter(entry))
+        out.append(
+            {
+                tok: Logprob(
+                    lp,
+                    (ranks[i] if i < len(ranks) else None)
+                    if tok == chosen
+                    else 1 + sum(v > lp for v in entry.values()),
+                    decode(tok),
+                )
+                for tok, lp in entry.items()
+            }
+        )
+    return out
 
 
 @dataclass

@@ -253,12 +253,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
 
 
 def test_logprobs_are_returned_and_consistent(tiny_llm):
+    # vLLM's form offline: per token {token id: Logprob(logprob, rank, decoded_token)}
     out = tiny_llm.generate("abc", SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
     assert len(out.logprobs) == 4
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert len(lp) == 3 and tok in lp  # greedy token is the top-1
-        assert lp[tok] == max(lp.values()) <= 0
-    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)))
+        assert lp[tok].logprob == max(x.logprob for x in lp.values()) <= 0 and lp[tok].rank == 1
+        assert sorted(x.rank for x in lp.values()) == [1, 2, 3]
+        assert lp[tok].decoded_token == tiny_llm.tokenizer.decode([tok])
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
+    # a sampled token outside the top k keeps its true rank
+    hot = SamplingParams(temperature=5.0, seed=1, max_tokens=8, logprobs=1, ignore_eos=True)
+    for tok, lp in zip(*(lambda o: (o.token_ids, o.logprobs))(tiny_llm.generate("abc", hot)[0].outputs[0])):
+        top = next(t for t in lp if t != tok) if len(lp) == 2 else tok
+        assert lp[top].rank == 1 and (lp[tok].rank > 1) == (tok != top)
 
 
 def test_penalties_change_repetition(tiny_llm):
@@ -370,6 +378,7 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
 
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     eng = tiny_llm.engine
+    eng.logprob_objects = False  # the servers' form: {token id: float}
     eng.add_request("inc", "abc", p)
     outs = []
     while eng.has_unfinished_requests():
@@ -395,8 +404,10 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     last = choice_output(final)  # the front end's view: the last token's part, and the whole
     assert last.new_token_ids == c.token_ids[-1:] and last.new_logprobs == c.logprobs[-1:]
     assert (last.final.text, last.final.token_ids, last.final.finish_reason) == (c.text, c.token_ids, "length")
+    eng.logprob_objects = True
     offline = tiny_llm.generate("abc", p)[0].outputs[0]
-    assert (offline.token_ids, offline.text, offline.logprobs) == (c.token_ids, c.text, c.logprobs)
+    assert (offline.token_ids, offline.text) == (c.token_ids, c.text)
+    assert [{t: x.logprob for t, x in e.items()} for e in offline.logprobs] == c.logprobs
     assert offline.finish_reason == c.finish_reason == "length"
 
 

@@ -18,13 +18,17 @@ def reference(model_dir, ids):
 
 
 def check(out, lps_ref, k):
+    """vLLM's form: per prompt token {token id: Logprob(logprob, rank, decoded_token)}."""
     ids, plp = out.prompt_token_ids, out.prompt_logprobs
     assert len(plp) == len(ids) and plp[0] is None
     for p in range(1, len(ids)):
-        entry = plp[p]
-        assert entry[ids[p]] == pytest.approx(lps_ref[p - 1, ids[p]].item(), abs=1e-4)
-        top = lps_ref[p - 1].topk(k).indices.tolist()
+        entry, ref = plp[p], lps_ref[p - 1]
+        own = entry[ids[p]]
+        assert own.logprob == pytest.approx(ref[ids[p]].item(), abs=1e-4)
+        assert own.rank == int((ref > ref[ids[p]]).sum()) + 1  # its rank in the whole vocabulary
+        top = ref.topk(k).indices.tolist()
         assert set(top) <= set(entry) and len(entry) <= k + 1
+        assert [entry[t].rank for t in top] == list(range(1, k + 1))
 
 
 def test_prompt_logprobs_match_transformers_over_chunks_and_cache_hits(tiny_model_dir):

@@ -151,7 +151,7 @@ def test_logprobs(client, model_id, tiny_offline):
     )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.top_logprobs) == 4
-    assert lp.token_logprobs == pytest.approx([e[t] for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
+    assert lp.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)], abs=1e-4)
     # the legacy format keys by token text, so tokens that all print as U+FFFD share one key
     assert all(len(d) >= 2 for d, t in zip(lp.top_logprobs, lp.tokens) if "\ufffd" not in t)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
@@ -205,8 +205,8 @@ def test_echo_with_logprobs_lists_the_prompt_first(client, model_id, tiny_offlin
     assert len(lp.tokens) == n_prompt + 3
     # the first prompt token has no logprob (nothing predicts it); the others are the engine's
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
-    want += [e[t] for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    want = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    want += [e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
     # offsets index the returned text, echo included
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
@@ -232,7 +232,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, model_id, tiny_offline
     ref = tiny_offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
     assert c.text == PROMPTS[1] and c.finish_reason == "length"
     assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
-    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    want = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
     assert c.logprobs.token_logprobs[0] is None
     assert c.logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
     chunks = list(

@@ -148,7 +148,7 @@ def test_echo_logprobs_and_the_router_metrics(cluster, tiny_model_dir):
     lp = r.choices[0].logprobs
     n = len(ref.prompt_token_ids)
     assert r.choices[0].text == PROMPTS[1] + ref.outputs[0].text and len(lp.tokens) == n + 3
-    want = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    want = [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
     assert lp.token_logprobs[0] is None and lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
     # a request refused with a 400 is not a finished (aborted) request
