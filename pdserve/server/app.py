@@ -326,6 +326,7 @@ class _Api:
                 completion_tokens=streamed,
                 preamble=resume is None,
                 choice_prompt_tokens=[len(p) for p in prompts for _ in range(req.n)] if req.continuous_usage else None,
+                choice_tokens_before={c.index: len(c.token_ids) for c in resume.choices} if resume else None,
             )
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}

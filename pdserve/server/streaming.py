@@ -50,6 +50,7 @@ async def sse_events(
     completion_tokens: int = 0,
     preamble: bool = True,
     choice_prompt_tokens: list[int] | None = None,
+    choice_tokens_before: dict[int, int] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body of a streamed response; one write per engine step, however many chunks it made.
 
@@ -58,9 +59,10 @@ async def sse_events(
     finished (`group` is None when none is left): `indices` maps the group's choices to the
     client's, `completion_tokens` counts what streamed before, and the preamble is not sent again.
     `choice_prompt_tokens` (per choice, the client's order): every chunk carries its choice's usage
-    so far (vLLM's continuous_usage_stats).
+    so far (vLLM's continuous_usage_stats), counting on from `choice_tokens_before` (a resumed
+    stream's, per client choice).
     """
-    per_choice: dict[int, int] = {}
+    per_choice: dict[int, int] = dict(choice_tokens_before or {})
     finish = "error"
     try:
         if tag_tokens:

@@ -209,3 +209,37 @@ def _walk(node):
             yield from _walk(v)
     else:
         yield node
+
+
+def test_continuous_usage_counts_each_choice_on_from_a_resume():
+    from pdserve.server import format as F
+    from pdserve.server.engine_client import ChoiceOutput
+    from pdserve.server.streaming import sse_events
+
+    class Group:  # two steps of the one choice still running (client index 1)
+        def __init__(self):
+            self.batches = [[(0, ChoiceOutput([5], "x"))], [(0, ChoiceOutput([6, 7], "yz"))]]
+
+        async def next_batch(self):
+            return self.batches.pop(0) if self.batches else None
+
+        def abort(self):
+            pass
+
+    async def run():
+        fmt = F.CompletionFormatter("cmpl-1", "m", None, 2, None)
+        events = sse_events(
+            Group(),
+            fmt,
+            True,
+            10,
+            indices=[1],
+            preamble=False,
+            choice_prompt_tokens=[5, 5],
+            choice_tokens_before={0: 4, 1: 3},
+        )
+        return [e async for e in events]
+
+    chunks = [json.loads(e[6:]) for e in asyncio.run(run()) if e.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks[:2]] == [4, 6]  # 3 streamed before the resume
+    assert all(c["usage"]["prompt_tokens"] == 5 for c in chunks[:2])
