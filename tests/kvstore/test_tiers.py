@@ -222,16 +222,22 @@ def test_a_clean_close_writes_what_only_host_memory_held_down_to_disk(tmp_path, 
         again.close()
 
 
+def _gated(tier_cls, gate: threading.Event, wait_s: float):
+    """`tier_cls` whose writes wait for `gate` (a slow or hung backend)."""
+
+    class Gated(tier_cls):
+        def put(self, key, data):
+            gate.wait(wait_s)
+            return super().put(key, data)
+
+    return Gated
+
+
 def test_close_does_not_wait_for_a_disk_that_hangs(tmp_path):
     from pdserve.kvstore.store import BlockRef, TieredKVStore
 
     gate = threading.Event()
-
-    class HangingDisk(DiskTier):
-        def put(self, key, data):
-            gate.wait(30)
-            return super().put(key, data)
-
+    HangingDisk = _gated(DiskTier, gate, 30)
     caches = [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(2)]
     store = TieredKVStore([HostTier(1 << 20), HangingDisk(str(tmp_path / "kv"), 1 << 20)], FP, caches, 4)
     store.offload([BlockRef(i, i, (i,)) for i in range(4)])
@@ -248,13 +254,7 @@ def test_store_loads_a_block_still_on_its_way_to_the_tiers(tmp_path):
     from pdserve.kvstore.store import BlockRef
 
     gate = threading.Event()
-
-    class SlowHost(HostTier):
-        def put(self, key, data):
-            gate.wait(10)
-            return super().put(key, data)
-
-    store, host, _ = _store(tmp_path, SlowHost(1 << 20))
+    store, host, _ = _store(tmp_path, _gated(HostTier, gate, 10)(1 << 20))
     try:
         evicted = _slot(store, 1).clone()
         store.offload([BlockRef(1, 77, (5, 6, 7, 8))])
