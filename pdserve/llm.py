@@ -132,14 +132,16 @@ class LLM:
         self,
         messages,
         sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+        *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         **kw,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them; the template
-        arguments are vLLM's (`continue_final_message`: go on with the last message's text)."""
+        """One conversation (a list of {"role", "content"}) or a list of them; the arguments are
+        vLLM's, in its order (`continue_final_message`: go on with the last message's text)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -150,7 +152,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, **kw)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **kw)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -411,6 +411,15 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     assert offline.finish_reason == c.finish_reason == "length"
 
 
+def test_offline_chat_continues_a_final_message(tiny_llm):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    out = tiny_llm.chat(msgs, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    prompt = tiny_llm.tokenizer.apply_chat_template(msgs, False, continue_final_message=True)
+    assert prompt.endswith("Sure, ") and tokens([out]) == tokens(tiny_llm.generate(prompt, GREEDY))
+    with pytest.raises(ValueError):
+        tiny_llm.chat(msgs, GREEDY, continue_final_message=True)  # and add_generation_prompt (default)
+
+
 def test_chat_template_kwargs_and_continue_final_message(tiny_llm):
     tok = tiny_llm.tokenizer
     tok.chat_template = (
