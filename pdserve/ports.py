@@ -4,6 +4,7 @@ life; and the wait until a started server answers."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import signal
 import socket
@@ -16,11 +17,21 @@ import httpx
 PR_SET_PDEATHSIG = 1
 
 
+_handed_out: collections.deque[int] = collections.deque(maxlen=1024)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now on `host` (another process may take it before the caller binds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now on `host` (another process may take it before the caller binds).
+    Never one this process handed out recently: the kernel may offer a port again as soon as the
+    probe closes it, and a router and a worker started a moment apart would both get it."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            break
+    _handed_out.append(port)
+    return port
 
 
 def _die_with_parent_fn() -> Callable[[], None] | None:

@@ -49,3 +49,12 @@ def test_a_child_started_with_die_with_parent_gets_sigterm_when_its_parent_dies(
         psutil.Process(pid).kill()
         pytest.fail("the grandchild outlived its parent")
     assert die_with_parent is not None
+
+
+def test_free_port_never_hands_out_a_port_twice_in_a_row_of_processes():
+    # the processes of one test cluster bind a moment after they are given their ports: the
+    # kernel offering the router's port again to a worker made both bind one port (seen in CI)
+    from pdserve.ports import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
