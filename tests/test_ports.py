@@ -51,10 +51,19 @@ def test_a_child_started_with_die_with_parent_gets_sigterm_when_its_parent_dies(
     assert die_with_parent is not None
 
 
-def test_free_port_never_hands_out_a_port_twice_in_a_row_of_processes():
+def test_free_port_never_hands_out_a_port_it_gave_recently(monkeypatch):
     # the processes of one test cluster bind a moment after they are given their ports: the
     # kernel offering the router's port again to a worker made both bind one port (seen in CI)
-    from pdserve.ports import free_port
+    import socket
 
-    ports = [free_port() for _ in range(300)]
-    assert len(set(ports)) == len(ports)
+    from pdserve import ports
+
+    offered = iter([40001, 40001, 40001, 40002])  # what the kernel's probe binds get
+
+    class Probe(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(offered))
+
+    monkeypatch.setattr(ports.socket, "socket", Probe)
+    monkeypatch.setattr(ports, "_handed_out", ports.collections.deque(maxlen=1024))
+    assert [ports.free_port(), ports.free_port()] == [40001, 40002]
