@@ -72,8 +72,9 @@ class SampledToken:
 
     seq: Sequence
     token: int
-    # the sampler's (logprob of the token, {token id: logprob} of the top others), when asked for
-    logprobs: tuple[float, dict[int, float]] | None = None
+    # the sampler's (logprob of the token, {token id: logprob} of the top others, the token's rank),
+    # when asked for; a token another worker sampled comes without its rank
+    logprobs: tuple | None = None
 
 
 @dataclass
@@ -445,7 +446,7 @@ class Scheduler:
         self,
         seq: Sequence,
         token: int,
-        logprobs: tuple[float, dict[int, float]] | None = None,
+        logprobs: tuple | None = None,
         now: float | None = None,
         detokenize: Callable[[Sequence, int], str] | None = None,
     ) -> bool:
