@@ -134,6 +134,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
@@ -148,7 +149,11 @@ class LLM:
         extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [
             self.tokenizer.apply_chat_template(
-                c, add_generation_prompt, continue_final_message=continue_final_message, template_args=extra
+                c,
+                add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_args=extra,
+                chat_template=chat_template,
             )
             for c in conversations
         ]

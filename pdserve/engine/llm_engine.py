@@ -78,9 +78,10 @@ class LLMEngine:
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
-        # outputs' logprobs as {token id: Logprob} (the offline API, as vLLM's) rather than
-        # {token id: float} (what the servers format and send between workers)
+        # finished outputs' logprobs as {token id: Logprob} (the offline API, as vLLM's) rather
+        # than {token id: float} (what the servers format and send between workers)
         self.logprob_objects = False
+        self._token_texts: dict[int, str] = {}
         self.last_schedule = None  # what the latest step ran (its sequences are already advanced)
         self._step_observers: list[Callable[[StepRecord], None]] = []
         self._idle = True  # found with nothing to do since the last step (StepRecord.idle)
@@ -463,7 +464,7 @@ class LLMEngine:
         if seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
             if finished or len(seq.output_token_ids) == len(new_ids):
                 prompt_lps = list(seq.prompt_logprobs)
-        if self.logprob_objects:  # the offline API's form (vLLM's Logprob), not the servers'
+        if self.logprob_objects and finished:  # the offline API's form (vLLM's Logprob), not the servers'
             if comp.logprobs is not None:
                 ranks = seq.logprob_ranks[-len(comp.logprobs) :] if comp.logprobs else []
                 comp.logprobs = as_logprobs(comp.logprobs, ranks, self._token_text)
@@ -490,7 +491,10 @@ class LLMEngine:
         )
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     # ---- introspection
     @property
@@ -547,7 +551,7 @@ def record_prompt_logprobs(seq: Sequence, first_pos: int, logits: torch.Tensor, 
         nxt = torch.tensor(seq.prompt_token_ids[at : at + lps.shape[0]], device=lps.device)
         own_t = lps.gather(1, nxt[:, None])
         own = own_t[:, 0].tolist()
-        seq.prompt_logprob_ranks.extend(((lps > own_t).sum(dim=1) + 1).tolist())
+        seq.prompt_logprob_ranks.extend((lps >= own_t).sum(dim=1).tolist())  # ties against it, as vLLM
         top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
         for r, (tok, lp) in enumerate(zip(nxt.tolist(), own)):
             entry = {tok: lp}

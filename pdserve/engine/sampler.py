@@ -128,6 +128,10 @@ class Sampler:
     def _logprobs(raw, tokens, params):
         if raw is None:
             return [None] * len(tokens)
+        own = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None])
+        # each sampled token's rank in the whole vocabulary, ties counted against it (as vLLM)
+        ranks = (raw >= own).sum(dim=1).tolist()
+        own = own[:, 0].tolist()
         out = []
         for i, p in enumerate(params):
             if p.logprobs is None:
@@ -137,9 +141,7 @@ class Sampler:
             if p.logprobs > 0:
                 vals, ids = raw[i].topk(p.logprobs)
                 top = dict(zip(ids.tolist(), vals.tolist()))
-            own = raw[i, tokens[i]]
-            rank = int((raw[i] > own).sum()) + 1  # among the whole vocabulary, as vLLM reports it
-            out.append((own.item(), top, rank))
+            out.append((own[i], top, ranks[i]))
         return out
 
 

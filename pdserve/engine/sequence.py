@@ -183,28 +183,25 @@ class Logprob:
 
 
 def as_logprobs(entries: list, ranks: list, decode) -> list:
-    """Per position {token id: logprob} (the chosen token first, then the top ones) as
-    {token id: Logprob}; `ranks[i]` is the chosen token's rank (None where unknown). A top
-    token's rank is one more than the number of listed tokens above it: every token above a
-    top-k token is in the top k, or is the chosen one."""
+    """Per position {token id: logprob} (the chosen token first, then the top ones in order) as
+    {token id: Logprob}; `ranks[i]` is the chosen token's rank (None where unknown). The top
+    ones are numbered 1..k in their order, as vLLM numbers them: every token above a top-k
+    token is in the top k, or is the chosen one, so a top token's rank is one more than the
+    listed tokens above it, and tied ones keep their order."""
     out = []
     for i, entry in enumerate(entries):
         if entry is None:
             out.append(None)
             continue
-        chosen = next(iter(entry))
-        out.append(
-            {
-                tok: Logprob(
-                    lp,
-                    (ranks[i] if i < len(ranks) else None)
-                    if tok == chosen
-                    else 1 + sum(v > lp for v in entry.values()),
-                    decode(tok),
-                )
-                for tok, lp in entry.items()
-            }
-        )
+        items = list(entry.items())
+        row = {}
+        for j, (tok, lp) in enumerate(items):
+            if j == 0:  # the chosen token
+                rank = ranks[i] if i < len(ranks) else None
+            else:
+                rank = 1 + sum(v > lp or (v == lp and k < j) for k, (_, v) in enumerate(items))
+            row[tok] = Logprob(lp, rank, decode(tok))
+        out.append(row)
     return out
 
 

@@ -144,22 +144,21 @@ class Tokenizer:
         *,
         continue_final_message: bool = False,
         template_args: dict | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """The conversation as the model's prompt. `continue_final_message`: the text ends
         with the last message's content, for the model to go on with it (no end-of-turn after
         it), as transformers and vLLM do. `template_args`: more variables for the template
-        (vLLM's chat_template_kwargs, `tools`); they never replace the ones set here."""
-        if not self.chat_template:
+        (vLLM's chat_template_kwargs, `tools`); they never replace the ones set here.
+        `chat_template`: another template than the model's (offline, as vLLM's LLM.chat takes)."""
+        if chat_template is not None:
+            template = _compile_template(chat_template)
+        elif not self.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt")
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(msg):
-                raise ValueError(msg)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
+        else:
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            template = self._template
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         fixed = {
@@ -168,7 +167,7 @@ class Tokenizer:
             "bos_token": bos,
             "eos_token": eos,
         }
-        text = self._template.render({**(template_args or {}), **fixed})
+        text = template.render({**(template_args or {}), **fixed})
         if continue_final_message:
             last = messages[-1].get("content") if messages else None
             if not isinstance(last, str) or not last.strip() or last.strip() not in text:
@@ -194,6 +193,18 @@ class Tokenizer:
             cfg["chat_template"] = self.chat_template
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+def _compile_template(source: str):
+    """A chat template, rendered in Jinja's sandbox (a template is code: it must reach nothing)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise ValueError(msg)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
 
 
 class IncrementalDetokenizer:

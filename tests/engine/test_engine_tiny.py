@@ -262,11 +262,19 @@ def test_logprobs_are_returned_and_consistent(tiny_llm):
         assert sorted(x.rank for x in lp.values()) == [1, 2, 3]
         assert lp[tok].decoded_token == tiny_llm.tokenizer.decode([tok])
     assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
-    # a sampled token outside the top k keeps its true rank
-    hot = SamplingParams(temperature=5.0, seed=1, max_tokens=8, logprobs=1, ignore_eos=True)
-    for tok, lp in zip(*(lambda o: (o.token_ids, o.logprobs))(tiny_llm.generate("abc", hot)[0].outputs[0])):
-        top = next(t for t in lp if t != tok) if len(lp) == 2 else tok
-        assert lp[top].rank == 1 and (lp[tok].rank > 1) == (tok != top)
+    # sampled tokens outside the top k keep their rank in the whole vocabulary: the same rank the
+    # prompt logprobs give them when the text is scored again
+    hot = SamplingParams(temperature=5.0, seed=1, max_tokens=12, logprobs=1, ignore_eos=True)
+    sampled = tiny_llm.generate("abc", hot)[0]
+    out = sampled.outputs[0]
+    ranks = [lp[t].rank for t, lp in zip(out.token_ids, out.logprobs)]
+    assert max(ranks) > 2  # some were drawn from far down the distribution
+    ids = sampled.prompt_token_ids + out.token_ids
+    scored = tiny_llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    n = len(sampled.prompt_token_ids)
+    assert ranks == [scored[n + i][t].rank for i, t in enumerate(out.token_ids)]
+    for t, lp in zip(out.token_ids, out.logprobs):
+        assert [x.rank for x in lp.values()] == ([1] if len(lp) == 1 else [lp[t].rank, 1])
 
 
 def test_penalties_change_repetition(tiny_llm):
@@ -411,13 +419,20 @@ def test_step_outputs_carry_only_what_is_new(tiny_llm):
     assert offline.finish_reason == c.finish_reason == "length"
 
 
-def test_offline_chat_continues_a_final_message(tiny_llm):
+def test_offline_chat_takes_vllms_arguments(tiny_llm):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
-    out = tiny_llm.chat(msgs, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    # vLLM's order: messages, sampling_params, use_tqdm; the rest by keyword
+    out = tiny_llm.chat(msgs, GREEDY, False, add_generation_prompt=False, continue_final_message=True)[0]
     prompt = tiny_llm.tokenizer.apply_chat_template(msgs, False, continue_final_message=True)
     assert prompt.endswith("Sure, ") and tokens([out]) == tokens(tiny_llm.generate(prompt, GREEDY))
     with pytest.raises(ValueError):
         tiny_llm.chat(msgs, GREEDY, continue_final_message=True)  # and add_generation_prompt (default)
+    # a template of the caller's, with its variables and the tools
+    template = "{% if loud %}!{% endif %}{{ tools | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    custom = tiny_llm.chat(
+        msgs[:1], GREEDY, chat_template=template, chat_template_kwargs={"loud": True}, tools=[{"type": "function"}]
+    )[0]
+    assert tokens([custom]) == tokens(tiny_llm.generate("!1hi", GREEDY))
 
 
 def test_chat_template_kwargs_and_continue_final_message(tiny_llm):

@@ -17,7 +17,7 @@ def reference(model_dir, ids):
         return ref(torch.tensor([ids])).logits[0].log_softmax(-1)
 
 
-def check(out, lps_ref, k):
+def check(out, lps_ref, k, tokenizer=None):
     """vLLM's form: per prompt token {token id: Logprob(logprob, rank, decoded_token)}."""
     ids, plp = out.prompt_token_ids, out.prompt_logprobs
     assert len(plp) == len(ids) and plp[0] is None
@@ -25,7 +25,9 @@ def check(out, lps_ref, k):
         entry, ref = plp[p], lps_ref[p - 1]
         own = entry[ids[p]]
         assert own.logprob == pytest.approx(ref[ids[p]].item(), abs=1e-4)
-        assert own.rank == int((ref > ref[ids[p]]).sum()) + 1  # its rank in the whole vocabulary
+        assert own.rank == int((ref >= ref[ids[p]]).sum())  # its rank in the whole vocabulary
+        if tokenizer is not None:
+            assert own.decoded_token == tokenizer.decode([ids[p]], skip_special_tokens=False)
         top = ref.topk(k).indices.tolist()
         assert set(top) <= set(entry) and len(entry) <= k + 1
         assert [entry[t].rank for t in top] == list(range(1, k + 1))
@@ -37,7 +39,7 @@ def test_prompt_logprobs_match_transformers_over_chunks_and_cache_hits(tiny_mode
     assert len(ids) > 3 * 16  # computed over several chunks
     ref = reference(tiny_model_dir, ids)
     first = llm.generate(TEXT, PLP)[0]
-    check(first, ref, 3)
+    check(first, ref, 3, llm.tokenizer)
     # the prompt is in the prefix cache now: its logprobs are computed again all the same
     hits = llm.engine.block_manager.stats.hits_tokens
     again = llm.generate(TEXT, PLP)[0]
@@ -63,12 +65,14 @@ def test_prompt_logprobs_survive_preemption_once_each(tiny_model_dir):
 
 def test_streamed_outputs_carry_prompt_logprobs_first_and_last(tiny_llm):
     eng = tiny_llm.engine
+    eng.logprob_objects = False  # what the servers stream from: {token id: float}
     eng.add_request("r", "hello there", SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, ignore_eos=True))
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert outs[0].prompt_logprobs is not None and outs[-1].prompt_logprobs == outs[0].prompt_logprobs
     assert all(o.prompt_logprobs is None for o in outs[1:-1])
+    eng.logprob_objects = True
     plain = tiny_llm.generate("hello there", SamplingParams(max_tokens=2))[0]
     assert plain.prompt_logprobs is None
 
