@@ -143,16 +143,14 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them; the arguments are
         vLLM's, in its order (`continue_final_message`: go on with the last message's text)."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [
             self.tokenizer.apply_chat_template(
                 c,
                 add_generation_prompt,
                 continue_final_message=continue_final_message,
-                template_args=extra,
+                template_args=chat_template_kwargs,
+                tools=tools,
                 chat_template=chat_template,
             )
             for c in conversations

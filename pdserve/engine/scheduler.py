@@ -300,7 +300,7 @@ class Scheduler:
         # Prompt blocks being computed now (by running sequences, and by those this loop starts):
         # a prompt whose next uncached block is one of them waits for it and hits the cache
         # then, rather than computing it a second time (n > 1, a burst of one system prompt).
-        inflight = {h for s in self.running for h in self.kv.pending_hashes(s.seq_id)}
+        inflight = {h for s in self.running for h in self.kv.pending_hashes(s.seq_id)} if len(self.waiting) else set()
         while len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if cap and partial >= cap and seq.num_tokens - seq.num_computed_tokens > self._chunk_limit(budget):

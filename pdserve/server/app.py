@@ -244,12 +244,7 @@ class _Api:
 
     async def _chat(self, request: Request, resume: ResumeRequest | None = None):
         req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest, resume)
-        text = self._chat_prompt(
-            req.conversation(),
-            req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            template_args=req.template_args(),
-        )
+        text = self._chat_prompt(req.conversation(), req.add_generation_prompt, **req.template_kw())
         self._check_request(req, [text])
         prompt = req.truncate(await self._encode(text), self._core().max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -369,8 +364,7 @@ class _Api:
             text = self._chat_prompt(
                 [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages],
                 req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                template_args=req.template_args(),
+                **req.template_kw(),
             )
         else:
             text = req.prompt

@@ -234,17 +234,18 @@ class _ChatTemplateFields(_Strict):
     tools: list[dict] | None = None
 
     def check_template(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
+        if self.continue_final_message and self.add_generation_prompt:  # named here; the tokenizer refuses it too
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
             )
 
-    def template_args(self) -> dict:
-        """What the chat template is rendered with besides the messages."""
-        extra = dict(self.chat_template_kwargs or {})
-        if self.tools:
-            extra["tools"] = self.tools
-        return extra
+    def template_kw(self) -> dict:
+        """How Tokenizer.apply_chat_template renders these messages, besides add_generation_prompt."""
+        return {
+            "continue_final_message": self.continue_final_message,
+            "template_args": self.chat_template_kwargs,
+            "tools": self.tools,
+        }
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
