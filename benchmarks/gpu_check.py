@@ -73,7 +73,26 @@ WORKLOAD = {
     "prefill_prompt": (2048, 64),
 }
 
-NOMINAL_H200_BYTES_PER_S = 4.8e12
+# Nominal HBM bandwidth by the name torch reports (most specific first); a GPU not listed gets
+# the measured figure only. The device tool lends H100s and H200s.
+NOMINAL_BYTES_PER_S = [
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),  # 40 GB
+]
+
+
+def nominal_bandwidth(gpu_name: str) -> float | None:
+    for key, bytes_per_s in NOMINAL_BYTES_PER_S:
+        if key in gpu_name:
+            return bytes_per_s
+    return None
+
+
 TARGETS = {"roofline_pct": 60.0, "x_transformers": 3.0, "batch_over_single": 10.0}
 
 
@@ -228,7 +247,7 @@ def cmd_bandwidth(a) -> None:
     data = {"device": a.device, "copy_bytes": nbytes, "iters": iters, "measured_bytes_per_s": measured}
     if a.device.startswith("cuda"):
         data["gpu_name"] = torch.cuda.get_device_name()
-        data["nominal_bytes_per_s"] = NOMINAL_H200_BYTES_PER_S
+        data["nominal_bytes_per_s"] = nominal_bandwidth(data["gpu_name"])
     write_part(a.parts, "bandwidth", data)
     print(f"bandwidth: {measured / 1e12:.3f} TB/s (device-to-device copy of {nbytes >> 20} MiB)")
 

@@ -161,3 +161,16 @@ def test_cpu_flow_end_to_end(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "| tiny |" in summary and "not measured" not in summary
     assert (tmp_path / "logs" / "pdserve-tiny.log").is_file()
+
+
+def test_nominal_bandwidth_follows_the_gpu_torch_names():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert gpu_check.nominal_bandwidth("NVIDIA H200") == 4.8e12
+    assert gpu_check.nominal_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert gpu_check.nominal_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+    assert gpu_check.nominal_bandwidth("NVIDIA H100 NVL") == 3.9e12
+    assert gpu_check.nominal_bandwidth("NVIDIA GeForce RTX 4090") is None
