@@ -1,8 +1,8 @@
-"""Compile the Triton attention kernels for an NVIDIA GPU on a machine that has none.
+"""Compile pdserve's Triton kernels (attention, fused elementwise) for an NVIDIA GPU on a machine that has none.
 
 Triton's CPU interpreter (what the kernel tests run) accepts code the GPU compiler rejects, and it
 says nothing about registers, spills or shared memory. This script drives the real launch wrappers
-of ``pdserve.engine.triton_attention`` with CPU tensors, records each kernel launch they make
+of ``triton_attention`` and ``triton_elementwise`` with CPU tensors, records each kernel launch they make
 (arguments, dtypes, compile-time constants) instead of running it, and compiles that exact kernel
 for the target architecture down to a cubin (Triton ships its own ``ptxas``). No GPU, driver or
 CUDA toolkit is needed.
@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# (name, query heads, KV heads, head dim): the models the GPU check measures
-SHAPES = [("llama3-8b", 32, 8, 128), ("smollm2-135m", 9, 3, 64)]
+# (name, query heads, KV heads, head dim, hidden, intermediate): the models the GPU check measures
+SHAPES = [("llama3-8b", 32, 8, 128, 4096, 14336), ("smollm2-135m", 9, 3, 64, 576, 1536)]
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
 
@@ -69,18 +69,23 @@ class Recorder:
         return launch
 
 
-def record_launches(n_heads: int, n_kv: int, head_dim: int, dtype) -> list:
-    """The launches a decode step, a prefill step and a KV write make at this shape."""
+def record_launches(n_heads: int, n_kv: int, head_dim: int, hidden: int, inter: int, dtype) -> list:
+    """The launches a layer makes at this shape: the KV write, decode and prefill attention,
+    and (in bf16) the fused norms, RoPE and SiLU * up."""
     import torch
 
     from pdserve.engine import triton_attention as ta
+    from pdserve.engine import triton_elementwise as te
 
     calls: list = []
-    kernels = ("_write_kv_kernel", "_decode_partial_kernel", "_decode_reduce_kernel", "_prefill_kernel")
-    saved = {name: getattr(ta, name) for name in kernels}
+    kernels = {
+        ta: ("_write_kv_kernel", "_decode_partial_kernel", "_decode_reduce_kernel", "_prefill_kernel"),
+        te: ("_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel"),
+    }
+    saved = {(mod, name): getattr(mod, name) for mod, names in kernels.items() for name in names}
     try:
-        for name in kernels:
-            setattr(ta, name, Recorder(saved[name], calls))
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, Recorder(fn, calls))
         blocks = 8
         k_cache = torch.zeros(blocks, BLOCK_SIZE, n_kv, head_dim, dtype=dtype)
         v_cache = torch.zeros_like(k_cache)
@@ -99,9 +104,18 @@ def record_launches(n_heads: int, n_kv: int, head_dim: int, dtype) -> list:
         ta.prefill_attention_triton(
             torch.empty_like(q), q, k_cache, v_cache, spans, torch.zeros(1, 1, dtype=torch.long), 0.1, tokens
         )
+        if dtype == torch.bfloat16:  # the elementwise kernels run in bf16 only
+            ew = te.TritonElementwise()
+            x, w = torch.zeros(tokens, hidden, dtype=dtype), torch.ones(hidden, dtype=dtype)
+            ew.rms_norm(x, w, 1e-5)
+            ew.add_rms_norm(x, x.clone(), w, 1e-5)
+            table = torch.zeros(MAX_MODEL_LEN, head_dim)
+            qkv = torch.zeros(tokens, (n_heads + 2 * n_kv) * head_dim, dtype=dtype)
+            ew.rope_qkv(qkv, table, table, torch.zeros(tokens, dtype=torch.long), n_heads, n_kv, head_dim)
+            ew.silu_and_mul(torch.zeros(tokens, 2 * inter, dtype=dtype))
     finally:
-        for name, fn in saved.items():
-            setattr(ta, name, fn)
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
     return calls
 
 
@@ -142,9 +156,11 @@ def compile_all(arch: int) -> list[dict]:
     target = GPUTarget("cuda", arch, 32)
     cuobjdump = find_cuobjdump()
     results = []
-    for shape, n_heads, n_kv, head_dim in SHAPES:
+    for shape, *dims in SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
-            for fn, args, constexprs in record_launches(n_heads, n_kv, head_dim, dtype):
+            for fn, args, constexprs in record_launches(*dims, dtype):
+                # launch options ride along with the constants: num_warps is the one the wrappers set
+                options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
                 names = fn.arg_names
                 signature = {name: triton_type(value) for name, value in zip(names, args)}
                 signature.update({name: "constexpr" for name in constexprs})
@@ -156,7 +172,7 @@ def compile_all(arch: int) -> list[dict]:
                 }
                 t0 = time.perf_counter()
                 try:
-                    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target)
+                    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=target, options=options)
                 except Exception as e:  # the point of this script: say which kernel and why
                     row["error"] = f"{type(e).__name__}: {e}"
                 else:

@@ -71,16 +71,14 @@ def paged_attention(q, k, v, kv_caches, meta: AttentionMetadata, layer_idx: int)
     """q: [T, H, D]; k, v: [T, n_kv, D] for the new tokens. Returns [T, H, D]."""
     k_cache, v_cache = kv_caches[layer_idx]
     (meta.kv_writer or write_kv)(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: its first rows are the decodes'
     n_heads, n_kv, d = q.shape[1], k.shape[1], q.shape[2]
     group = n_heads // n_kv
     nd = meta.num_decodes
     if nd and meta.decode_kernel is not None:
-        od = torch.empty((nd, n_heads, d), dtype=q.dtype, device=q.device)
         meta.decode_kernel.paged_decode_attention(
-            od, q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, d**-0.5
+            out[:nd], q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, d**-0.5
         )
-        out[:nd] = od
     elif nd:
         # One query token per sequence: present the `group` query heads that share
         # a KV head as `group` query rows against that head (exact, no K/V repeat).

@@ -250,7 +250,8 @@ class LlamaModel(nn.Module):
         self.fused_ready = False
         self.cpu_kernels = None  # the C++ CPU kernels, where the runner loaded them (`use_cpu_kernels`)
         self.gguf_max_rows = Linear.max_rows  # decode steps of at most this many rows take the fused layers
-        self.fused_elementwise = True  # bf16 on the CPU: the C++ elementwise kernels when built
+        self.fused_elementwise = True  # bf16: the fused elementwise kernels (C++ or Triton) when there are some
+        self.triton_elementwise = None  # triton_elementwise.TritonElementwise, set by a runner on the Triton backend
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head; call again after moving the model."""
@@ -310,11 +311,18 @@ class LlamaModel(nn.Module):
         self.cpu_kernels = kernels if hasattr(kernels, "set_parallel_mode") else None
 
     def elementwise_kernels(self, x: torch.Tensor):
-        """The C++ elementwise kernels (elementwise.cpp) for bf16 rows on the CPU, else None.
+        """The fused elementwise kernels for bf16 rows, else None: the Triton ones where the
+        runner set them (the Triton backend, on a GPU or interpreted), the C++ ones
+        (elementwise.cpp) on the CPU.
 
-        Only in bf16: there each PyTorch elementwise op is several slow passes over memory,
-        while the fp32 path must stay op for op as transformers computes it."""
-        if not self.fused_elementwise or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        Only in bf16: there each PyTorch elementwise op is several slow passes over memory on a
+        CPU and one launch of many on a GPU, while the fp32 path must stay op for op as
+        transformers computes it."""
+        if not self.fused_elementwise or x.dtype != torch.bfloat16:
+            return None
+        if self.triton_elementwise is not None:
+            return self.triton_elementwise
+        if x.device.type != "cpu":
             return None
         from pdserve.engine import cpu_kernels  # built (and cached) by the model runner already
 

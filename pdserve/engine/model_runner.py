@@ -44,6 +44,10 @@ class ModelRunner:
 
             self.decode_kernel = TritonAttentionBackend()
             self.kv_writer = self.decode_kernel.write_kv
+            if self.dtype == torch.bfloat16:
+                from pdserve.engine.triton_elementwise import TritonElementwise
+
+                self.model.triton_elementwise = TritonElementwise()
         elif self.device.type == "cpu" and self.attention_backend == "cpp":
             from pdserve.engine import cpu_kernels
 

@@ -1,4 +1,4 @@
-"""The Triton kernels compile for Hopper (sm_90, the H100/H200 the GPU check runs on) without a GPU.
+"""The Triton kernels (attention and the fused elementwise ones) compile for Hopper (sm_90, the H100/H200 the GPU check runs on) without a GPU.
 
 The interpreter tests check what the kernels compute; this checks that the GPU compiler accepts
 them, down to a cubin through Triton's own ptxas, with the arguments the real launch wrappers pass,
@@ -32,8 +32,10 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kernels = json.loads(out.read_text())["kernels"]
-    names = {k["kernel"] for k in kernels}
-    assert names == {"write_kv_kernel", "decode_partial_kernel", "decode_reduce_kernel", "prefill_kernel"}
+    attention = {"write_kv_kernel", "decode_partial_kernel", "decode_reduce_kernel", "prefill_kernel"}
+    elementwise = {"rms_norm_kernel", "rope_kernel", "silu_mul_kernel"}  # bf16 only
+    assert {k["kernel"] for k in kernels if k["dtype"] == "float32"} == attention
+    assert {k["kernel"] for k in kernels if k["dtype"] == "bfloat16"} == attention | elementwise
     assert {(k["shape"], k["dtype"]) for k in kernels} == {
         (s, d) for s in ("llama3-8b", "smollm2-135m") for d in ("bfloat16", "float32")
     }
