@@ -45,10 +45,9 @@ def caches(num_blocks: int, block: int, shm_dir: str | None = None):
 
     shape = [num_blocks, block, HEADS, DIM]
     if shm_dir:
-        import os
-        import uuid
+        from pdserve.kv.shm_files import new_kv_paths
 
-        paths = [os.path.join(shm_dir, f"pdserve-bench-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
+        paths = new_kv_paths(shm_dir, LAYERS)  # a decode worker's names: a sender maps no other
         maps = map_shared_cache(paths, shape, "float32")
         return [(maps[2 * i], maps[2 * i + 1]) for i in range(LAYERS)], paths
     return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(LAYERS)], []

@@ -54,6 +54,12 @@ MAX_PULL_ADDRESS_CHARS = 256
 MAX_POOL_COUNT = 1024  # workers of one role a supervisor may say it runs
 MAX_RESUMED_CHOICES = 4096  # the router also holds a resume to its --max-seqs-per-request
 MAX_RESUMED_TOKENS = 1 << 20  # per choice; the engine holds it to the context length
+# A KV destination: the engine holds it to the prompt and the sender to the cache files;
+# these bound what the JSON alone may make a worker build.
+MAX_KV_BLOCKS = 1 << 20  # block ids of one destination (a million-token prompt at block size 1)
+MAX_KV_BLOCK_SIZE = 1 << 12
+MAX_KV_FILES = 2 * 1024  # K and V of up to 1,024 layers
+MAX_KV_PATH_CHARS = 4096  # PATH_MAX
 
 Role = Literal["prefill", "decode", "both"]  # pdserve.router.registry.ROLES
 
@@ -104,16 +110,16 @@ class KVDestinationBody(_Message):
     """pdserve.transfer.connector.KVDestination on the wire (the same fields; a test keeps
     them equal). Mirrored rather than imported: that module needs torch."""
 
-    transfer_id: str
-    address: str
-    block_ids: list[int]
-    block_size: int
-    start_token: int = 0
-    num_tokens: int = 0
+    transfer_id: str = Field(max_length=MAX_REGISTRATION_CHARS)
+    address: str = Field(max_length=MAX_PULL_ADDRESS_CHARS)
+    block_ids: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_KV_BLOCKS)
+    block_size: int = Field(ge=1, le=MAX_KV_BLOCK_SIZE)
+    start_token: int = Field(0, ge=0)
+    num_tokens: int = Field(0, ge=0)
     pull: bool = False
-    shm_paths: list[str] = []
-    shm_shape: list[int] = []
-    shm_dtype: str = ""
+    shm_paths: list[Annotated[str, Field(max_length=MAX_KV_PATH_CHARS)]] = Field([], max_length=MAX_KV_FILES)
+    shm_shape: list[Annotated[int, Field(ge=1)]] = Field([], max_length=4)
+    shm_dtype: str = Field("", max_length=16)
 
 
 class _ForRequest(_Message):

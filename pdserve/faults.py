@@ -1,7 +1,8 @@
 """Fault injection, for the failure-path tests and the chaos benchmark: one hook.
 
 The production code marks the few places where a fault can strike (`FaultSet.before_kv_frame`
-in the KV sender, `FaultSet.before_prefill` in the worker's prefill route); what each fault does
+in the KV sender, `FaultSet.before_prefill` in the worker's prefill route, `FaultSet.before_step`
+on the engine thread); what each fault does
 lives here. A fault strikes only once armed, and arming takes one of
 
 - `$PDSERVE_KV_FAULT` in the process's environment, read when the sender and the worker API
@@ -17,6 +18,8 @@ A spec is a comma-separated list of `name=LAYER[:ARG]`; each fault fires once:
                           the receiver drops that connection, the sender resends on a new one
     exit_at_layer=K       ... the process dies there (exit code 17)
     delay_prefill=0:S     the worker's next prefill starts S seconds late
+    fail_step=0           the engine's next step raises (the process then fails its requests
+                          with 503 and exits 1, as after any failed step)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ SPEC_ENV = "PDSERVE_KV_FAULT"
 ENABLE_ENV = "PDSERVE_ENABLE_FAULT_INJECTION"  # the /internal/fault route answers only with this set to 1
 KV_FAULTS = ("cut_at_layer", "stall_at_layer", "exit_at_layer", "corrupt_at_layer")
 WORKER_FAULTS = ("delay_prefill",)
+ENGINE_FAULTS = ("fail_step",)
 EXIT_CODE = 17
 _GARBAGE = b"{corrupt: \xff\xfe injected by PDSERVE_KV_FAULT}"
 _GARBAGE_FRAME = struct.pack("!I", len(_GARBAGE)) + _GARBAGE  # length-prefixed, as a frame header is
@@ -43,7 +47,9 @@ def route_enabled() -> bool:
     return os.environ.get(ENABLE_ENV) == "1"
 
 
-def parse(spec: str | None, allowed: tuple[str, ...] = KV_FAULTS + WORKER_FAULTS) -> dict[str, tuple[int, float]]:
+def parse(
+    spec: str | None, allowed: tuple[str, ...] = KV_FAULTS + WORKER_FAULTS + ENGINE_FAULTS
+) -> dict[str, tuple[int, float]]:
     """{name: (layer, arg)} of a spec; ValueError for a name not in `allowed` or a bad number."""
     out = {}
     for item in filter(None, (spec or "").split(",")):
@@ -103,3 +109,8 @@ class FaultSet(dict):
         delay = self._take("delay_prefill", 0)
         if delay:
             await asyncio.sleep(delay[1])
+
+    def before_step(self) -> None:
+        """The engine thread is about to run a step."""
+        if self._take("fail_step", 0):
+            raise RuntimeError("fault: injected engine step failure")

@@ -26,7 +26,7 @@ from pdserve.kv.slots import slot_mapping
 from pdserve.kvstore.setup import build_kv_store
 from pdserve.kvstore.store import BlockRef
 from pdserve.transfer.bridge import PrefillBridge
-from pdserve.transfer.connector import KVDestination
+from pdserve.transfer.connector import KVDestination, KVTransferError
 
 log = logging.getLogger("pdserve.engine")
 
@@ -120,27 +120,60 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
+        resumed = [int(t) for t in resume_token_ids or ()]
+        if resumed:
+            vocab = self.model_config.vocab_size
+            if min(resumed) < 0 or max(resumed) >= vocab:
+                raise InvalidRequest(f"resumed token ids must be in [0, {vocab})", "resume_token_ids")
+            if len(ids) + len(resumed) >= self.max_model_len:
+                raise InvalidRequest(
+                    f"the prompt and the resumed output hold {len(ids) + len(resumed)} tokens; this model's "
+                    f"context is {self.max_model_len}",
+                    "resume_token_ids",
+                )
+        if kv_destination is not None:
+            if self.bridge is None:
+                raise InvalidRequest("this worker cannot send KV (it has no KV bridge)", "kv_transfer")
+            self._check_destination(kv_destination, len(ids))
+        # checked: nothing below refuses, so nothing is left half-added
         seq = Sequence(
             request_id, ids, params, priority=priority, prompt=text, arrival_time=arrival_time or time.monotonic()
         )
-        self.seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        if resume_token_ids:
-            seq.output_token_ids = [int(t) for t in resume_token_ids]
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if resumed:
+            seq.output_token_ids = resumed
             # the same detokenizer state the first worker had: held-back bytes complete later
             # token by token, as the first worker decoded them: a batch that ends inside a
             # UTF-8 character would hold back all of its text, and the whole of it would be
             # streamed again
-            detok = self._detok[request_id]
             for t in seq.output_token_ids:
                 seq.text.append(detok.step([t]))
             seq.emitted_text_len = len(seq.text)
         if kv_destination is not None:
-            if self.bridge is None:
-                raise InvalidRequest("this worker cannot send KV (it has no KV bridge)", "kv_transfer")
-            self.bridge.begin(request_id, kv_destination)
+            try:
+                self.bridge.begin(request_id, kv_destination)
+            except KVTransferError as e:  # the destination's cache files, refused by the sender
+                raise InvalidRequest(str(e), "kv_transfer") from None
+        self.seqs[request_id] = seq
+        self._detok[request_id] = detok
         self.scheduler.add(seq)
         return seq
+
+    @staticmethod
+    def _check_destination(dest, num_prompt_tokens: int) -> None:
+        """What a prefill worker is told about where its KV goes, bounded before it computes:
+        a destination that does not fit the prompt would fail in the middle of a step."""
+        if not 0 <= dest.start_token <= dest.num_tokens <= num_prompt_tokens:
+            raise InvalidRequest(
+                f"the KV destination covers tokens [{dest.start_token}, {dest.num_tokens}) of a "
+                f"{num_prompt_tokens}-token prompt",
+                "kv_transfer",
+            )
+        if dest.block_size <= 0 or len(dest.block_ids) * dest.block_size < dest.num_tokens:
+            raise InvalidRequest(
+                f"{len(dest.block_ids)} blocks of {dest.block_size} tokens cannot hold {dest.num_tokens} tokens",
+                "kv_transfer",
+            )
 
     # ---- decode role: KV arrives from a prefill worker
     def reserve_for_transfer(

@@ -9,7 +9,7 @@ from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kv.block_manager import BlockManager
-from pdserve.kv.shm_files import sweep_stale_kv_files
+from pdserve.kv.shm_files import new_kv_paths, sweep_stale_kv_files
 from pdserve.kv.slots import slot_list
 
 
@@ -119,22 +119,17 @@ class ModelRunner:
         of the same deployment) can map users' KV; torch then sizes and maps it."""
         import atexit
         import os
-        import uuid
 
         sweep_stale_kv_files(directory)
-        tag = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         numel = 1
         for s in self.kv_shape:
             numel *= s
-        caches = []
-        for layer in range(num_layers):
-            pair = []
-            for kind in ("k", "v"):
-                path = os.path.join(directory, f"{tag}-{layer}{kind}")
-                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-                self.kv_shm_paths.append(path)
-                pair.append(torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.kv_shape))
-            caches.append(tuple(pair))
+        maps = []
+        for path in new_kv_paths(directory, num_layers):
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            self.kv_shm_paths.append(path)
+            maps.append(torch.from_file(path, shared=True, size=numel, dtype=self.dtype).view(self.kv_shape))
+        caches = [(maps[2 * layer], maps[2 * layer + 1]) for layer in range(num_layers)]
 
         def cleanup(paths=tuple(self.kv_shm_paths)):
             for p in paths:

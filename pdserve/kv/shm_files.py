@@ -6,8 +6,54 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+import uuid
 
 _NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]+-\d+[kv]$")
+
+
+def new_kv_paths(directory: str, num_layers: int) -> list[str]:
+    """Fresh names for one worker's cache files, [k0, v0, k1, v1, ...], in `directory`."""
+    tag = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return [os.path.join(directory, f"{tag}-{layer}{kind}") for layer in range(num_layers) for kind in "kv"]
+
+
+class KVFileRefused(ValueError):
+    """A path named as a peer's KV cache file that this process will not map."""
+
+
+def open_peer_kv_file(path: str, directory: str, nbytes: int) -> int:
+    """Open a decode worker's cache file for writing, as a prefill worker on its host does;
+    returns the descriptor (map it through /proc/self/fd, then close it).
+
+    The path arrives in a request, so it is checked before anything is written: it must be a
+    pdserve cache file (by its name) directly in `directory` (this worker's --kv-shm-dir),
+    already exist (nothing is created), be a regular file reached without a symbolic link,
+    belong to this user, and have exactly the size its layout says (mapping never grows it).
+    The checks run on the opened descriptor, so the file cannot be swapped after them."""
+    if not directory:
+        raise KVFileRefused("this worker has no shared-memory directory (--kv-shm-dir)")
+    name = os.path.basename(path)
+    if not _NAME.match(name):
+        raise KVFileRefused(f"{path!r} is not a pdserve KV cache file name")
+    if os.path.realpath(os.path.dirname(path) or ".") != os.path.realpath(directory):
+        raise KVFileRefused(f"{path!r} is not in this worker's shared-memory directory {directory!r}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise KVFileRefused(f"cannot open {path!r}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KVFileRefused(f"{path!r} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise KVFileRefused(f"{path!r} belongs to another user")
+        if st.st_size != nbytes:
+            raise KVFileRefused(f"{path!r} holds {st.st_size} bytes; its layout says {nbytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def sweep_stale_kv_files(directory: str) -> list[str]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.sequence import PENDING, RequestOutput, choice_request_id
 from pdserve.engine.step_trace import StepTraceWriter
+from pdserve.faults import ENGINE_FAULTS, FaultSet
 from pdserve.server import calibrate
 from pdserve.server.admission import RateMeter, admit, retry_after_s
 from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
@@ -133,7 +134,8 @@ class AsyncEngine:
         # should end with: 2 for a configuration or model that cannot load (a retry would fail
         # alike: a supervisor stops), 1 for anything else (out of memory, a passing read error:
         # a supervisor restarts it)
-        self.on_load_failure: Callable[[int], None] | None = None
+        self.on_failure: Callable[[int], None] | None = None  # exits the process with that status
+        self.faults = FaultSet.from_env(ENGINE_FAULTS)  # armed only by tests
         self.draining = False
         self.ready = asyncio.Event()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -326,13 +328,18 @@ class AsyncEngine:
     def loading(self) -> str | None:
         return "the model is loading" if self.engine is None and self.failure is None else None
 
-    def _on_failure(self, reason: str, load_status: int | None = None) -> None:
+    def _on_failure(self, reason: str, status: int = 1) -> None:
+        """The engine failed to load (status 2: its config or model cannot load; 1: anything
+        else) or a step failed (1): every request in flight ends with 503, and the process
+        exits with `status` (`on_failure`), so that its supervisor restarts it (1) or stops
+        the deployment (2). A failed step leaves the engine's state unknown: a process that
+        stayed up could only refuse work while looking alive to its router."""
         self.failure = reason
         if self.metrics is not None:
             self.fail_all(APIError(503, f"the engine failed: {reason}"))
         self.ready.set()  # wake waiters so they see the failure
-        if load_status is not None and self.on_load_failure is not None:
-            self.on_load_failure(load_status)
+        if self.on_failure is not None:
+            self.on_failure(status)
 
     def _on_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -426,10 +433,12 @@ class AsyncEngine:
                     engine.retry_reservations()
                     self._post(self._on_stats, engine.stats())  # what /internal/state reports
                 if engine.has_unfinished_requests():
+                    if self.faults:
+                        self.faults.before_step()
                     self._post(self._deliver, engine.step(), engine.stats())
         except Exception as e:
-            # A failed step leaves the batch in an unknown state: stop, and let /health say so.
-            log.exception("engine step failed; the engine is stopped")
+            # A failed step leaves the batch in an unknown state: stop, and exit (restarted).
+            log.exception("engine step failed; the engine is stopped and the process exits")
             self._post(self._on_failure, f"step failed: {type(e).__name__}: {e}")
         finally:
             if trace is not None:

@@ -78,7 +78,7 @@ def run(args) -> int:
         extra={"fields": {"host": args.host, "port": args.port, "mode": args.mode, "auth": args.api_key is not None}},
     )
     server = serving.make_server(app, args.host, args.port, engine, args.shutdown_timeout)
-    engine.on_load_failure = server.exit
+    engine.on_failure = server.exit
     server.run()
     return server.status
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
+from pdserve.kv.shm_files import KVFileRefused
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError
 from pdserve.transfer.nixl import NixlKVSender, nixl_available
@@ -26,10 +27,11 @@ class AutoKVSender(KVSender):
         exporter=None,
         *,
         secret: bytes,
+        shm_dir: str = "/dev/shm",
     ):
         self.secret = wire.require_secret(secret)
         self.tcp = TcpKVSender(wire_mode, retry_window_s, secret=secret)
-        self.shm = ShmKVSender(retry_window_s, secret=secret) if allow_shm else None
+        self.shm = ShmKVSender(retry_window_s, secret=secret, shm_dir=shm_dir) if allow_shm and shm_dir else None
         if self.shm is not None:  # one set of faults: each fires once, whichever transport sends
             self.shm.faults = self.tcp.faults
         self.exporter = exporter  # PullKVExporter for destinations that pull
@@ -38,14 +40,21 @@ class AutoKVSender(KVSender):
         self.nixl = None  # made on the first nixl:// destination, when NIXL is importable
         self._nixl_missing = False
         self._by_tid: dict[str, KVSender] = {}
+        self._shm_refused: set[str] = set()  # receivers whose cache files we said we will not map
 
-    def _pick(self, dest: KVDestination) -> KVSender:
+    def _pick(self, dest: KVDestination, num_layers: int) -> KVSender:
         if dest.pull:
             if self.exporter is None:
                 raise KVTransferError("this worker does not serve KV pulls")
             return self.exporter
         if self.shm is not None and dest.shm_paths and os.path.exists(dest.shm_paths[0]):
-            return self.shm
+            try:
+                self.shm.caches_for(dest, num_layers)
+                return self.shm
+            except KVFileRefused as e:  # another --kv-shm-dir, another user, or a bad request: TCP
+                if dest.address not in self._shm_refused and len(self._shm_refused) < 1024:
+                    self._shm_refused.add(dest.address)
+                    log.warning("not writing KV into the cache files of %s (%s); sending over TCP", dest.address, e)
         if dest.address.startswith("nixl://") and self.wire_mode == "none" and not self._nixl_missing:
             if self.nixl is None:
                 if not nixl_available():  # the receiver takes TCP frames too
@@ -58,7 +67,7 @@ class AutoKVSender(KVSender):
         return self.tcp
 
     def begin(self, dest, num_layers):
-        s = self._by_tid[dest.transfer_id] = self._pick(dest)
+        s = self._by_tid[dest.transfer_id] = self._pick(dest, num_layers)
         s.begin(dest, num_layers)
 
     def save_layer(self, transfer_id, layer, token_start, k, v):

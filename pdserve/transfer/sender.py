@@ -2,7 +2,10 @@
 serve pulls.
 
 `save_layer` only queues: a sender thread does the socket work, so the next
-layer's compute overlaps this layer's transfer (layer-wise pipelining). Sent
+layer's compute overlaps this layer's transfer (layer-wise pipelining). Each
+receiver has a thread and a queue of its own (a "lane"), so a receiver that
+stops reading holds up only its own transfers, and a send that makes no progress
+for `SEND_STALL_S` fails its connection (then the usual retry, then the transfer). Sent
 layers are kept until the receiver acknowledges the whole transfer, so a
 connection cut at layer k (or closed by the receiver, which drops a connection
 that sends it a bad frame) is healed by reconnecting and resending; the
@@ -12,9 +15,12 @@ cluster handshake (`pdserve.auth.kv_connect`) before a byte of KV goes out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +29,7 @@ import torch
 
 from pdserve import auth
 from pdserve.faults import KV_FAULTS, FaultSet
+from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
@@ -77,6 +84,23 @@ def _host_port(address: str) -> tuple[str, int]:
 # A transfer whose connection breaks more often than this fails (its decode worker
 # recomputes): a receiver that refuses a frame refuses it again when it is resent.
 MAX_LOST_CONNECTIONS = 3
+# A send to a receiver that accepts no byte for this long fails its connection (the kernel's
+# SO_SNDTIMEO: per send call, so a slow link that moves some bytes is not cut). A receiver
+# that stopped reading would otherwise hold its lane forever.
+SEND_STALL_S = 30.0
+# A lane (a receiver's thread and queue) with nothing to send for this long ends; the next
+# transfer to that receiver starts a new one.
+LANE_IDLE_S = 60.0
+
+
+class _Lane:
+    """One receiver's queue of frames and the thread that writes them to its connection."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.q: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()  # held by whoever writes to this receiver's socket
+        self.queued = 0  # frames put on the queue and not yet sent (the sender's _count_lock)
 
 
 class TcpKVSender(KVSender):
@@ -91,17 +115,14 @@ class TcpKVSender(KVSender):
         self.lease_s = lease_s  # a transfer nobody waits for is dropped after this
         self.faults = FaultSet.from_env(KV_FAULTS)  # armed only by tests and the chaos benchmark
         self._transfers: dict[str, _Outgoing] = {}
-        self._socks: dict[str, socket.socket] = {}
-        self._q: queue.Queue = queue.Queue()
-        self._send_lock = threading.Lock()  # held by whoever writes to a socket
-        self._count_lock = threading.Lock()
-        self._queued = 0  # frames put on the queue and not yet sent: a frame sent now must not pass them
+        self._socks: dict[str, socket.socket] = {}  # each written under its lane's lock
+        self._lanes: dict[str, _Lane] = {}  # receiver address -> its lane (while it has work)
+        self._count_lock = threading.Lock()  # lanes and their counts of queued frames
         self._closed = False
         self.total_bytes = 0
         self.inline_frames = 0  # frames the caller's thread sent itself (_send_now)
         self._slots_key: tuple | None = None
         self._slots: tuple = ()
-        threading.Thread(target=self._send_loop, name="kv-send", daemon=True).start()
 
     # ---- contract
     def begin(self, dest, num_layers):
@@ -137,10 +158,18 @@ class TcpKVSender(KVSender):
 
     def close(self):
         self._closed = True
-        self._q.put(None)
+        with self._count_lock:
+            for lane in self._lanes.values():
+                lane.q.put(None)
         abandon(self._transfers)  # their queued frames will not go now
-        for s in self._socks.values():
+        for s in list(self._socks.values()):
             s.close()
+
+    @property
+    def _queued(self) -> int:
+        """Frames queued on every lane and not sent yet."""
+        with self._count_lock:
+            return sum(lane.queued for lane in self._lanes.values())
 
     def inject_fault(self, spec: str) -> None:
         """Arm faults at run time (the chaos benchmark, through the worker's fault route): the
@@ -153,16 +182,38 @@ class TcpKVSender(KVSender):
         self._put((t, header, payload))
 
     def _put(self, item: tuple) -> None:
+        """Queue a frame on its receiver's lane."""
         with self._count_lock:
-            self._queued += 1
-        self._q.put(item)
+            lane = self._lane(item[0].dest.address)
+            lane.queued += 1
+            lane.q.put(item)
 
-    def _send_loop(self):
+    def _lane(self, address: str) -> _Lane:
+        """The receiver's lane, started if it has none (with self._count_lock held)."""
+        lane = self._lanes.get(address)
+        if lane is None:
+            lane = self._lanes[address] = _Lane(address)
+            threading.Thread(target=self._send_loop, args=(lane,), name="kv-send", daemon=True).start()
+        return lane
+
+    def _lane_lock(self, address: str) -> threading.Lock | None:
+        with self._count_lock:
+            lane = self._lanes.get(address)
+            return lane.lock if lane is not None else None
+
+    def _send_loop(self, lane: _Lane):
         while not self._closed:
-            item = self._q.get()
+            try:
+                item = lane.q.get(timeout=LANE_IDLE_S)
+            except queue.Empty:
+                with self._count_lock:  # nothing came: end, unless a frame is being put right now
+                    if lane.q.empty():
+                        self._lanes.pop(lane.address, None)
+                        return
+                continue
             if item is None:
                 return
-            with self._send_lock:
+            with lane.lock:
                 try:
                     t, header, payload = item
                     # frames of a transfer already settled, failed or dropped are moot; its abort is not
@@ -171,7 +222,7 @@ class TcpKVSender(KVSender):
                         self._send_with_retry(t, header, payload)
                 finally:
                     with self._count_lock:
-                        self._queued -= 1
+                        lane.queued -= 1
 
     def _send_now(self, t: _Outgoing, header: dict) -> bool:
         """Send a frame without payload from the caller's thread, sparing the hop to the
@@ -179,11 +230,13 @@ class TcpKVSender(KVSender):
         Only when nothing queued would be passed and the connection is up; never blocks:
         a full socket buffer, a broken connection or a busy sender thread answers False
         and the caller queues the frame, so the thread's retry and resend heal it."""
-        if self.faults or not self._send_lock.acquire(blocking=False):
-            return False
+        with self._count_lock:
+            lane = self._lanes.get(t.dest.address)
+        if lane is None or self.faults or not lane.lock.acquire(blocking=False):
+            return False  # (no lane: no connection either; the first frame goes through the thread)
         try:
             with self._count_lock:
-                if self._queued:
+                if lane.queued:
                     return False
             sock = self._socks.get(t.dest.address)
             if sock is None or (t.sock is not None and t.sock is not sock):  # a new one: resend first
@@ -201,7 +254,7 @@ class TcpKVSender(KVSender):
             self.inline_frames += 1
             return True
         finally:
-            self._send_lock.release()
+            lane.lock.release()
 
     def _send_with_retry(self, t: _Outgoing, header: dict, payload) -> None:
         deadline = time.monotonic() + self.retry_window_s
@@ -259,6 +312,8 @@ class TcpKVSender(KVSender):
                 s.close()
                 raise
             s.settimeout(None)
+            # sends (not the ack reader's receives) give up on a receiver that stopped reading
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_STALL_S), 0))
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks[address] = s
             threading.Thread(target=self._read_acks, args=(s, address), daemon=True).start()
@@ -295,7 +350,7 @@ class TcpKVSender(KVSender):
         failed): what went on it may not have landed. Transfers that used it resend
         everything on their next frame, which goes on a new connection; those whose `done`
         already went get it queued again, to carry the resend."""
-        with self._send_lock:
+        with self._lane_lock(address) or contextlib.nullcontext():  # no lane: no one writes to it
             if self._closed:
                 return
             found = self._socks.get(address) is sock  # else the sender thread dropped it, and counted
@@ -341,14 +396,39 @@ class ShmKVSender(TcpKVSender):
     more for long prompts) still notifies layer by layer; an eager burst of 30
     layers in 10 ms sends 3 notices instead of 30 (0.62x -> 0.83x of memcpy)."""
 
-    def __init__(self, retry_window_s: float = 5.0, notice_gap_s: float = 0.005, *, secret: bytes):
+    def __init__(
+        self, retry_window_s: float = 5.0, notice_gap_s: float = 0.005, *, secret: bytes, shm_dir: str = "/dev/shm"
+    ):
         super().__init__("none", retry_window_s, secret=secret)
         self.notice_gap_s = notice_gap_s
-        self._maps: dict[str, list[torch.Tensor]] = {}
+        self.shm_dir = shm_dir  # the only directory whose cache files this sender maps
+        self._maps: dict[tuple, list[torch.Tensor]] = {}
+
+    def caches_for(self, dest: KVDestination, num_layers: int) -> list[torch.Tensor]:
+        """The destination's cache files mapped (kept for its next transfers): KVFileRefused
+        when they are not a decode worker's cache files here (`map_peer_cache`), or its
+        blocks are not in them."""
+        key = (tuple(dest.shm_paths), tuple(dest.shm_shape), dest.shm_dtype)
+        caches = self._maps.get(key)
+        if caches is None:
+            for old in [k for k in self._maps if not os.path.exists(k[0][0])]:
+                del self._maps[old]  # its worker is gone: unmapping frees the memory its files held
+            caches = map_peer_cache(dest.shm_paths, dest.shm_shape, dest.shm_dtype, self.shm_dir, num_layers)
+            self._maps[key] = caches
+        num_blocks, block_size = dest.shm_shape[0], dest.shm_shape[1]
+        if block_size != dest.block_size:
+            raise KVFileRefused(f"block size {dest.block_size} does not match the cache layout {dest.shm_shape}")
+        if any(not 0 <= b < num_blocks for b in dest.block_ids):
+            raise KVFileRefused(f"block ids outside the destination cache's {num_blocks} blocks")
+        if len(dest.block_ids) * block_size < dest.num_tokens:
+            raise KVFileRefused(f"{len(dest.block_ids)} blocks cannot hold {dest.num_tokens} tokens")
+        return caches
 
     def begin(self, dest, num_layers):
-        if dest.shm_paths and dest.shm_paths[0] not in self._maps:
-            self._maps[dest.shm_paths[0]] = map_shared_cache(dest.shm_paths, dest.shm_shape, dest.shm_dtype)
+        try:
+            self.caches_for(dest, num_layers)
+        except KVFileRefused as e:
+            raise KVTransferError(f"shared-memory KV destination refused: {e}") from None
         super().begin(dest, num_layers)
 
     def save_layer(self, transfer_id, layer, token_start, k, v):
@@ -358,9 +438,16 @@ class ShmKVSender(TcpKVSender):
                 "a CUDA cache's rows there) or send over TCP"
             )
         t = self._transfers[transfer_id]
-        caches = self._maps[t.dest.shm_paths[0]]
-        slots, runs = self._destination(t, token_start, k.shape[0])
+        d = t.dest
+        caches = self._maps[(tuple(d.shm_paths), tuple(d.shm_shape), d.shm_dtype)]
         kc, vc = caches[2 * layer], caches[2 * layer + 1]
+        if tuple(k.shape[1:]) != tuple(kc.shape[-2:]) or token_start + k.shape[0] > len(d.block_ids) * d.block_size:
+            # a layout that does not fit this model: fail the transfer (its decode worker
+            # recomputes), never the step that produced it
+            t.error = f"{transfer_id}: K/V rows {tuple(k.shape)} do not fit the destination cache {tuple(kc.shape)}"
+            t.acked.set()
+            return
+        slots, runs = self._destination(t, token_start, k.shape[0])
         wire.copy_into_slots(kc.view(-1, *kc.shape[-2:]), slots, k, runs)
         wire.copy_into_slots(vc.view(-1, *vc.shape[-2:]), slots, v, runs)
         t.stats.bytes += 2 * k.numel() * kc.element_size()
@@ -402,8 +489,32 @@ def destination_slots(dest: KVDestination, start: int, n: int) -> torch.Tensor:
 
 
 def map_shared_cache(paths: list[str], shape: list[int], dtype: str) -> list[torch.Tensor]:
-    """Map a decode worker's KV cache files: [k0, v0, k1, v1, ...], each of `shape`."""
+    """Map (creating or growing them as needed) KV cache files: [k0, v0, k1, v1, ...], each
+    of `shape`. For caches this process owns; a peer's files go through `map_peer_cache`."""
     numel = 1
     for s in shape:
         numel *= s
     return [torch.from_file(p, shared=True, size=numel, dtype=wire.DTYPES[dtype]).view(shape) for p in paths]
+
+
+def map_peer_cache(paths: list[str], shape: list[int], dtype: str, shm_dir: str, num_layers: int):
+    """Map a decode worker's cache files, named in a request: each one checked first
+    (`open_peer_kv_file`: a pdserve cache file of this user in `shm_dir`, of exactly the
+    size `shape` and `dtype` give) and mapped through its open descriptor, so nothing is
+    created, grown or swapped. KVFileRefused says why not."""
+    if dtype not in wire.DTYPES:
+        raise KVFileRefused(f"unknown KV dtype {dtype!r}")
+    if len(shape) != 4 or any(not isinstance(s, int) or s <= 0 for s in shape):
+        raise KVFileRefused(f"cache shape {shape} is not [blocks, block size, KV heads, head dim]")
+    if len(paths) != 2 * num_layers:
+        raise KVFileRefused(f"{len(paths)} cache files for {num_layers} layers (one K and one V each)")
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    nbytes = numel * torch.empty((), dtype=wire.DTYPES[dtype]).element_size()
+    maps = []
+    for path in paths:
+        fd = open_peer_kv_file(path, shm_dir, nbytes)
+        try:
+            maps.append(torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=wire.DTYPES[dtype]))
+        finally:
+            os.close(fd)
+    return [m.view(shape) for m in maps]

@@ -84,7 +84,7 @@ def run(args) -> int:
         app, args.host, port, api.engine, args.shutdown_timeout, on_drain=tell_router, log_level="warning"
     )
     api.start_drain = server.start_drain  # /internal/drain: the router retires this worker
-    api.engine.on_load_failure = server.exit
+    api.engine.on_failure = server.exit
     api.exit = server.exit
     server.run()
     return server.status
@@ -125,7 +125,13 @@ def build(args, port: int):
         from pdserve.transfer.pull import PullKVExporter
 
         exporter = PullKVExporter(host=args.host, wire_mode=args.kv_wire, secret=secret)
-        sender = AutoKVSender(args.kv_wire, allow_shm=args.kv_transport == "auto", exporter=exporter, secret=secret)
+        sender = AutoKVSender(
+            args.kv_wire,
+            allow_shm=args.kv_transport == "auto",
+            exporter=exporter,
+            secret=secret,
+            shm_dir=args.kv_shm_dir,
+        )
     state = WorkerState()
 
     def make_engine():
@@ -172,7 +178,7 @@ def build(args, port: int):
         if not args.router:
             return
         await engine.ready.wait()
-        if engine.failure is not None:  # the process exits (on_load_failure): never register
+        if engine.failure is not None:  # the process exits (on_failure): never register
             return
         from pdserve import costmodel
         from pdserve.server import calibrate

@@ -59,6 +59,21 @@ def test_engine_that_failed_to_load_exits_2_and_says_why(tmp_path):
         assert "engine failed to load" in srv.log()
 
 
+def test_a_failed_step_answers_503_and_the_process_exits_1(server_model_dir):
+    """A step that raised leaves the engine in an unknown state: the requests in flight end with
+    503 at once (never a hang), and the process exits 1 so its supervisor restarts it (it had
+    stayed up, useless, still looking healthy to its router)."""
+    env = {"PDSERVE_KV_FAULT": "fail_step=0"}
+    with ServerProcess("--model", server_model_dir, *engine_flags(**TINY_ENGINE), env=env) as srv:
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 503, r.text
+        assert "step failed" in r.json()["error"]["message"]
+        assert srv.proc.wait(30) == 1
+        assert time.monotonic() - t0 < 30
+        assert "engine step failed" in srv.log()
+
+
 def test_sigterm_drains_then_ends_streams_with_an_error(server_model_dir):
     srv = one_seq_server(server_model_dir, "--shutdown-timeout", "0.5")
     try:

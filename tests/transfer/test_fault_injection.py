@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.faults import parse as parse_faults
+from pdserve.kv.shm_files import new_kv_paths
 from pdserve.transfer.auto import AutoKVSender
 from pdserve.transfer.connector import KVDestination
 from pdserve.transfer.receiver import KVReceiverServer
@@ -53,10 +54,10 @@ def test_injected_fault_heals(transport, fault, layer, tmp_path, caplog):
     line, the sender reconnects and resends, and the transfer completes, every byte in place.
     A cut connection heals the same way."""
     caplog.set_level(logging.INFO, "pdserve.transfer")
-    paths = [str(tmp_path / f"kv-{i}") for i in range(2 * LAYERS)] if transport == "shm" else []
+    paths = new_kv_paths(str(tmp_path), LAYERS) if transport == "shm" else []
     kv = caches(paths)
     rx = KVReceiverServer(kv, scheme=transport, secret=SECRET)
-    sender = ShmKVSender(secret=SECRET) if transport == "shm" else TcpKVSender(secret=SECRET)
+    sender = ShmKVSender(secret=SECRET, shm_dir=str(tmp_path)) if transport == "shm" else TcpKVSender(secret=SECRET)
     try:
         sender.inject_fault(f"{fault}={layer}")
         dest = KVDestination(

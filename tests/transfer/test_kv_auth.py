@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pdserve import auth
+from pdserve.kv.shm_files import new_kv_paths
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVTransferError
 from pdserve.transfer.pull import PullKVExporter
@@ -244,10 +245,14 @@ def test_nixl_receiver_gives_no_metadata_to_peers_without_the_secret(peer, quick
 def test_push_to_a_receiver_of_another_cluster_fails_at_once(transport, tmp_path):
     """The handshake is mutual: our sender will not send KV to an endpoint that cannot
     prove it holds our secret, and fails the transfer instead of retrying."""
-    paths = [str(tmp_path / f"kv-{i}") for i in range(2 * LAYERS)] if transport == "shm" else []
+    paths = new_kv_paths(str(tmp_path), LAYERS) if transport == "shm" else []
     kv = caches(paths)
     rx = KVReceiverServer(kv, scheme=transport, secret=OTHER)
-    sender = (ShmKVSender if transport == "shm" else TcpKVSender)(retry_window_s=30, secret=SECRET)
+    sender = (
+        ShmKVSender(retry_window_s=30, secret=SECRET, shm_dir=str(tmp_path))
+        if transport == "shm"
+        else TcpKVSender(retry_window_s=30, secret=SECRET)
+    )
     try:
         dest = destination(rx.address, paths=paths)
         rx.expect(dest, destination_slots(dest, 0, TOKENS), LAYERS, deadline_s=60)

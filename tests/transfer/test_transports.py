@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
-import uuid
 
 import pytest
 import torch
 
 from pdserve import auth
+from pdserve.kv.shm_files import new_kv_paths
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination
 from pdserve.transfer.pull import PullKVExporter
@@ -58,7 +58,7 @@ def _caches(paths=None):
 @pytest.fixture
 def shm_paths(tmp_path):
     base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
-    paths = [os.path.join(base, f"pdserve-test-{uuid.uuid4().hex[:8]}-{i}") for i in range(2 * LAYERS)]
+    paths = new_kv_paths(base, LAYERS)  # named as a decode worker names them: a sender maps no other
     yield paths
     for p in paths:
         if os.path.exists(p):
@@ -185,7 +185,9 @@ def test_nixl_posts_queued_layers_as_one_transfer():
         rx.expect(dest, slots, LAYERS, deadline_s=30)
         sender.begin(dest, LAYERS)
         sent = [(torch.randn(30, HEADS, DIM), torch.randn(30, HEADS, DIM)) for _ in range(LAYERS)]
-        with sender._send_lock:  # the sender thread cannot settle layer 0 before all are saved
+        with sender._count_lock:
+            lane = sender._lane(dest.address)
+        with lane.lock:  # the sender thread cannot settle layer 0 before all are saved
             for layer, (k, v) in enumerate(sent):
                 sender.save_layer("n1", layer, 0, k, v)
             assert sender.nixl_transfers == 1 and len(sender._unposted) == LAYERS - 1
