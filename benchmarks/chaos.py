@@ -439,7 +439,12 @@ COUNTERS = (
     "request_resumed_total",
 )
 # the launcher's front: these do not start again when the router restarts
-FRONT_COUNTERS = ("front_requests_resumed_total", "front_requests_retried_total", "front_requests_failed_total")
+FRONT_COUNTERS = (
+    "front_requests_resumed_total",
+    "front_requests_retried_total",
+    "front_requests_failed_total",
+    "front_internal_auth_refused_total",  # internal requests the front refused before the router saw them
+)
 
 
 def counters(dep: Deployment) -> dict[str, float]:
@@ -805,7 +810,12 @@ def fault_disconnects(ctx: Ctx) -> dict:
 def fault_fake_worker(ctx: Ctx) -> dict:
     dep = ctx.dep
     fake = {"worker_id": "chaos-fake", "url": "http://127.0.0.1:9", "role": "decode", "kv_address": "tcp://127.0.0.1:9"}
-    before = counters(dep).get("internal_auth_refused_total", 0)
+
+    def refusals() -> float:  # the front refuses those sent to it, the router those sent to it directly
+        c = counters(dep)
+        return c.get("internal_auth_refused_total", 0) + c.get("front_internal_auth_refused_total", 0)
+
+    before = refusals()
     answers = {}
     wrong = httpx.Client(auth=auth.http_auth(auth.new_token().encode()), timeout=10, trust_env=False)
     plain = httpx.Client(timeout=10, trust_env=False)
@@ -827,15 +837,15 @@ def fault_fake_worker(ctx: Ctx) -> dict:
         wrong.close()
         plain.close()
     listed = "chaos-fake" in dep.workers()
-    refused = counters(dep).get("internal_auth_refused_total", 0) - before
+    refused = refusals() - before
     ok = all(a == "401 ok" for a in answers.values()) and not listed and refused >= 4
     return {
         "ok": ok,
         "answers": answers,
         "fake_listed": listed,
-        "router_auth_refused": refused,
+        "auth_refused": refused,
         "check": f"{sum(a == '401 ok' for a in answers.values())}/{len(answers)} answered 401 (OpenAI-shaped); "
-        f"router counted {refused:.0f} refused; fake {'LISTED' if listed else 'not listed'}",
+        f"front and router counted {refused:.0f} refused; fake {'LISTED' if listed else 'not listed'}",
     }
 
 

@@ -7,9 +7,10 @@ the wire:
   exchange) open with a mutual challenge-response over fixed-size binary
   messages, before any frame is parsed (`kv_accept` / `kv_connect`).
 - Internal HTTP calls (worker registration and heartbeats, the router's calls
-  to workers, admin routes) carry an HMAC of the method, path, a timestamp, a
-  nonce and the body's digest (`sign_request`, `InternalAuth`); the receiver
-  refuses stale timestamps and replayed nonces.
+  to workers, admin routes) carry an HMAC of the method, path, the receiver
+  (host:port), a timestamp, a nonce and the body's length and digest
+  (`sign_request`, `InternalAuth`); the receiver refuses signatures for another
+  receiver, stale timestamps and replayed nonces, before it reads the body.
 
 Where the secret comes from, first match wins: `--cluster-token-file`, the
 environment variable `PDSERVE_CLUSTER_TOKEN`, or the per-user file
@@ -22,14 +23,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -167,19 +171,110 @@ def kv_connect(sock: socket.socket, secret: bytes, timeout_s: float = HANDSHAKE_
 
 
 # ---------------------------------------------------------------- internal HTTP
+#
+# The header, `X-PDServe-Auth: v2:<ts>:<nonce>:<length>:<sha256 of the body>:<mac>:<target>`,
+# where `target` is the receiver as the sender dialled it ("host:port", IPv6 in brackets) and
+# the MAC covers the method, the path (with the query), the target, the timestamp, the nonce
+# and the body's length and digest.
+#
+# - The MAC does not need the body: a receiver checks the header first (`Verifier.check_head`)
+#   and refuses an unsigned, forged, stale or replayed request before reading a byte of its
+#   body; then it reads at most the signed length and checks the digest (`check_body`).
+# - The target binds a signature to one receiver: each process keeps its own nonces, so
+#   without it a request captured on its way to one worker could be replayed once to every
+#   other process of the deployment. The receiver checks the target against the socket the
+#   request came in on (ASGI scope["server"]: uvicorn gives the connection's local address,
+#   also when it listens on 0.0.0.0), never against the Host header, which whoever replays
+#   chooses. See `_receiver_mismatch`.
+# - Headers of the first format ("ts:nonce:mac", no receiver) are refused: no downgrade.
 
 AUTH_HEADER = "x-pdserve-auth"
+WIRE_VERSION = "v2"
 MAX_SKEW_S = 300.0  # clocks of hosts in one deployment may differ this much
 MAX_SIGNED_BODY_BYTES = 64 << 20
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+_HEX = re.compile(r"[0-9a-f]+")
+_TARGET = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+)\]|(?P<host>[a-z0-9_.-]+)):(?P<port>[0-9]{1,5})")
 
 
-def sign_request(secret: bytes, method: str, path: str, body: bytes, now: float | None = None) -> str:
-    """The value of the `X-PDServe-Auth` header for one request."""
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an IP address (an IPv4-mapped IPv6 one as the IPv4 it maps, a zone id
+    dropped: it names an interface of one host only), or None for a host name."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def target_of(url: httpx.URL | str) -> str:
+    """The receiver a request to `url` is signed for: "host:port", the port explicit (80 for
+    http when the URL names none), an IPv6 literal in brackets, a host name in lower case."""
+    url = httpx.URL(url)
+    raw = url.raw_host.decode("ascii")
+    port = url.port or _DEFAULT_PORTS.get(url.scheme)
+    if port is None:
+        raise ValueError(f"cannot sign a request to {url}: no port and no default port for {url.scheme!r}")
+    ip = _ip(raw)
+    if ip is None:
+        host = raw.lower()
+    else:
+        host = f"[{ip.compressed}]" if ip.version == 6 else ip.compressed
+    return f"{host}:{port}"
+
+
+def _head_mac(
+    secret: bytes, method: str, path: str, target: str, ts: str, nonce: str, length: int, digest: str
+) -> bytes:
+    fields = (WIRE_VERSION, method.upper(), target, ts, nonce, str(length), digest)
+    return _mac(secret, *(f.encode() for f in fields), path.encode())  # the path, free-form, last
+
+
+def sign_request(secret: bytes, method: str, path: str, body: bytes, target: str, now: float | None = None) -> str:
+    """The value of the `X-PDServe-Auth` header for one request to `target` (`target_of(url)`)."""
+    if not _TARGET.fullmatch(target):
+        raise ValueError(f"not a receiver to sign for: {target!r} (want host:port, see target_of)")
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(16)
     digest = hashlib.sha256(body).hexdigest()
-    mac = _mac(secret, method.upper().encode(), path.encode(), ts.encode(), nonce.encode(), digest.encode())
-    return f"{ts}:{nonce}:{mac.hex()}"
+    mac = _head_mac(secret, method, path, target, ts, nonce, len(body), digest)
+    return f"{WIRE_VERSION}:{ts}:{nonce}:{len(body)}:{digest}:{mac.hex()}:{target}"
+
+
+def _receiver_mismatch(target: str, server, scheme: str) -> str | None:
+    """None when a signature for `target` may be accepted by the server whose end of the
+    connection is `server` (ASGI scope["server"]: (host, port)), else why not.
+
+    The port must be the connection's local port. An IP literal must also be its local
+    address (IPv4-mapped IPv6 counts as the IPv4 it maps, zone ids are ignored). A host name
+    ("localhost", a DNS name) cannot be checked against the socket and is accepted on the
+    port alone; so is an unspecified address (0.0.0.0, ::), which reaches this host on
+    whatever interface. Processes that share a port on one host but not a network namespace
+    are told apart by their addresses only when senders dial IP literals, as pdserve's
+    workers advertise them. A receiver behind NAT or a port mapping (reached at an address
+    or port that is not its socket's) refuses signed calls: advertise a name, and the port
+    it listens on."""
+    m = _TARGET.fullmatch(target)
+    if m is None:
+        return f"malformed receiver {target!r} in the {AUTH_HEADER} header"
+    if not server:
+        return "this server cannot tell its own address to check the signed receiver against"
+    local_host, local_port = str(server[0]), server[1]
+    if local_port is None:  # httpx's ASGITransport: the URL's host and port, None when the scheme's default
+        if local_host.startswith("/"):
+            return "this server listens on a Unix socket: no address to check the signed receiver against"
+        local_port = _DEFAULT_PORTS.get(scheme)
+    here = f"{local_host}:{local_port}"
+    if int(m["port"]) != local_port:
+        return f"signed for another receiver ({target}; this is {here})"
+    ip = _ip(m["ip6"] or m["host"])
+    if ip is None or ip.is_unspecified:
+        return None
+    if ip != _ip(local_host):
+        return f"signed for another receiver ({target}; this is {here})"
+    return None
 
 
 class _Nonces:
@@ -202,6 +297,14 @@ class _Nonces:
             return True
 
 
+@dataclass(frozen=True)
+class SignedHead:
+    """What an authentic header promises about the body that follows it."""
+
+    length: int
+    digest: str
+
+
 class Verifier:
     """Checks `X-PDServe-Auth` headers against the secret."""
 
@@ -211,48 +314,154 @@ class Verifier:
         self._nonces = _Nonces(max_skew_s)
         self.refused = 0  # requests refused by InternalAuth (a /metrics counter)
 
-    def check(self, header: str | None, method: str, path: str, body: bytes, now: float | None = None) -> str | None:
-        """None when the request is authentic, else why not."""
+    def check_head(
+        self,
+        header: str | None,
+        method: str,
+        path: str,
+        server,
+        scheme: str = "http",
+        now: float | None = None,
+    ) -> tuple[str | None, SignedHead | None]:
+        """(None, what the body must be) when the header is authentic, fresh, unused and signed
+        for this receiver (`server`: ASGI scope["server"]), else (why not, None). Needs no body;
+        spends the nonce."""
         if not header:
-            return f"missing {AUTH_HEADER} header (internal routes need the cluster token)"
+            return f"missing {AUTH_HEADER} header (internal routes need the cluster token)", None
+        parts = header.split(":", 6)
+        if parts[0] != WIRE_VERSION:
+            if len(header.split(":")) == 3:
+                return f"{AUTH_HEADER} header of an older pdserve (no receiver signed): upgrade the sender", None
+            return f"malformed {AUTH_HEADER} header", None
         try:
-            ts_s, nonce, mac_hex = header.split(":")
-            ts, mac = float(ts_s), bytes.fromhex(mac_hex)
+            _, ts_s, nonce, length_s, digest, mac_hex, target = parts
+            ts, length, mac = float(ts_s), int(length_s), bytes.fromhex(mac_hex)
+            if (
+                len(nonce) != 32
+                or len(digest) != 64
+                or not _HEX.fullmatch(nonce + digest)
+                or not length_s.isdigit()
+                or not _TARGET.fullmatch(target)
+            ):
+                raise ValueError
         except ValueError:
-            return f"malformed {AUTH_HEADER} header"
-        now = time.time() if now is None else now
-        digest = hashlib.sha256(body).hexdigest()
-        want = _mac(self.secret, method.upper().encode(), path.encode(), ts_s.encode(), nonce.encode(), digest.encode())
+            return f"malformed {AUTH_HEADER} header", None
+        want = _head_mac(self.secret, method, path, target, ts_s, nonce, length, digest)
         if not hmac.compare_digest(mac, want):
-            return "bad signature (wrong cluster token?)"
+            return "bad signature (wrong cluster token?)", None
+        now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_s:
-            return f"stale signature ({now - ts:+.0f} s; are the hosts' clocks in sync?)"
+            return f"stale signature ({now - ts:+.0f} s; are the hosts' clocks in sync?)", None
+        why = _receiver_mismatch(target, server, scheme)
+        if why is not None:
+            return why, None
         if not self._nonces.fresh(nonce, ts, now):
-            return "replayed request"
+            return "replayed request", None
+        return None, SignedHead(length, digest)
+
+    @staticmethod
+    def check_body(head: SignedHead, body: bytes) -> str | None:
+        """None when `body` is the one `head` was signed with, else why not."""
+        if len(body) != head.length or not hmac.compare_digest(hashlib.sha256(body).hexdigest(), head.digest):
+            return "the body does not match its signature"
         return None
+
+    def check(
+        self,
+        header: str | None,
+        method: str,
+        path: str,
+        body: bytes,
+        server,
+        scheme: str = "http",
+        now: float | None = None,
+    ) -> str | None:
+        """None when the request is authentic, else why not (`check_head`, then `check_body`)."""
+        why, head = self.check_head(header, method, path, server, scheme, now)
+        return why if why is not None else self.check_body(head, body)
 
 
 def http_auth(secret: bytes):
-    """An `httpx.Auth` that signs every request with the secret."""
+    """An `httpx.Auth` that signs every request with the secret, for the receiver it is sent to."""
 
     class _Signer(httpx.Auth):
         requires_request_body = True
 
         def auth_flow(self, request):
             request.headers[AUTH_HEADER] = sign_request(
-                secret, request.method, request.url.raw_path.decode(), request.content
+                secret, request.method, request.url.raw_path.decode(), request.content, target_of(request.url)
             )
             yield request
 
     return _Signer()
 
 
-class InternalAuth:
-    """ASGI middleware: requests under `prefixes` must be signed with the cluster secret.
+def _signed_path(scope) -> str:
+    query = scope.get("query_string", b"")
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    return raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
 
-    The body is read (bounded) to check its digest, then handed on unchanged.
-    Refusals are 401 in OpenAI's error shape, logged with the peer's address, and
-    reach no handler."""
+
+async def read_signed(
+    verifier: Verifier, scope, receive, send, max_body_bytes: int = MAX_SIGNED_BODY_BYTES, who: str = ""
+) -> bytes | None:
+    """The body of a signed request, or None when it was refused (the answer sent: 401 or 413,
+    the refusal logged and counted) or the client went away.
+
+    The header is checked before any of the body is read, and no more than the signed length
+    is ever read: an unauthenticated caller makes the server hold nothing."""
+    header = dict(scope["headers"]).get(AUTH_HEADER.encode())
+    why, head = verifier.check_head(
+        header.decode("latin-1") if header else None,
+        scope["method"],
+        _signed_path(scope),
+        scope.get("server"),
+        scope.get("scheme", "http"),
+    )
+    status = 401
+    if head is not None and head.length > max_body_bytes:
+        why, status = f"internal request body too large ({head.length} > {max_body_bytes} bytes)", 413
+    if why is None:
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > head.length:
+                why = f"the body is longer than the {head.length} bytes signed"
+                break
+            chunks.append(chunk)
+            more = msg.get("more_body", False)
+        else:
+            body = b"".join(chunks)
+            why = verifier.check_body(head, body)
+            if why is None:
+                return body
+    verifier.refused += 1
+    peer = scope.get("client") or ("?", 0)
+    log.warning(
+        "%srefused unauthenticated %s %s from %s:%s: %s",
+        who,
+        scope["method"],
+        scope["path"],
+        peer[0],
+        peer[1],
+        why,
+    )
+    await _refuse(send, status, why)
+    return None
+
+
+class InternalAuth:
+    """ASGI middleware: requests under `prefixes` must be signed with the cluster secret, for
+    this server.
+
+    The header is checked first, then the body (at most its signed length) against its
+    digest; then it is handed on unchanged. Refusals are 401 (413 for a body over
+    `max_body_bytes`) in OpenAI's error shape, logged with the peer's address, and reach no
+    handler."""
 
     def __init__(
         self,
@@ -269,30 +478,9 @@ class InternalAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(self.prefixes):
             return await self.app(scope, receive, send)
-        chunks, size, more = [], 0, True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return await self._refuse(scope, send, 413, "internal request body too large")
-            chunks.append(chunk)
-            more = msg.get("more_body", False)
-        body = b"".join(chunks)
-        header = dict(scope["headers"]).get(AUTH_HEADER.encode())
-        query = scope.get("query_string", b"")
-        raw_path = scope.get("raw_path") or scope["path"].encode()
-        path = raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-        why = self.verifier.check(header.decode("latin-1") if header else None, scope["method"], path, body)
-        if why is not None:
-            self.verifier.refused += 1
-            peer = scope.get("client") or ("?", 0)
-            log.warning(
-                "refused unauthenticated %s %s from %s:%s: %s", scope["method"], scope["path"], peer[0], peer[1], why
-            )
-            return await self._refuse(scope, send, 401, why)
+        body = await read_signed(self.verifier, scope, receive, send, self.max_body_bytes)
+        if body is None:
+            return
         sent = False
 
         async def replay():
@@ -304,23 +492,23 @@ class InternalAuth:
 
         await self.app(scope, replay, send)
 
-    @staticmethod
-    async def _refuse(scope, send, status: int, message: str) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "authentication_error" if status == 401 else "invalid_request_error",
-                    "param": None,
-                    "code": "cluster_auth" if status == 401 else None,
-                }
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "authentication_error" if status == 401 else "invalid_request_error",
+                "param": None,
+                "code": "cluster_auth" if status == 401 else None,
             }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -60,16 +60,18 @@ def test_kv_accept_gives_up_on_a_silent_peer():
 
 def test_signed_requests_verify_once_and_only_unchanged():
     v = auth.Verifier(SECRET)
-    h = auth.sign_request(SECRET, "POST", "/internal/reserve", b'{"a":1}')
-    assert v.check(h, "POST", "/internal/reserve", b'{"a":1}') is None
-    assert "replayed" in v.check(h, "POST", "/internal/reserve", b'{"a":1}')
-    h = auth.sign_request(SECRET, "POST", "/internal/reserve", b'{"a":1}')
-    assert "signature" in v.check(h, "POST", "/internal/reserve", b'{"a":2}')
-    assert "signature" in v.check(h, "POST", "/internal/abort", b'{"a":1}')
-    assert "signature" in v.check(auth.sign_request(b"x" * 20, "GET", "/p", b""), "GET", "/p", b"")
-    assert "stale" in v.check(auth.sign_request(SECRET, "GET", "/p", b"", now=1.0), "GET", "/p", b"")
-    assert "missing" in v.check(None, "GET", "/p", b"")
-    assert "malformed" in v.check("garbage", "GET", "/p", b"")
+    here = ("127.0.0.1", 8001)  # the server's end of the connection (ASGI scope["server"])
+    t = "127.0.0.1:8001"
+    h = auth.sign_request(SECRET, "POST", "/internal/reserve", b'{"a":1}', t)
+    assert v.check(h, "POST", "/internal/reserve", b'{"a":1}', here) is None
+    assert "replayed" in v.check(h, "POST", "/internal/reserve", b'{"a":1}', here)
+    h = auth.sign_request(SECRET, "POST", "/internal/reserve", b'{"a":1}', t)
+    assert "does not match" in v.check(h, "POST", "/internal/reserve", b'{"a":2}', here)
+    assert "signature" in v.check(h, "POST", "/internal/abort", b'{"a":1}', here)
+    assert "signature" in v.check(auth.sign_request(b"x" * 20, "GET", "/p", b"", t), "GET", "/p", b"", here)
+    assert "stale" in v.check(auth.sign_request(SECRET, "GET", "/p", b"", t, now=1.0), "GET", "/p", b"", here)
+    assert "missing" in v.check(None, "GET", "/p", b"", here)
+    assert "malformed" in v.check("garbage", "GET", "/p", b"", here)
 
 
 def _app(verifier):

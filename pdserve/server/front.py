@@ -16,6 +16,11 @@ every request to the router. What it adds is that a router crash loses nothing:
   unfinished choice on a worker from its prompt and tokens so far, under the same
   id: the client sees one stream with a pause in it.
 
+Internal routes (`/internal/*`) are the cluster's, not the public's: the front checks
+their signature (`auth.read_signed`: the header before any of the body, so an
+unauthenticated caller gets a 401 and makes the front buffer nothing) and signs them
+again for the router, which refuses a signature made out to another receiver.
+
 It parses no OpenAI body and keeps nothing but the streams in flight: a plain ASGI
 app over httpx, small enough not to be the part that fails. While it drains
 (SIGTERM to the launcher), new generation requests get 503 with `Retry-After`.
@@ -45,6 +50,7 @@ from pdserve.server.streaming import wait_disconnect
 log = logging.getLogger("pdserve.front")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+INTERNAL_PREFIX = "/internal/"  # the router guards these (auth.InternalAuth): so does the front
 # hop-by-hop headers, and those the front sets itself
 _DROPPED = {
     b"host",
@@ -59,6 +65,7 @@ _DROPPED = {
     b"date",
     b"server",
     TOKEN_IDS_HEADER.encode(),
+    auth.AUTH_HEADER.encode(),  # made out to the front: an internal request is signed again for the router
 }
 _DONE = b"data: [DONE]"
 RETRY_WINDOW_S = 60.0  # how long a request or a cut stream waits for the router to come back
@@ -121,13 +128,15 @@ class _Stream:
 
 class Front:
     """The ASGI app. `router_url`: where the router listens (loopback); `secret`: the cluster's,
-    to sign resumes; `max_body_bytes`: the router's --max-request-body-bytes."""
+    to check internal requests and to sign them (and resumes) for the router; `max_body_bytes`:
+    the router's --max-request-body-bytes."""
 
     def __init__(
         self, router_url: str, secret: bytes, max_body_bytes: int = 1 << 20, retry_window_s: float = RETRY_WINDOW_S
     ):
         self.router_url = router_url.rstrip("/")
         self.signer = auth.http_auth(secret)
+        self.verifier = auth.Verifier(secret)
         self.max_body_bytes = max_body_bytes
         self.retry_window_s = retry_window_s
         self.draining = False
@@ -144,8 +153,12 @@ class Front:
         try:
             if scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
                 await self._generation(scope, receive, send)
+            elif scope["path"].startswith(INTERNAL_PREFIX):
+                body = await auth.read_signed(self.verifier, scope, receive, send, who="front: ")
+                if body is not None:
+                    await self._forward(scope, body, send, signed=True)
             else:
-                await self._forward(scope, receive, send)
+                await self._forward(scope, await _read_body(receive, self.max_body_bytes), send)
         except _TooLarge as e:
             await _answer(send, APIError(413, str(e)))
         except _ClientGone:
@@ -167,16 +180,14 @@ class Front:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    # ---- everything but generation: forwarded as it is
-    async def _forward(self, scope, receive, send):
-        limit = auth.MAX_SIGNED_BODY_BYTES if scope["path"].startswith("/internal/") else self.max_body_bytes
-        body = await _read_body(receive, limit)
-        # a signed internal POST cannot be sent twice (its nonce is spent): its sender retries
-        once = scope["method"] == "POST" and scope["path"].startswith("/internal/")
+    # ---- everything but generation: forwarded as it is (internal requests, checked, signed again)
+    async def _forward(self, scope, body: bytes, send, signed: bool = False):
+        # an internal POST is not sent twice (it may have been applied): its sender retries
+        once = scope["method"] == "POST" and signed
         deadline = time.monotonic() + (0.0 if once else self.retry_window_s)
         while True:
             try:
-                resp = await self._http.send(self._request(scope, body))
+                resp = await self._http.send(self._request(scope, body), auth=self.signer if signed else None)
                 break
             except httpx.TransportError as e:
                 if time.monotonic() >= deadline:
@@ -217,6 +228,9 @@ class Front:
         ):
             name = f"pdserve:front_requests_{key}_total"
             lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {self.counters[key]}"]
+        name = "pdserve:front_internal_auth_refused_total"  # the router counts those it refuses itself
+        doc = "Internal requests the front refused for a missing, stale, replayed or wrong signature, unread."
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter", f"{name} {self.verifier.refused}"]
         return "\n".join(lines) + "\n"
 
     # ---- generation: retried and resumed
