@@ -75,6 +75,10 @@ class LLMEngine:
             self.bridge = PrefillBridge(kv_sender, self.model_config.num_hidden_layers, kv_layerwise)
         # Decode role: reserved requests not yet activated -> lease deadline
         self._reserved: dict[str, float] = {}
+        # the receiver each reservation's KV arrives through: told to stop writing into the
+        # blocks before they are freed (a frame still on its way must not land in another
+        # request's blocks)
+        self._receivers: dict[str, object] = {}
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
@@ -243,6 +247,7 @@ class LLMEngine:
         self._move_tiers()  # blocks it took may hold an evicted prefix: copy it out before the KV lands
         self.seqs[request_id] = seq
         self._reserved[request_id] = time.monotonic() + deadline_s
+        self._receivers[request_id] = receiver
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         table = bm.block_table(request_id)
         dest = KVDestination(
@@ -281,6 +286,7 @@ class LLMEngine:
         appended and decoding continues; without it (the prefill worker died or
         the transfer failed) the missing prompt tokens are recomputed here."""
         seq = self.seqs[request_id]
+        self._stop_receiving(request_id)
         self._reserved.pop(request_id, None)
         self.scheduler.remote.pop(request_id, None)
         if kv_complete:
@@ -349,11 +355,19 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         seq.finish_reason = FinishReason.ABORT
+        self._stop_receiving(request_id)  # before _finish frees the blocks
         self._reserved.pop(request_id, None)
         if self.bridge is not None:  # a prefill cut short: its KV transfer ends here too
             self.bridge.abort(request_id, "the request was aborted on the prefill worker")
         self._finish(seq)
         return True
+
+    def _stop_receiving(self, request_id: str) -> None:
+        """No more KV may land in this reservation's blocks: when this returns, the receiver
+        has written its last byte there (it drops the rest of a frame on its way)."""
+        receiver = self._receivers.pop(request_id, None)
+        if receiver is not None:
+            receiver.cancel(request_id)
 
     def has_unfinished_requests(self) -> bool:
         if self.scheduler.has_unfinished():
@@ -464,6 +478,7 @@ class LLMEngine:
         """Drop the engine's own state of a finished sequence (the scheduler has let it go)."""
         self.sampler.forget(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
+        self._receivers.pop(seq.seq_id, None)
         # keep finished sequences out of the table so ids can be reused and memory stays flat
         self.seqs.pop(seq.seq_id, None)
 

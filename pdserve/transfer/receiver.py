@@ -7,11 +7,25 @@ A frame for a transfer we do not expect (unknown, cancelled, expired) is read
 through a small fixed buffer and dropped: it can never land in blocks someone
 else owns now, nor make us allocate its size. A layer frame must carry exactly
 the K and V of its tokens; any other frame carries no payload.
+
+A frame already on its way when its transfer is cancelled must not land either: its
+blocks may belong to another request by then. Every write into a transfer's slots (the
+socket's copy straight into the cache, or the copy out of a staging buffer) happens in
+short steps under the transfer's `write_lock`, each after checking the transfer is still
+live, and a step never waits for the network. So `cancel` returns within one such step,
+and after it returns nothing more is written into those slots; the rest of the frame is
+read and dropped. (The caller must cancel before it hands the blocks to someone else.)
+
+A connection is dropped when its peer stalls inside a frame (`KV_STALL_TIMEOUT_S`) or
+sends no frame for `KV_IDLE_TIMEOUT_S`, and a listener serves at most
+`KV_MAX_CONNECTIONS` authenticated connections.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import select
 import socket
 import threading
 import time
@@ -25,24 +39,70 @@ from pdserve.transfer.connector import KVDestination, KVReceiver, KVTransferErro
 
 log = logging.getLogger("pdserve.transfer")
 
+# A sender writes a frame out of memory as soon as it began it: a peer that sends nothing for
+# this long inside a frame is gone or hostile, and its partial frame is dropped with it.
+KV_STALL_TIMEOUT_S = 30.0
+# No transfer outlives the longest reservation lease (max_kv_lease_s, 600 s by default), so a
+# connection with no frame for longer carries nothing anybody waits for. A sender whose pooled
+# connection was closed reconnects (and resends) on its next frame.
+KV_IDLE_TIMEOUT_S = 600.0
+# Each prefill worker keeps one connection to a decode worker (two while it reconnects), so
+# this is a far larger cluster than we run; it bounds the threads (two a connection) and
+# staging buffers that authenticated peers can make us hold.
+KV_MAX_CONNECTIONS = 128
+# The most bytes one locked step copies off the socket into the cache: bounds how long
+# `cancel` can wait for a write in progress (a memcpy of this much).
+_WRITE_STEP_BYTES = 8 << 20
+# Receivers whose cache a sender writes itself, then sends in-place notices.
+_WRITTEN_IN_PLACE = ("shm", "nixl")
+
+
+class _Coverage:
+    """The token positions of one layer that frames landed: disjoint sorted [lo, hi) runs
+    (touching runs merged), so a range sent twice, or overlapping another, counts once."""
+
+    __slots__ = ("_starts", "_ends", "total")
+
+    def __init__(self):
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.total = 0  # positions covered
+
+    def add(self, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        i = bisect.bisect_left(self._ends, lo)  # first run ending at or after lo
+        j = bisect.bisect_right(self._starts, hi)  # first run starting after hi
+        if i < j:  # runs i..j-1 overlap or touch [lo, hi): merge them into it
+            self.total -= sum(b - a for a, b in zip(self._starts[i:j], self._ends[i:j]))
+            lo, hi = min(lo, self._starts[i]), max(hi, self._ends[j - 1])
+        self._starts[i:j], self._ends[i:j] = [lo], [hi]
+        self.total += hi - lo
+
+    def runs(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends))
+
 
 @dataclass
 class _Expected:
     dest: KVDestination
     slots: torch.Tensor
     num_layers: int
-    covered: list[set] = field(default_factory=list)  # per layer: received (start, n) ranges
+    covered: list[_Coverage] = field(default_factory=list)  # per layer: token positions landed
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     stats: TransferStats = field(default_factory=TransferStats)
     runs: dict = field(default_factory=dict)  # (offset, n) -> runs of consecutive slots
+    # held for each step that writes into `slots`; `live` turns False under it on cancel
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    live: bool = True
 
     @property
     def tokens(self) -> int:
         return self.dest.num_tokens - self.dest.start_token
 
     def layer_complete(self, layer: int) -> bool:
-        return sum(n for _, n in self.covered[layer]) >= self.tokens
+        return self.covered[layer].total >= self.tokens
 
 
 class KVReceiverServer(KVReceiver):
@@ -54,12 +114,19 @@ class KVReceiverServer(KVReceiver):
         scheme: str = "tcp",
         *,
         secret: bytes,
+        stall_timeout_s: float = KV_STALL_TIMEOUT_S,
+        idle_timeout_s: float = KV_IDLE_TIMEOUT_S,
+        max_connections: int = KV_MAX_CONNECTIONS,
     ):
         self.kv_caches = kv_caches
         self.secret = wire.require_secret(secret)
+        self.scheme = scheme
+        # server-side bounds: no header field can lengthen or lift them
+        self.stall_timeout_s = stall_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
-        self._listener = wire.KVListener(host, port, secret, self._serve, "kv-recv")
+        self._listener = wire.KVListener(host, port, secret, self._serve, "kv-recv", max_connections=max_connections)
         self.address = f"{scheme}://{host}:{self._listener.port}"
         self._closed = False
 
@@ -68,14 +135,22 @@ class KVReceiverServer(KVReceiver):
         """Connections closed because the peer failed the cluster handshake."""
         return self._listener.refused
 
+    @property
+    def connections(self) -> int:
+        """Authenticated connections being served now (pull connections not counted)."""
+        return self._listener.active
+
     # ---- contract
     def expect(self, dest, slots, num_layers, deadline_s):
         # deadline_s is not kept here: the engine holds the reservation's lease and, once
         # it runs out, frees the blocks and the worker cancels the transfer
-        e = _Expected(dest, slots, num_layers, covered=[set() for _ in range(num_layers)])
+        e = _Expected(dest, slots, num_layers, covered=[_Coverage() for _ in range(num_layers)])
         e.stats.started_s = time.monotonic()
         with self._lock:
+            old = self._expected.get(dest.transfer_id)
             self._expected[dest.transfer_id] = e
+        if old is not None:  # the same id again: the old reservation's blocks are gone
+            self._retire(old)
 
     def wait_for_all(self, transfer_id, timeout_s):
         e = self._get(transfer_id)
@@ -90,8 +165,12 @@ class KVReceiverServer(KVReceiver):
         return e is not None and (e.tokens <= 0 or (e.done.is_set() and not e.error))
 
     def cancel(self, transfer_id):
+        """Forget a transfer. Once this returns, nothing more is written into its slots: a
+        frame of it still arriving is read and dropped. Call it before the blocks are freed."""
         with self._lock:
-            self._expected.pop(transfer_id, None)
+            e = self._expected.pop(transfer_id, None)
+        if e is not None:
+            self._retire(e)
 
     def fail(self, transfer_id: str, reason: str) -> None:
         """Give up on a transfer now (its sender is known to be gone): waiters wake with
@@ -138,6 +217,11 @@ class KVReceiverServer(KVReceiver):
             raise KVTransferError(f"no transfer {transfer_id!r} is expected here")
         return e
 
+    @staticmethod
+    def _retire(e: _Expected) -> None:
+        with e.write_lock:  # waits for a write step in progress: a memcpy, never the network
+            e.live = False
+
     def _fail(self, transfer_id: str, reason: str) -> None:
         with self._lock:
             e = self._expected.get(transfer_id)
@@ -159,7 +243,7 @@ class KVReceiverServer(KVReceiver):
         i = 0
         try:
             while True:
-                header = wire.recv_header(sock)
+                header = wire.recv_header_within(sock, self.idle_timeout_s, self.stall_timeout_s)
                 if header is None:
                     return
                 if header["nbytes"]:
@@ -169,8 +253,18 @@ class KVReceiverServer(KVReceiver):
                         continue
                     e, views = admitted[0], self._direct_views(*admitted, header)
                     if views is not None:  # raw KV into few slot runs: straight into the cache
-                        for view in views:
-                            wire.recv_exact(sock, memoryview(view.view(torch.uint8).numpy()).cast("B"))
+                        left = self._receive_into_slots(sock, e, views)
+                        if left:
+                            log.warning(
+                                "transfer %s was cancelled while %s sent a layer-%s frame of it: "
+                                "dropping its last %d bytes unwritten",
+                                e.dest.transfer_id,
+                                peer,
+                                header.get("layer"),
+                                left,
+                            )
+                            wire.discard(sock, left)
+                            continue
                         self._mark_landed(e, header)
                         continue
                     if landing[i] is not None:
@@ -187,15 +281,58 @@ class KVReceiverServer(KVReceiver):
                     wire.send_frame(sock, *reply)
                 elif reply is not None:
                     wire.send_frame(sock, reply)
+        except wire.IdleTimeout as err:
+            log.info("closing the KV connection with %s: idle: %s", peer, err)
         except wire.FrameError as err:
             # a peer that breaks the protocol loses this connection; a sender retries on a new one
             log.warning("closing the KV connection with %s: bad frame: %s", peer, err)
+        except TimeoutError:
+            log.warning(
+                "dropping the KV connection with %s: it sent nothing for %gs inside a frame; "
+                "the partial frame is discarded",
+                peer,
+                self.stall_timeout_s,
+            )
         except OSError as err:
             # The sender retries on a new connection; the deadline fails what never comes.
             log.info("KV connection with %s closed: %s", peer, err)
         finally:
             pool.shutdown(wait=True)
             sock.close()
+
+    def _receive_into_slots(self, sock: socket.socket, e: _Expected, views: list[torch.Tensor]) -> int:
+        """Receive a frame's payload straight into `views` (the transfer's cache rows).
+
+        Waits for bytes with the lock released, then takes what has arrived (never waiting)
+        under `e.write_lock`, after checking the transfer is still live. Returns 0 once it
+        all landed, or the bytes still to come when the transfer was cancelled mid-frame (the
+        caller drops them). TimeoutError when the peer stalls."""
+        bufs = [memoryview(v.view(torch.uint8).numpy()).cast("B") for v in views]
+        left = sum(b.nbytes for b in bufs)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        wait_ms = max(1, int(self.stall_timeout_s * 1000))
+        sock.settimeout(0.0)
+        try:
+            for buf in bufs:
+                got = 0
+                while got < len(buf):
+                    if not poller.poll(wait_ms):
+                        raise TimeoutError(f"no byte in {self.stall_timeout_s:g}s")
+                    with e.write_lock:
+                        if not e.live:
+                            return left
+                        try:
+                            n = sock.recv_into(buf[got : got + _WRITE_STEP_BYTES])
+                        except BlockingIOError:
+                            continue
+                    if n == 0:
+                        raise wire.FrameError("peer closed the connection mid-frame")
+                    got += n
+                    left -= n
+        finally:
+            sock.settimeout(self.stall_timeout_s)
+        return 0
 
     def _on_frame(self, h: dict, payload) -> dict | None:
         tid, op = h.get("tid"), h.get("op")
@@ -211,6 +348,8 @@ class KVReceiverServer(KVReceiver):
             if "layers" in h:  # an in-place notice naming several landed layers
                 if not h.get("inplace") or not isinstance(h["layers"], list):
                     raise wire.FrameError("only an in-place notice may name several layers")
+                if len(h["layers"]) > e.num_layers:
+                    raise wire.FrameError(f"an in-place notice names {len(h['layers'])} layers")
                 for layer in h["layers"]:
                     self._land_layer(e, dict(h, layer=layer), None)
             else:
@@ -270,6 +409,12 @@ class KVReceiverServer(KVReceiver):
 
     def _land_layer(self, e: _Expected, h: dict, payload) -> None:
         layer, start, n, lo = self._check_range(e, h)
+        if h.get("inplace") and self.scheme not in _WRITTEN_IN_PLACE:
+            # only a sender that wrote into our cache itself (shared memory, RDMA) may say a
+            # layer landed without sending it; here it would count tokens that never arrived
+            raise wire.FrameError(
+                f"an in-place notice, but senders cannot write into this {self.scheme} receiver's cache"
+            )
         if not h.get("inplace") and n:
             if payload is None:
                 raise wire.FrameError(f"layer frame for {n} tokens without their K and V")
@@ -281,14 +426,23 @@ class KVReceiverServer(KVReceiver):
             slots = e.slots[lo : lo + n]
             runs = wire.slot_runs(slots)  # from the host copy of the slots, once for K and V
             slots = host_copy.to_device(slots, k_cache.device)  # a scatter indexes on the cache's device
-            wire.copy_into_slots(k_cache.view(-1, *shape[1:]), slots, k, runs)
-            wire.copy_into_slots(v_cache.view(-1, *shape[1:]), slots, v, runs)
+            with e.write_lock:  # cancelled since the frame was admitted: its slots may be reused
+                if not e.live:
+                    log.warning(
+                        "transfer %s was cancelled before its layer-%d frame landed: dropped unwritten",
+                        e.dest.transfer_id,
+                        layer,
+                    )
+                    return
+                wire.copy_into_slots(k_cache.view(-1, *shape[1:]), slots, k, runs)
+                wire.copy_into_slots(v_cache.view(-1, *shape[1:]), slots, v, runs)
         self._mark_landed(e, h)
 
     def _mark_landed(self, e: _Expected, h: dict) -> None:
         layer = int(h["layer"])
+        lo = int(h["start"]) - e.dest.start_token  # checked by _check_range
         with self._lock:  # frames of one layer may land from two threads
             if not h.get("inplace"):
                 e.stats.bytes += h["nbytes"]
-            e.covered[layer].add((int(h["start"]), int(h["n"])))
+            e.covered[layer].add(lo, lo + int(h["n"]))
             e.stats.layers += 1

@@ -34,9 +34,11 @@ MAX_HEADER_BYTES = 1 << 16
 # No frame is larger: one layer of one chunk. A 128k-token prompt of a 70B model (8 KV heads
 # of 128, bf16) is 512 MiB per layer frame, float32 1 GiB.
 MAX_FRAME_BYTES = 1 << 31
-# Threads an unauthenticated peer can hold at once, each for at most the handshake timeout;
-# the accept loop waits for a free one (a legitimate handshake takes one round trip).
-MAX_PENDING_HANDSHAKES = 64
+# Threads unauthenticated peers can hold at once, each for at most the handshake timeout. A
+# pending handshake costs a small thread and a socket, so there are plenty; when they are all
+# taken, the oldest is dropped for the new connection (a legitimate handshake takes one round
+# trip, so silent peers cannot keep it out unless they open this many connections within it).
+MAX_PENDING_HANDSHAKES = 128
 _DISCARD_CHUNK = 1 << 16
 DTYPES = {
     "float32": torch.float32,
@@ -50,6 +52,10 @@ WIRE_MODES = ("none", "int8", "fp8")
 
 class FrameError(ConnectionError):
     pass
+
+
+class IdleTimeout(ConnectionError):
+    """No frame began within a connection's idle timeout (`recv_header_within`)."""
 
 
 def require_secret(secret: bytes) -> bytes:
@@ -98,7 +104,33 @@ def recv_header(sock: socket.socket, max_payload: int = MAX_FRAME_BYTES) -> dict
         return None
     if len(first) < _LEN.size:
         raise FrameError("connection closed inside a frame length")
-    (n,) = _LEN.unpack(first)
+    return _read_header(sock, first, max_payload)
+
+
+def recv_header_within(
+    sock: socket.socket, idle_s: float, stall_s: float, max_payload: int = MAX_FRAME_BYTES
+) -> dict | None:
+    """`recv_header` under two timeouts: IdleTimeout when no frame begins within `idle_s`,
+    TimeoutError when the peer, once a frame began, sends nothing for `stall_s`. Leaves the
+    socket's timeout at `stall_s` (for the payload that follows)."""
+    sock.settimeout(idle_s)
+    try:
+        first = sock.recv(_LEN.size)
+    except TimeoutError:
+        raise IdleTimeout(f"no frame in {idle_s:g}s") from None
+    finally:
+        sock.settimeout(stall_s)
+    if not first:
+        return None
+    if len(first) < _LEN.size:
+        rest = bytearray(_LEN.size - len(first))
+        recv_exact(sock, memoryview(rest))
+        first += rest
+    return _read_header(sock, first, max_payload)
+
+
+def _read_header(sock: socket.socket, length: bytes, max_payload: int) -> dict:
+    (n,) = _LEN.unpack(length)
     if n > MAX_HEADER_BYTES:
         raise FrameError(f"frame header of {n} bytes is larger than allowed")
     raw = bytearray(n)
@@ -139,18 +171,42 @@ def peer_name(sock: socket.socket) -> str:
 class KVListener:
     """A listening socket whose connections each get a thread that runs the cluster
     handshake and, only if the peer passed it, `handler(sock)`. A refused connection is
-    closed, logged with the peer's address, and counted in `refused`."""
+    closed, logged with the peer's address, and counted in `refused`.
 
-    def __init__(self, host: str, port: int, secret: bytes, handler, name: str):
+    At most `max_pending` connections are in the handshake at once; a new one beyond that
+    drops the oldest still pending. At most `max_connections` (None: no cap) authenticated
+    connections are served at once; one beyond that is closed, logged, and counted in
+    `over_limit`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: bytes,
+        handler,
+        name: str,
+        *,
+        max_connections: int | None = None,
+        max_pending: int | None = None,
+    ):
         self.secret = require_secret(secret)
         self.refused = 0
+        self.over_limit = 0
+        self.max_connections = max_connections
+        self.max_pending = max_pending or MAX_PENDING_HANDSHAKES
         self._handler, self._name = handler, name
         self._sock = socket.create_server((host, port))
         self.port = self._sock.getsockname()[1]
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._pending = threading.BoundedSemaphore(self.max_pending)
+        self._handshaking: dict[int, socket.socket] = {}  # in the handshake, oldest first
+        self._active = 0  # authenticated connections being served
         self._count_lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+
+    @property
+    def active(self) -> int:
+        return self._active
 
     def close(self) -> None:
         self._closed = True
@@ -161,11 +217,9 @@ class KVListener:
 
     def _accept_loop(self) -> None:
         while True:
-            self._pending.acquire()
             try:
                 sock, addr = self._sock.accept()
             except OSError as e:
-                self._pending.release()
                 if self._closed:
                     return
                 # out of descriptors under a flood of connections, or one reset before we took
@@ -173,12 +227,38 @@ class KVListener:
                 log.warning("accepting a KV connection failed: %s", e)
                 time.sleep(0.05)
                 continue
+            if not self._pending.acquire(blocking=False):
+                self._drop_oldest_handshake()  # its thread frees its slot at once
+                self._pending.acquire()
+            with self._count_lock:
+                self._handshaking[id(sock)] = sock
             threading.Thread(target=self._authenticated, args=(sock, addr), name=self._name, daemon=True).start()
+
+    def _drop_oldest_handshake(self) -> None:
+        """Every handshake slot is taken: end the oldest handshake (its thread then sees the
+        connection closed, refuses it and frees its slot)."""
+        with self._count_lock:
+            if not self._handshaking:
+                return
+            key = next(iter(self._handshaking))
+            sock = self._handshaking.pop(key)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _authenticated(self, sock: socket.socket, addr) -> None:
         try:
-            auth.kv_accept(sock, self.secret)
+            try:
+                auth.kv_accept(sock, self.secret)
+            finally:
+                with self._count_lock:
+                    dropped = self._handshaking.pop(id(sock), None) is None
+            if dropped:
+                raise auth.AuthError("handshake dropped")
         except OSError as e:  # AuthError, or the peer reset the connection
+            if dropped:
+                e = f"still unauthenticated when all {self.max_pending} handshake slots were taken ({e})"
             log.warning("refused KV connection from %s:%s: %s", addr[0], addr[1], e)
             with self._count_lock:
                 self.refused += 1
@@ -186,7 +266,27 @@ class KVListener:
             return
         finally:
             self._pending.release()
-        self._handler(sock)
+        with self._count_lock:
+            full = self.max_connections is not None and self._active >= self.max_connections
+            if full:
+                self.over_limit += 1
+            else:
+                self._active += 1
+        if full:
+            log.warning(
+                "refused KV connection from %s:%s: %d KV connections are open, the most this %s endpoint serves",
+                addr[0],
+                addr[1],
+                self.max_connections,
+                self._name,
+            )
+            sock.close()
+            return
+        try:
+            self._handler(sock)
+        finally:
+            with self._count_lock:
+                self._active -= 1
 
 
 class StagingBuffer:

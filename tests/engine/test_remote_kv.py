@@ -55,6 +55,29 @@ def test_reserved_requests_wait_for_remote_kv_and_free_on_abort(decode_engine):
     assert not engine.scheduler.remote and engine.num_free_blocks == 40
 
 
+@pytest.mark.parametrize("how", ["abort", "expire"])
+def test_the_receiver_stops_writing_before_the_blocks_are_freed(decode_engine, monkeypatch, how):
+    """A frame still on its way when a reservation ends must not land in blocks that another
+    request may get next: the engine cancels the transfer while the blocks are still this
+    reservation's, and only then frees them."""
+    engine, receiver = decode_engine
+    held_at_cancel = []
+    cancel = receiver.cancel
+
+    def watched(tid):
+        held_at_cancel.append(engine.num_free_blocks < 40)
+        cancel(tid)
+
+    monkeypatch.setattr(receiver, "cancel", watched)
+    engine.reserve_for_transfer("t", list(range(10, 30)), SamplingParams(max_tokens=4), receiver, deadline_s=30)
+    if how == "abort":
+        engine.abort_request("t")
+    else:
+        assert engine.expire_reservations(now=time.monotonic() + 60) == ["t"]
+    assert held_at_cancel == [True] and engine.num_free_blocks == 40
+    assert not engine._receivers
+
+
 def test_admission_refuses_when_the_pool_is_short(decode_engine):
     engine, receiver = decode_engine
     params = SamplingParams(max_tokens=2)
