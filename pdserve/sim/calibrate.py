@@ -45,7 +45,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_info
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step_trace import read
-from pdserve.sim.latency import ProfileLatency, StepShape
+from pdserve.sim.latency import SLOW_OUTLIER, ProfileLatency, StepShape
 from pdserve.testing.serve import Serve
 
 # Batches of the size a CPU engine serves (up to 8 sequences, prompts up to 2,048 tokens): the
@@ -159,7 +159,29 @@ def calibrate(threads: int = 1, model: str | None = None, log=print) -> ProfileL
         f"calibrated on {len(d.samples)} steps in {time.perf_counter() - t0:.1f} s: "
         + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef))
     )
+    fit_warnings(prof, d.samples, log)
     return prof
+
+
+# A fit whose steps scatter more than this around it (relative RMS, the left-out slow steps
+# aside) describes a busy machine, not the engine.
+NOISY_FIT = 0.25
+
+
+def fit_warnings(prof: ProfileLatency, samples: list[tuple[StepShape, float]], log=print) -> None:
+    """Say what the fit left out, and when its steps scatter too much to trust it."""
+    if prof.num_slow_dropped:
+        log(
+            f"left out {prof.num_slow_dropped} of {len(samples)} steps that ran more than "
+            f"{SLOW_OUTLIER:g}x their fit (something else had the CPU)"
+        )
+    kept = [(s, t) for s, t in samples if t <= SLOW_OUTLIER * prof.step_s(s)]
+    rms = relative_rms(prof, kept)
+    if rms > NOISY_FIT:
+        log(
+            f"warning: the steps scatter {rms:.0%} (RMS) around this fit: the machine was probably busy; "
+            "calibrate again on an idle machine before trusting the profile"
+        )
 
 
 # ---- profiles from served steps
@@ -275,6 +297,7 @@ def fit_trace(
         + ", ".join(f"{k}={v:.3g}" for k, v in zip("abcdefgh", prof.coef))
         + f"; request round trip {1000 * prof.request_rtt_s:.1f} ms"
     )
+    fit_warnings(prof, samples, log)
     return prof
 
 

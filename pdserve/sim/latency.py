@@ -223,6 +223,34 @@ FEATURES = (
 
 
 FIT_ROUNDS = 4  # the first weighs rows by 1/measured, the rest by 1/predicted
+# A step that took more than this many times its fit was slowed by something else (another
+# process on a busy machine, a page fault storm): such steps once priced every prefill 0.45 s
+# high. The slowest of those, up to MAX_SLOW_SHARE of the steps, are left out and the rest
+# refitted; a busier machine than that is reported, not papered over.
+SLOW_OUTLIER = 2.0
+MAX_SLOW_SHARE = 0.1
+
+
+def _fit_relative(x0: np.ndarray, y0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative least squares on relative error, iteratively reweighted by 1/predicted;
+    each round leaves out the slow outliers of the last (see SLOW_OUTLIER: weighed by
+    1/predicted, a step 20x its fit would otherwise pull hardest of all). Returns the
+    coefficients and which rows they were fitted on."""
+    n = len(y0)
+    keep = np.ones(n, dtype=bool)
+    scale = y0
+    coef = nonnegative_lstsq(x0 / scale[:, None], y0 / scale)
+    for _ in range(FIT_ROUNDS):
+        pred = x0 @ coef
+        if not np.all(pred > 0):
+            break
+        ratio = y0 / pred
+        slow = np.argsort(-ratio)[: int(MAX_SLOW_SHARE * n)]
+        keep = np.ones(n, dtype=bool)
+        keep[slow[ratio[slow] > SLOW_OUTLIER]] = False
+        scale = pred
+        coef = nonnegative_lstsq(x0[keep] / scale[keep, None], y0[keep] / scale[keep])
+    return coef, keep
 
 
 @dataclass
@@ -236,6 +264,7 @@ class ProfileLatency(LatencyModel):
     source: str = ""
     samples: list[dict] = field(default_factory=list)  # what was measured, kept with the fit
     num_blocks: int = 0  # the measured engine's KV pool, a default for simulated instances
+    num_slow_dropped: int = 0  # steps left out of the fit for running > SLOW_OUTLIER x their fit
     block_size: int = 16
     row_tile: int = 0  # g's staircase (see FEATURES); 0: no such term
     tile_max_rows: int = 0
@@ -304,21 +333,19 @@ class ProfileLatency(LatencyModel):
 
         Rows are weighted by 1/predicted, refitted a few times (iteratively reweighted): weighting
         by 1/measured instead favours the steps that ran fast, and on a machine whose steps
-        vary by +-10% that priced served steps 6% low on average."""
+        vary by +-10% that priced served steps 6% low on average.
+
+        Steps that ran more than SLOW_OUTLIER times their fit (at most the slowest
+        MAX_SLOW_SHARE of them) are then left out and the rest refitted: noise on a shared
+        machine only ever slows a step, and least squares follows a few such steps far."""
         shape = cls(
             coef=[0.0] * len(FEATURES), row_tile=kw.get("row_tile", 0), tile_max_rows=kw.get("tile_max_rows", 0)
         )
         x0 = np.array([shape.features(s) for s, _ in samples])
         y0 = np.array([t for _, t in samples])
-        scale = y0
-        for _ in range(FIT_ROUNDS):
-            coef = nonnegative_lstsq(x0 / scale[:, None], y0 / scale)
-            pred = x0 @ coef
-            if not np.all(pred > 0):
-                break
-            scale = pred
+        coef, keep = _fit_relative(x0, y0)
         rows = [{**asdict(s), "measured_s": t} for s, t in samples]
-        return cls(coef=coef.tolist(), samples=rows, **kw)
+        return cls(coef=coef.tolist(), samples=rows, num_slow_dropped=int((~keep).sum()), **kw)
 
     def save(self, path: str) -> None:
         d = {

@@ -214,3 +214,26 @@ def test_profile_prices_each_pass_of_a_small_decode_batch_over_the_weights():
     assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-12)
     got = fit.decode_steps_s(6, 600, 5)
     assert np.allclose(got, [fit.step_s(StepShape(decode_seqs=6, decode_context=600 + 6 * i)) for i in range(5)])
+
+
+def test_profile_fit_leaves_out_steps_a_busy_machine_slowed():
+    """A few steps of a calibration on a shared machine took 5-10x their time (another process
+    had the CPU): least squares followed them and priced every prefill step 0.45 s high. The
+    slowest, up to a tenth of the steps, are left out when they ran > 2x their fit."""
+    truth = ProfileLatency([0.004, 2e-4, 1e-3, 5e-7, 0.0, 0.05])
+    shapes = [
+        StepShape(prefill_tokens=p, prefill_seqs=1 if p else 0, decode_seqs=b, decode_context=b * c)
+        for p in (0, 64, 512, 1024)
+        for b in (0, 1, 4, 8)
+        for c in (64, 512)
+        if p or b
+    ] * 2
+    measured = [(s, truth.step_s(s)) for s in shapes]
+    for i in (3, 17, 31):  # three prefill-heavy steps, descheduled for seconds
+        measured[i] = (measured[i][0], measured[i][1] * 8 + 2.0)
+    fit = ProfileLatency.fit(measured)
+    assert fit.num_slow_dropped == 3
+    assert np.allclose(fit.coef, truth.coef, rtol=1e-6, atol=1e-9)
+    # beyond a tenth of the steps it is the machine, not noise: they stay, and the fit shows it
+    crowded = [(s, t * (5 if i % 4 == 0 else 1)) for i, (s, t) in enumerate(measured)]
+    assert ProfileLatency.fit(crowded).num_slow_dropped == len(crowded) // 10
