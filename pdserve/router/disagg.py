@@ -314,7 +314,15 @@ class DisaggEngine:
             last_s = now
             gone = self.registry.expire(now)
             if gone:
-                log.warning("no heartbeat from %s for %.1f s: counted dead", ", ".join(gone), self.registry.timeout_s)
+                # a worker that drained (retired, or stopped by its operator) went quiet on purpose
+                drained = [wid for wid in gone if (w := self.registry.get(wid)) is not None and w.draining]
+                lost = [wid for wid in gone if wid not in drained]
+                if drained:
+                    log.info("%s drained and stopped", ", ".join(drained))
+                if lost:
+                    log.warning(
+                        "no heartbeat from %s for %.1f s: counted dead", ", ".join(lost), self.registry.timeout_s
+                    )
                 self.workers_lost(gone)
             self.refresh_stats()  # also after workers found dead by failed calls
             await asyncio.sleep(period_s)

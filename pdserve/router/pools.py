@@ -9,6 +9,12 @@ change it: an operator (`pdserve scale`, the admin route), the autoscaler
 Getting there is split by who can do what:
 - **Growing** needs a new process: the supervisor polls the wanted sizes and
   starts workers. Without a supervisor, an operator starts them by hand.
+
+A pool nobody gave a size to is not managed: the router neither grows nor
+shrinks it. So on a deployment started by hand, `pdserve scale --decode 2`
+manages the decode pool only, and a prefill worker started by hand later joins
+as it always did (it once was retired at once: the command had pinned the
+prefill pool at its size of that moment).
 - **Shrinking** needs only a drain: the router picks the worker to retire,
   stops placing work on it at once, and asks it to drain (`/internal/drain`):
   its requests in flight finish, then it exits 0, which a supervisor takes as
@@ -29,7 +35,7 @@ MAX_POOL_SIZE = 256  # a typo in a scale command must not ask for ten thousand p
 
 @dataclass
 class PoolSizes:
-    wanted: dict[str, int] | None = None  # None: nobody said yet (fresh router)
+    wanted: dict[str, int] | None = None  # None: nobody said yet (fresh router); a role absent: unmanaged
     min_size: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     max_size: dict[str, int] = field(default_factory=lambda: {"prefill": MAX_POOL_SIZE, "decode": MAX_POOL_SIZE})
     supervisor_seen_s: float | None = None  # last time a supervisor polled
@@ -44,7 +50,7 @@ class PoolSizes:
         wanted = dict(self.wanted or {})
         for role, n in sizes.items():
             wanted[role] = max(self.min_size[role], min(self.max_size[role], n))
-        if sum(wanted.get(r, 0) for r in POOL_ROLES) < 1:
+        if all(r in wanted for r in POOL_ROLES) and sum(wanted[r] for r in POOL_ROLES) < 1:
             raise ValueError("a deployment needs at least one worker")
         if wanted != self.wanted:
             self.changes.append({"time": time.time(), "by": by, "from": self.wanted, "to": dict(wanted)})
@@ -115,14 +121,18 @@ class PoolManager:
     def supervisor_poll(self, running: dict[str, int]) -> dict[str, int]:
         """A supervisor reports what it runs; a router with no wanted sizes adopts them."""
         self.sizes.supervisor_seen_s = time.monotonic()
-        if self.sizes.wanted is None:
-            self.sizes.set({r: int(running.get(r, 0)) for r in POOL_ROLES}, by="supervisor")
+        unsized = [r for r in POOL_ROLES if r not in (self.sizes.wanted or {})]
+        if unsized:  # a supervisor manages every pool: those nobody sized keep what it runs
+            self.sizes.set({r: int(running.get(r, 0)) for r in unsized}, by="supervisor")
         return dict(self.sizes.wanted)
 
     def scale(self, changes: dict, by: str = "admin") -> dict[str, int]:
-        base = self.sizes.wanted or self.live_counts()
+        """Set the wanted size of the pools named (+1 / -1 count from the wanted size, or from
+        the live one for a pool not managed yet); the others are left as they are."""
+        base = self.sizes.wanted or {}
+        live = self.live_counts()
         sizes = {
-            role: parse_change(base.get(role, 0), spec)
+            role: parse_change(base.get(role, live[role]), spec)
             for role, spec in changes.items()
             if role in POOL_ROLES and spec is not None
         }
@@ -142,7 +152,9 @@ class PoolManager:
         if self.sizes.wanted is None:
             return
         for role in POOL_ROLES:
-            extra = len(self.live(role)) - self.sizes.wanted.get(role, 0)
+            if role not in self.sizes.wanted:  # nobody sized it: not ours to shrink
+                continue
+            extra = len(self.live(role)) - self.sizes.wanted[role]
             for w in pick_to_retire(self.live(role), extra):
                 await self.retire(w)
 
@@ -167,7 +179,8 @@ class PoolManager:
         if d is None:
             return
         self.last_change_s = now_s
-        self.sizes.set({d.role: self.sizes.wanted.get(d.role, 0) + d.delta}, by=f"autoscale: {d.reason}")
+        current = self.sizes.wanted.get(d.role, len(self.live(d.role)))
+        self.sizes.set({d.role: current + d.delta}, by=f"autoscale: {d.reason}")
         key = (d.role, "up" if d.delta > 0 else "down")
         self.decisions[key] = self.decisions.get(key, 0) + 1
         if self._log:

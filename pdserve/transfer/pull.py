@@ -26,6 +26,12 @@ from pdserve.transfer.sender import _Outgoing, abandon, settle
 log = logging.getLogger("pdserve.transfer")
 
 
+# A decode worker pulls each request's KV on a connection of its own, for as long as the pull
+# takes: this bounds the threads authenticated pullers can make a prefill worker hold, well
+# above what its decode workers pull at once (their running sequences).
+MAX_PULL_CONNECTIONS = 512
+
+
 class PullKVExporter(KVSender):
     def __init__(
         self,
@@ -43,7 +49,9 @@ class PullKVExporter(KVSender):
         self._transfers: dict[str, _Outgoing] = {}
         self._aborted: dict[str, str] = {}  # transfer id -> why, for pulls that come after
         self._cv = threading.Condition()
-        self._listener = wire.KVListener(host, port, secret, self._serve, "kv-export")
+        self._listener = wire.KVListener(
+            host, port, secret, self._serve, "kv-export", max_connections=MAX_PULL_CONNECTIONS
+        )
         self.address = f"tcp://{host}:{self._listener.port}"
         self._closed = False
         self.total_bytes = 0
