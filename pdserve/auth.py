@@ -70,6 +70,8 @@ def load_cluster_secret(token_file: str | None = None, create_default: bool = Tr
     token_file = token_file or os.environ.get(TOKEN_FILE_ENV)
     if token_file:
         path = Path(token_file).expanduser()
+        if create_default and path == DEFAULT_TOKEN_FILE.expanduser() and not path.exists():
+            _create_token_file(path)  # the per-user file, named: made on first use, as when it is not named
         try:
             text, mode = path.read_text(), path.stat().st_mode
         except OSError as e:

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "router": ("pdserve.router.cli", "the router: OpenAI API in front of prefill and decode workers"),
     "worker": ("pdserve.worker.cli", "one engine worker (prefill, decode or both) that joins a router"),
     "scale": ("pdserve.router.scale_cli", "grow or shrink a running deployment's prefill and decode pools"),
+    "internal": ("pdserve.internal_cli", "call a deployment's /internal route, signed with the cluster secret"),
     "bench": ("pdserve.bench.cli", "benchmark an OpenAI-compatible endpoint"),
     "generate": ("pdserve.engine.cli", "generate text offline with the engine"),
     "convert": ("pdserve.engine.convert", "write a model out as a Hugging Face directory"),

@@ -42,7 +42,10 @@ class FrontendConfig:
     Who may call it and how much one request may ask."""
 
     api_key: str | None = setting(
-        None, env="PDSERVE_API_KEY", secret=True, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize"
+        None,
+        env="PDSERVE_API_KEY",
+        secret=True,
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize",
     )
     served_model_name: list[str] | None = setting(None, help="model id(s) clients use (default: the model's own name)")
     max_request_body_bytes: int = setting(1 << 20, help="larger request bodies get 413 before they are read")

@@ -136,3 +136,8 @@ def test_token_from_file_env_or_a_private_default(tmp_path, monkeypatch, caplog)
         auth.parse_token("short")
     with pytest.raises(ValueError, match="cannot read"):
         auth.load_cluster_secret(str(tmp_path / "missing"))
+    # the per-user file named on the command line (`--cluster-token-file ~/.pdserve/cluster-token`)
+    # is made on first use too; any other missing file stays an error
+    monkeypatch.setattr(auth, "DEFAULT_TOKEN_FILE", tmp_path / "home2" / "cluster-token")
+    named = auth.load_cluster_secret(str(tmp_path / "home2" / "cluster-token"))
+    assert len(named) == 64 and auth.load_cluster_secret() == named

@@ -331,10 +331,13 @@ def _save(args, result: dict) -> None:
         return
     name = args.result_filename or report.default_filename(result, args.dataset_name, result["date"])
     path = os.path.join(args.result_dir or ".", name)
-    if args.save_result or args.result_dir or args.result_filename:
+    saved = bool(args.save_result or args.result_dir or args.result_filename)
+    if saved:
         print(f"result: {report.save_json(result, path)}")
     if args.plot:
-        _plot(result, os.path.dirname(os.path.abspath(path)), os.path.splitext(os.path.basename(path))[0])
+        plotted = _plot(result, os.path.dirname(os.path.abspath(path)), os.path.splitext(os.path.basename(path))[0])
+        if plotted and not saved:
+            print("(no result JSON was written: add --save-result to keep one for --replot)")
 
 
 def _plot(result: dict, out_dir: str, prefix: str) -> bool:

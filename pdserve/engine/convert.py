@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -36,7 +37,10 @@ def convert(model: str | None, out_dir: str, dtype: str = "float32") -> str:
         for k, v in loaded.state_dict.items()
         if not (k == "lm_head.weight" and loaded.config.tie_word_embeddings)
     }
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(state, weights, metadata={"format": "pt"})
+    # safetensors creates its file 0600; give it the mode open() gave config.json (0666 less the umask)
+    os.chmod(weights, stat.S_IMODE(os.stat(os.path.join(out_dir, "config.json")).st_mode))
     tok.save(out_dir)
     return out_dir
 

@@ -189,7 +189,7 @@ def _hardware(args) -> Hardware:
     if dprof is not None and prof is None:
         raise ValueError("--decode-profile needs --profile (the prefill pool's)")
     return Hardware(
-        _model_config(args),
+        args.model_config,  # run() resolved the deprecated --model spelling (and warned) once
         args.gpu,
         modelled_dtype(args.dtype),
         args.kv_dtype,
