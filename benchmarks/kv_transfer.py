@@ -113,7 +113,7 @@ def receiver_child(spec: str) -> None:
 
         rx = NixlKVReceiver(kv, secret=secret)
     else:
-        rx = KVReceiverServer(kv, scheme=cfg["kind"], secret=secret)
+        rx = KVReceiverServer(kv, scheme=cfg["kind"], secret=secret, shm_paths=cfg["paths"])
     print(rx.address, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

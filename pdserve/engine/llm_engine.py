@@ -26,7 +26,7 @@ from pdserve.kv.slots import slot_mapping
 from pdserve.kvstore.setup import build_kv_store
 from pdserve.kvstore.store import BlockRef
 from pdserve.transfer.bridge import PrefillBridge
-from pdserve.transfer.connector import KVDestination, KVTransferError
+from pdserve.transfer.connector import KVDestination
 
 log = logging.getLogger("pdserve.engine")
 
@@ -154,10 +154,7 @@ class LLMEngine:
                 seq.text.append(detok.step([t]))
             seq.emitted_text_len = len(seq.text)
         if kv_destination is not None:
-            try:
-                self.bridge.begin(request_id, kv_destination)
-            except KVTransferError as e:  # the destination's cache files, refused by the sender
-                raise InvalidRequest(str(e), "kv_transfer") from None
+            self.bridge.begin(request_id, kv_destination)  # KVTransferError: the caller's 503
         self.seqs[request_id] = seq
         self._detok[request_id] = detok
         self.scheduler.add(seq)
@@ -257,6 +254,7 @@ class LLMEngine:
             block_size=bm.block_size,
             start_token=num_cached,
             num_tokens=len(ids),
+            expires_unix=time.time() + deadline_s,
         )
         if self.runner.kv_shm_paths:  # a sender on this host may write in place
             dest.shm_paths = self.runner.kv_shm_paths

@@ -4,6 +4,7 @@ sweeps after a worker it supervised died or had to be killed."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import stat
@@ -16,6 +17,12 @@ def new_kv_paths(directory: str, num_layers: int) -> list[str]:
     """Fresh names for one worker's cache files, [k0, v0, k1, v1, ...], in `directory`."""
     tag = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return [os.path.join(directory, f"{tag}-{layer}{kind}") for layer in range(num_layers) for kind in "kv"]
+
+
+def shm_files_digest(paths: list[str]) -> str:
+    """What a KV receiver answers when asked which cache files are its own: the digest of
+    their paths, in order (a sender writes only into files their receiver names)."""
+    return hashlib.sha256("\n".join(paths).encode()).hexdigest()
 
 
 class KVFileRefused(ValueError):

@@ -35,6 +35,7 @@ from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.settings import EngineServerConfig
+from pdserve.transfer.connector import KVTransferError
 
 log = logging.getLogger("pdserve.server")
 
@@ -502,6 +503,8 @@ class AsyncEngine:
             return None
         except InvalidRequest as e:
             err = APIError(400, str(e), param=e.param)
+        except KVTransferError as e:  # the KV transfer could not start (its receiver, NIXL metadata)
+            err = APIError(503, f"the KV transfer could not start: {e}")
         except (ValueError, TypeError) as e:
             err = APIError(400, str(e))
         except Exception:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from pdserve.kv.shm_files import KVFileRefused
 from pdserve.transfer import wire
@@ -14,6 +15,10 @@ from pdserve.transfer.nixl import NixlKVSender, nixl_available
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
 log = logging.getLogger("pdserve.transfer")
+
+
+SHM_REFUSAL_S = 60.0  # a destination refused for shared memory goes over TCP this long without a retry
+SHM_REFUSALS_KEPT = 1024
 
 
 class AutoKVSender(KVSender):
@@ -40,21 +45,32 @@ class AutoKVSender(KVSender):
         self.nixl = None  # made on the first nixl:// destination, when NIXL is importable
         self._nixl_missing = False
         self._by_tid: dict[str, KVSender] = {}
-        self._shm_refused: set[str] = set()  # receivers whose cache files we said we will not map
+        # (receiver, its files) we will not write in place, and until when: a refusal costs
+        # opening every file and a round trip to the receiver, on the engine thread
+        self._shm_refused: dict[tuple, float] = {}
 
     def _pick(self, dest: KVDestination, num_layers: int) -> KVSender:
         if dest.pull:
             if self.exporter is None:
                 raise KVTransferError("this worker does not serve KV pulls")
             return self.exporter
-        if self.shm is not None and dest.shm_paths and os.path.exists(dest.shm_paths[0]):
+        key = (dest.address, tuple(dest.shm_paths))
+        now = time.monotonic()
+        if (
+            self.shm is not None
+            and dest.shm_paths
+            and self._shm_refused.get(key, 0.0) <= now
+            and os.path.exists(dest.shm_paths[0])
+        ):
             try:
                 self.shm.caches_for(dest, num_layers)
                 return self.shm
             except KVFileRefused as e:  # another --kv-shm-dir, another user, or a bad request: TCP
-                if dest.address not in self._shm_refused and len(self._shm_refused) < 1024:
-                    self._shm_refused.add(dest.address)
+                if key not in self._shm_refused:
                     log.warning("not writing KV into the cache files of %s (%s); sending over TCP", dest.address, e)
+                if len(self._shm_refused) >= SHM_REFUSALS_KEPT:
+                    del self._shm_refused[next(iter(self._shm_refused))]
+                self._shm_refused[key] = now + SHM_REFUSAL_S
         if dest.address.startswith("nixl://") and self.wire_mode == "none" and not self._nixl_missing:
             if self.nixl is None:
                 if not nixl_available():  # the receiver takes TCP frames too
@@ -84,6 +100,11 @@ class AutoKVSender(KVSender):
         s = self._by_tid.pop(transfer_id, None)
         if s is not None:
             s.abort(transfer_id, reason)
+
+    def fail(self, transfer_id, reason):
+        s = self._by_tid.get(transfer_id)  # kept: its wait_for_save says why
+        if s is not None:
+            s.fail(transfer_id, reason)
 
     def inject_fault(self, spec: str) -> None:
         """`TcpKVSender.inject_fault`, for whichever transport sends next."""

@@ -11,9 +11,13 @@ the difference).
 
 from __future__ import annotations
 
+import logging
+
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import host_copy
 from pdserve.transfer.connector import KVDestination, KVSender
+
+log = logging.getLogger("pdserve.transfer")
 
 
 class PrefillBridge:
@@ -23,8 +27,10 @@ class PrefillBridge:
         self.layerwise = layerwise
         self.dests: dict[str, KVDestination] = {}  # seq_id -> where its KV goes
         self.sent_upto: dict[str, int] = {}  # seq_id -> first token not yet handed to the sender
+        self.failed: set[str] = set()  # transfers that failed mid-step (skipped for the rest of it)
 
     def begin(self, seq_id: str, dest: KVDestination) -> None:
+        self.failed.discard(dest.transfer_id)
         self.dests[seq_id] = dest
         self.sent_upto[seq_id] = dest.start_token
         self.sender.begin(dest, self.num_layers)
@@ -85,11 +91,14 @@ class PrefillBridge:
                 closed.append(s.seq.seq_id)
                 del self.dests[s.seq.seq_id]
                 self.sent_upto.pop(s.seq.seq_id, None)
+        self.failed.clear()  # their destinations are gone: no later step sends for them
         return closed
 
     def _save(self, runner, layer: int, ranges) -> None:
         k_cache, v_cache = runner.kv_caches[layer]
         for dest, start, slots in ranges:
+            if dest.transfer_id in self.failed:
+                continue
             flat_k = k_cache.view(-1, *k_cache.shape[-2:])
             flat_v = v_cache.view(-1, *v_cache.shape[-2:])
             slots = slots.to(flat_k.device)
@@ -97,4 +106,16 @@ class PrefillBridge:
             # cache's rows then go to pinned host memory, which the socket writes from
             k = host_copy.to_host(flat_k.index_select(0, slots))
             v = host_copy.to_host(flat_v.index_select(0, slots))
-            self.sender.save_layer(dest.transfer_id, layer, start, k, v)
+            try:
+                self.sender.save_layer(dest.transfer_id, layer, start, k, v)
+            except Exception as e:  # this transfer's trouble: it fails, the step goes on
+                self._fail(dest, f"layer {layer} could not be sent: {type(e).__name__}: {e}")
+
+    def _fail(self, dest: KVDestination, reason: str) -> None:
+        log.warning("KV transfer %s fails: %s; its decode worker recomputes the prompt", dest.transfer_id, reason)
+        self.failed.add(dest.transfer_id)
+        for seq_id, d in list(self.dests.items()):
+            if d is dest:  # no more layers, and no `finish`, for it
+                del self.dests[seq_id]
+                self.sent_upto.pop(seq_id, None)
+        self.sender.fail(dest.transfer_id, reason)

@@ -44,6 +44,9 @@ class KVDestination:
     shm_paths: list[str] = field(default_factory=list)
     shm_shape: list[int] = field(default_factory=list)
     shm_dtype: str = ""
+    # when the receiver may free the blocks (its lease, wall clock; 0: not said): a sender that
+    # writes into them itself (shared memory, NIXL) stops short of it, and the transfer fails
+    expires_unix: float = 0.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -87,6 +90,12 @@ class KVSender(abc.ABC):
     def abort(self, transfer_id: str, reason: str) -> None:
         """Give up a transfer (its request was aborted): frames not sent yet are dropped and
         the receiver is told, so it frees the blocks it reserved now, not at its deadline."""
+
+    def fail(self, transfer_id: str, reason: str) -> None:
+        """A layer of this transfer could not be saved (a destination that does not fit): the
+        transfer fails (`wait_for_save` raises `reason`, the decode worker recomputes), and
+        only it: the step that produced it, and every other request in it, go on."""
+        self.abort(transfer_id, reason)
 
     @abc.abstractmethod
     def close(self) -> None: ...

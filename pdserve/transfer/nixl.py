@@ -42,7 +42,7 @@ from pdserve import auth
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVTransferError
 from pdserve.transfer.receiver import KVReceiverServer
-from pdserve.transfer.sender import TcpKVSender, _host_port
+from pdserve.transfer.sender import TcpKVSender, _host_port, check_lease
 
 log = logging.getLogger("pdserve.transfer")
 # NIXL configures its logger at import, INFO lines to stdout: quiet it before anything imports it
@@ -242,6 +242,7 @@ class NixlKVSender(TcpKVSender):
 
     def save_layer(self, transfer_id, layer, token_start, k, v):
         t = self._transfers[transfer_id]
+        check_lease(t.dest)  # RDMA writes into the receiver's blocks: not after its lease
         r = self._remotes[t.dest.address]
         n = k.shape[0]
         _, runs = self._destination(t, token_start, n)

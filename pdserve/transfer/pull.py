@@ -20,7 +20,7 @@ import threading
 import time
 
 from pdserve.transfer import wire
-from pdserve.transfer.connector import KVSender
+from pdserve.transfer.connector import KVSender, KVTransferError
 from pdserve.transfer.sender import _Outgoing, abandon, settle
 
 log = logging.getLogger("pdserve.transfer")
@@ -86,7 +86,9 @@ class PullKVExporter(KVSender):
             self._cv.notify_all()
 
     def wait_for_save(self, transfer_id, timeout_s):
-        t = self._transfers[transfer_id]
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            raise KVTransferError(f"{transfer_id}: no such transfer here (aborted, or dropped after its lease)")
         ok = t.acked.wait(timeout_s)
         with self._cv:
             self._transfers.pop(transfer_id, None)
@@ -102,6 +104,14 @@ class PullKVExporter(KVSender):
                 while len(self._aborted) > 1024:
                     self._aborted.pop(next(iter(self._aborted)))
                 self._cv.notify_all()
+
+    def fail(self, transfer_id, reason):
+        with self._cv:
+            t = self._transfers.get(transfer_id)
+            if t is not None and not t.acked.is_set():
+                t.error, t.finished = f"{transfer_id}: {reason}", True
+                t.acked.set()
+                self._cv.notify_all()  # a pull in progress sends the puller an abort
 
     def close(self):
         self._closed = True

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve import auth
+from pdserve.kv.shm_files import shm_files_digest
 from pdserve.transfer import host_copy, wire
 from pdserve.transfer.connector import KVDestination, KVReceiver, KVTransferError, TransferStats
 
@@ -117,8 +118,12 @@ class KVReceiverServer(KVReceiver):
         stall_timeout_s: float = KV_STALL_TIMEOUT_S,
         idle_timeout_s: float = KV_IDLE_TIMEOUT_S,
         max_connections: int = KV_MAX_CONNECTIONS,
+        shm_paths: list[str] = (),
     ):
         self.kv_caches = kv_caches
+        # the files `kv_caches` live in, when a sender on this host may write them itself: it
+        # asks (op "shm_files") and writes only into the files this receiver names
+        self.shm_files_digest = shm_files_digest(list(shm_paths)) if shm_paths else ""
         self.secret = wire.require_secret(secret)
         self.scheme = scheme
         # server-side bounds: no header field can lengthen or lift them
@@ -336,6 +341,8 @@ class KVReceiverServer(KVReceiver):
 
     def _on_frame(self, h: dict, payload) -> dict | None:
         tid, op = h.get("tid"), h.get("op")
+        if op == "shm_files":  # which cache files are ours (none: "")
+            return {"op": "shm_files", "digest": self.shm_files_digest}
         e = self._expected.get(tid)
         if op == "abort":
             self._fail(tid, f"sender aborted: {h.get('reason', '')}")

@@ -29,7 +29,7 @@ import torch
 
 from pdserve import auth
 from pdserve.faults import KV_FAULTS, FaultSet
-from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file
+from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file, shm_files_digest
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
@@ -49,6 +49,7 @@ class _Outgoing:
     noticed_s: float = 0.0  # when the last notice of landed layers went
     sock: socket.socket | None = None  # the connection its frames last went on
     lost: int = 0  # connections that broke under it
+    caches: list | None = None  # shared memory: the destination's mapped cache files
 
 
 def layers_in(header: dict) -> int:
@@ -88,6 +89,20 @@ MAX_LOST_CONNECTIONS = 3
 # SO_SNDTIMEO: per send call, so a slow link that moves some bytes is not cut). A receiver
 # that stopped reading would otherwise hold its lane forever.
 SEND_STALL_S = 30.0
+# A sender that writes into the receiver's blocks itself stops this long before the receiver's
+# lease runs out (`KVDestination.expires_unix`): past it the blocks may be another request's.
+IN_PLACE_MARGIN_S = 1.0
+
+
+def check_lease(dest: KVDestination) -> None:
+    """Before an in-place write: KVTransferError once the receiver may have freed the blocks."""
+    if dest.expires_unix and time.time() > dest.expires_unix - IN_PLACE_MARGIN_S:
+        raise KVTransferError(
+            f"{dest.transfer_id}: the receiver's lease on its blocks ran out before this layer was ready; "
+            "not writing into them (the decode worker recomputes)"
+        )
+
+
 # A lane (a receiver's thread and queue) with nothing to send for this long ends; the next
 # transfer to that receiver starts a new one.
 LANE_IDLE_S = 60.0
@@ -129,7 +144,8 @@ class TcpKVSender(KVSender):
         t = _Outgoing(dest)
         t.stats.started_s = time.monotonic()
         for tid, old in list(self._transfers.items()):  # leases of transfers nobody waited for
-            if t.stats.started_s - old.stats.started_s > self.lease_s:
+            # (only those whose layers were all queued: one still waiting for its prefill is live)
+            if (old.finished or old.acked.is_set()) and t.stats.started_s - old.stats.started_s > self.lease_s:
                 self._transfers.pop(tid, None)
         self._transfers[dest.transfer_id] = t
 
@@ -146,7 +162,9 @@ class TcpKVSender(KVSender):
         self._put((t, {"op": "done", "tid": transfer_id}, []))
 
     def wait_for_save(self, transfer_id, timeout_s):
-        t = self._transfers[transfer_id]
+        t = self._transfers.get(transfer_id)
+        if t is None:
+            raise KVTransferError(f"{transfer_id}: no such transfer here (aborted, or dropped after its lease)")
         ok = t.acked.wait(timeout_s)
         self._transfers.pop(transfer_id, None)
         return settle(t, ok, f"{transfer_id}: receiver did not acknowledge within {timeout_s}s")
@@ -155,6 +173,13 @@ class TcpKVSender(KVSender):
         t = self._transfers.pop(transfer_id, None)
         if t is not None:
             self._put((t, {"op": "abort", "tid": transfer_id, "reason": reason}, []))
+
+    def fail(self, transfer_id: str, reason: str) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is not None and not t.acked.is_set():
+            t.error = f"{transfer_id}: {reason}"
+            t.acked.set()  # its waiter wakes with the error; its frames not sent yet are dropped
+            self._put((t, {"op": "abort", "tid": transfer_id, "reason": reason}, []))  # D frees the blocks
 
     def close(self):
         self._closed = True
@@ -408,12 +433,13 @@ class ShmKVSender(TcpKVSender):
         """The destination's cache files mapped (kept for its next transfers): KVFileRefused
         when they are not a decode worker's cache files here (`map_peer_cache`), or its
         blocks are not in them."""
-        key = (tuple(dest.shm_paths), tuple(dest.shm_shape), dest.shm_dtype)
+        key = (dest.address, tuple(dest.shm_paths), tuple(dest.shm_shape), dest.shm_dtype)
         caches = self._maps.get(key)
         if caches is None:
-            for old in [k for k in self._maps if not os.path.exists(k[0][0])]:
+            for old in [k for k in self._maps if not os.path.exists(k[1][0])]:
                 del self._maps[old]  # its worker is gone: unmapping frees the memory its files held
             caches = map_peer_cache(dest.shm_paths, dest.shm_shape, dest.shm_dtype, self.shm_dir, num_layers)
+            self._check_owner(dest)  # (mapping writes nothing: refused here, the maps just go)
             self._maps[key] = caches
         num_blocks, block_size = dest.shm_shape[0], dest.shm_shape[1]
         if block_size != dest.block_size:
@@ -424,12 +450,30 @@ class ShmKVSender(TcpKVSender):
             raise KVFileRefused(f"{len(dest.block_ids)} blocks cannot hold {dest.num_tokens} tokens")
         return caches
 
+    def _check_owner(self, dest: KVDestination) -> None:
+        """The files must be the named receiver's own, and the receiver of this deployment: it
+        passes the cluster handshake and names these very files (op "shm_files"). Else a caller
+        holding our token could name the cache files of another deployment of the same user on
+        this host, or another worker's files, and have us write into them."""
+        try:
+            with socket.create_connection(_host_port(dest.address), timeout=5) as s:
+                auth.kv_connect(s, self.secret)
+                wire.send_frame(s, {"op": "shm_files", "tid": ""})
+                reply = wire.recv_header(s, max_payload=0)
+        except (OSError, wire.FrameError) as e:  # auth.AuthError included
+            raise KVFileRefused(f"the receiver at {dest.address} could not be asked for its cache files: {e}") from None
+        if not reply or reply.get("digest") != shm_files_digest(list(dest.shm_paths)):
+            raise KVFileRefused(f"the receiver at {dest.address} does not name these cache files as its own")
+
     def begin(self, dest, num_layers):
         try:
-            self.caches_for(dest, num_layers)
+            caches = self.caches_for(dest, num_layers)
         except KVFileRefused as e:
             raise KVTransferError(f"shared-memory KV destination refused: {e}") from None
         super().begin(dest, num_layers)
+        # held by the transfer: the mapping outlives its entry in _maps (dropped once the files
+        # are gone) for as long as the transfer writes
+        self._transfers[dest.transfer_id].caches = caches
 
     def save_layer(self, transfer_id, layer, token_start, k, v):
         if k.is_cuda or v.is_cuda:
@@ -439,8 +483,8 @@ class ShmKVSender(TcpKVSender):
             )
         t = self._transfers[transfer_id]
         d = t.dest
-        caches = self._maps[(tuple(d.shm_paths), tuple(d.shm_shape), d.shm_dtype)]
-        kc, vc = caches[2 * layer], caches[2 * layer + 1]
+        check_lease(d)
+        kc, vc = t.caches[2 * layer], t.caches[2 * layer + 1]
         if tuple(k.shape[1:]) != tuple(kc.shape[-2:]) or token_start + k.shape[0] > len(d.block_ids) * d.block_size:
             # a layout that does not fit this model: fail the transfer (its decode worker
             # recomputes), never the step that produced it

@@ -191,6 +191,7 @@ class KVListener:
     ):
         self.secret = require_secret(secret)
         self.refused = 0
+        self._refusals = _RefusalLog()
         self.over_limit = 0
         self.max_connections = max_connections
         self.max_pending = max_pending or MAX_PENDING_HANDSHAKES
@@ -259,7 +260,7 @@ class KVListener:
         except OSError as e:  # AuthError, or the peer reset the connection
             if dropped:
                 e = f"still unauthenticated when all {self.max_pending} handshake slots were taken ({e})"
-            log.warning("refused KV connection from %s:%s: %s", addr[0], addr[1], e)
+            self._refusals.warn("refused KV connection from %s:%s: %s", addr[0], addr[1], e)
             with self._count_lock:
                 self.refused += 1
             sock.close()
@@ -273,7 +274,7 @@ class KVListener:
             else:
                 self._active += 1
         if full:
-            log.warning(
+            self._refusals.warn(
                 "refused KV connection from %s:%s: %d KV connections are open, the most this %s endpoint serves",
                 addr[0],
                 addr[1],
@@ -287,6 +288,35 @@ class KVListener:
         finally:
             with self._count_lock:
                 self._active -= 1
+
+
+class _RefusalLog:
+    """Refused KV connections, logged one by one up to `burst` a minute, then counted: a flood
+    of unauthenticated connects (thousands a second) must not fill the disk with log lines."""
+
+    def __init__(self, burst: int = 20, window_s: float = 60.0, clock=time.monotonic):
+        self.burst, self.window_s, self.clock = burst, window_s, clock
+        self._lock = threading.Lock()
+        self._window_start = float("-inf")
+        self._logged = 0
+        self._suppressed = 0
+
+    def warn(self, msg: str, *args) -> None:
+        now = self.clock()
+        with self._lock:
+            if now - self._window_start >= self.window_s:
+                if self._suppressed:
+                    log.warning(
+                        "%d more KV connections were refused in the last %.0f s (not logged one by one)",
+                        self._suppressed,
+                        now - self._window_start,
+                    )
+                self._window_start, self._logged, self._suppressed = now, 0, 0
+            if self._logged >= self.burst:
+                self._suppressed += 1
+                return
+            self._logged += 1
+        log.warning(msg, *args)
 
 
 class StagingBuffer:

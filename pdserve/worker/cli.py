@@ -154,6 +154,7 @@ def build(args, port: int):
                     host=args.host,
                     secret=secret,
                     scheme="shm" if engine.runner.kv_shm_paths else "tcp",
+                    shm_paths=engine.runner.kv_shm_paths,
                 )
         state.steps = DecodeStepRecorder(engine)
         state.static_stats = {

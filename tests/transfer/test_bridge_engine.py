@@ -10,6 +10,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer.bridge import PrefillBridge
+from pdserve.transfer.connector import KVTransferError
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender
 
@@ -95,7 +96,7 @@ def test_shm_push_matches_collocated(tiny_model_dir, reference, layerwise):
     p = make(tiny_model_dir)
     d = make(tiny_model_dir, kv_cache_shm_dir="/dev/shm")
     assert d.runner.kv_shm_paths
-    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm", secret=SECRET)
+    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm", secret=SECRET, shm_paths=d.runner.kv_shm_paths)
     p.bridge = PrefillBridge(ShmKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise)
     try:
         for i, prompt in enumerate(PROMPTS):
@@ -230,3 +231,41 @@ def test_prefill_aborted_mid_prompt_ends_its_transfer(tiny_model_dir, reference)
         p.bridge.sender.close()
     assert p.num_free_blocks == p.block_manager.num_blocks
     assert d.num_free_blocks == d.block_manager.num_blocks
+
+
+class _BrokenDestinationSender(TcpKVSender):
+    """A sender whose one destination breaks mid-step (a NIXL block id past the remote cache, a
+    transfer dropped after its lease, a mapping gone): save_layer raises for it."""
+
+    def save_layer(self, transfer_id, layer, token_start, k, v):
+        if transfer_id == "broken" and layer == 1:
+            raise KeyError(transfer_id)
+        super().save_layer(transfer_id, layer, token_start, k, v)
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "eager"])
+def test_a_transfer_that_breaks_mid_step_fails_alone(tiny_model_dir, layerwise):
+    """It once raised out of the engine step, which stopped the engine (now: exits the
+    process) for every request on the worker; now that transfer fails, its decode worker
+    recomputes, and the step and every other transfer in it go on."""
+    p, d = make(tiny_model_dir), make(tiny_model_dir)
+    receiver = KVReceiverServer(d.runner.kv_caches, secret=SECRET)
+    p.bridge = PrefillBridge(_BrokenDestinationSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    try:
+        ids = list(range(5, 25))
+        dests = {rid: d.reserve_for_transfer(rid, ids, params, receiver, deadline_s=30) for rid in ("broken", "ok")}
+        for rid, dest in dests.items():
+            p.add_request(rid, ids, params, kv_destination=dest)
+        outs = {}
+        while p.has_unfinished_requests():
+            outs.update({o.request_id: o for o in p.step()})
+        assert set(outs) == {"broken", "ok"} and all(o.finished for o in outs.values())
+        p.bridge.sender.wait_for_save("ok", timeout_s=30)
+        receiver.wait_for_all("ok", timeout_s=30)
+        with pytest.raises(KVTransferError, match="layer 1 could not be sent: KeyError"):
+            p.bridge.sender.wait_for_save("broken", timeout_s=30)
+        assert not p.bridge.dests and not p.bridge.failed
+    finally:
+        receiver.close()
+        p.bridge.sender.close()

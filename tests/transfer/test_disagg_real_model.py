@@ -74,7 +74,12 @@ def test_every_transport_matches_collocated(engines, prompts, reference, transpo
         exporter = sender = PullKVExporter(secret=SECRET)
     else:
         sender = TcpKVSender(secret=SECRET) if transport == "tcp" else ShmKVSender(secret=SECRET)
-    rx = KVReceiverServer(d.runner.kv_caches, scheme="shm" if transport == "shm" else "tcp", secret=SECRET)
+    rx = KVReceiverServer(
+        d.runner.kv_caches,
+        scheme="shm" if transport == "shm" else "tcp",
+        secret=SECRET,
+        shm_paths=d.runner.kv_shm_paths,
+    )
     p.bridge = PrefillBridge(sender, p.model_config.num_hidden_layers, layerwise)
     try:
         for i, ids in enumerate(prompts):

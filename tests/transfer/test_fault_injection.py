@@ -56,7 +56,7 @@ def test_injected_fault_heals(transport, fault, layer, tmp_path, caplog):
     caplog.set_level(logging.INFO, "pdserve.transfer")
     paths = new_kv_paths(str(tmp_path), LAYERS) if transport == "shm" else []
     kv = caches(paths)
-    rx = KVReceiverServer(kv, scheme=transport, secret=SECRET)
+    rx = KVReceiverServer(kv, scheme=transport, secret=SECRET, shm_paths=paths)
     sender = ShmKVSender(secret=SECRET, shm_dir=str(tmp_path)) if transport == "shm" else TcpKVSender(secret=SECRET)
     try:
         sender.inject_fault(f"{fault}={layer}")

@@ -247,7 +247,7 @@ def test_push_to_a_receiver_of_another_cluster_fails_at_once(transport, tmp_path
     prove it holds our secret, and fails the transfer instead of retrying."""
     paths = new_kv_paths(str(tmp_path), LAYERS) if transport == "shm" else []
     kv = caches(paths)
-    rx = KVReceiverServer(kv, scheme=transport, secret=OTHER)
+    rx = KVReceiverServer(kv, scheme=transport, secret=OTHER, shm_paths=paths)
     sender = (
         ShmKVSender(retry_window_s=30, secret=SECRET, shm_dir=str(tmp_path))
         if transport == "shm"
@@ -257,13 +257,16 @@ def test_push_to_a_receiver_of_another_cluster_fails_at_once(transport, tmp_path
         dest = destination(rx.address, paths=paths)
         rx.expect(dest, destination_slots(dest, 0, TOKENS), LAYERS, deadline_s=60)
         t0 = time.monotonic()
-        push(sender, dest, layers())
-        with pytest.raises(KVTransferError, match="refused our cluster token"):
-            sender.wait_for_save("t1", 30)
+        if transport == "shm":  # asked whose the files are before a byte is written: refused at begin
+            with pytest.raises(KVTransferError, match="could not be asked for its cache files"):
+                sender.begin(dest, LAYERS)
+        else:
+            push(sender, dest, layers())
+            with pytest.raises(KVTransferError, match="refused our cluster token"):
+                sender.wait_for_save("t1", 30)
         assert time.monotonic() - t0 < 5  # not the 30 s retry window
         assert rx.refused_connections >= 1 and not rx.is_complete("t1")
-        if transport == "tcp":
-            assert untouched(kv)  # (shared memory is guarded by the files' mode: same user only)
+        assert untouched(kv)
     finally:
         sender.close()
         rx.close()

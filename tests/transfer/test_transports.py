@@ -70,7 +70,7 @@ def shm_paths(tmp_path):
 def test_transport_lands_every_layout(layout, transport, shm_paths):
     paths = shm_paths if transport == "shm" else []
     kv = _caches(paths)
-    rx = KVReceiverServer(kv, scheme=transport, secret=SECRET)
+    rx = KVReceiverServer(kv, scheme=transport, secret=SECRET, shm_paths=paths)
     sender = ShmKVSender(secret=SECRET) if transport == "shm" else TcpKVSender(secret=SECRET)
     tokens, start = 37, 5  # the receiver already holds tokens [0, 5): incremental
     dest = KVDestination(
@@ -227,7 +227,7 @@ def test_nixl_agents_are_built_with_a_progress_thread_that_pauses():
 def _shm_transfer(paths, sender, between_layers=None, rx=None, kv=None):
     """One 30-token transfer over shared memory; returns (sender stats, frames before done)."""
     kv = kv or _caches(paths)
-    rx = rx or KVReceiverServer(kv, scheme="shm", secret=SECRET)
+    rx = rx or KVReceiverServer(kv, scheme="shm", secret=SECRET, shm_paths=paths)
     tokens = 30
     dest = KVDestination(
         "t1",
@@ -301,7 +301,7 @@ def test_sender_abort_reaches_the_receiver(transport, shm_paths):
 
     paths = shm_paths if transport == "shm" else []
     kv = _caches(paths)
-    rx = KVReceiverServer(kv, scheme="shm" if paths else "tcp", secret=SECRET)
+    rx = KVReceiverServer(kv, scheme="shm" if paths else "tcp", secret=SECRET, shm_paths=paths)
     sender = {"shm": ShmKVSender, "tcp": TcpKVSender, "pull": PullKVExporter}[transport](secret=SECRET)
     dest = KVDestination(
         "t1",
@@ -335,7 +335,7 @@ def test_malformed_notices_close_their_connection_only(shm_paths):
     import socket as socketlib
 
     kv = _caches(shm_paths)
-    rx = KVReceiverServer(kv, scheme="shm", secret=SECRET)
+    rx = KVReceiverServer(kv, scheme="shm", secret=SECRET, shm_paths=shm_paths)
     dest = KVDestination(
         "t1",
         rx.address,

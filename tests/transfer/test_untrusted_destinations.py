@@ -85,19 +85,29 @@ def cache_dir(tmp_path):
     return str(d)
 
 
-def _shm_dest(paths, block_ids=(0, 1, 2, 3)) -> KVDestination:
-    return KVDestination("s", "tcp://127.0.0.1:1", list(block_ids), BLOCK, 0, 12, shm_paths=list(paths),
+@pytest.fixture
+def receiver(cache_dir):
+    """The decode side, naming the cache files it keeps its KV in (`paths` here)."""
+    paths = new_kv_paths(cache_dir, LAYERS)
+    maps = map_shared_cache(paths, SHAPE, "float32")
+    rx = KVReceiverServer([(maps[2 * i], maps[2 * i + 1]) for i in range(LAYERS)], scheme="shm",
+                          secret=SECRET, shm_paths=paths)  # fmt: skip
+    rx.paths = paths
+    yield rx
+    rx.close()
+
+
+def _shm_dest(address, paths, block_ids=(0, 1, 2, 3)) -> KVDestination:
+    return KVDestination("s", address, list(block_ids), BLOCK, 0, 12, shm_paths=list(paths),
                          shm_shape=list(SHAPE), shm_dtype="float32")  # fmt: skip
 
 
-def test_a_decode_workers_cache_files_are_mapped(cache_dir):
-    paths = new_kv_paths(cache_dir, LAYERS)
-    theirs = map_shared_cache(paths, SHAPE, "float32")  # what the decode worker made
+def test_a_decode_workers_cache_files_are_mapped(cache_dir, receiver):
     sender = ShmKVSender(secret=SECRET, shm_dir=cache_dir)
     try:
-        caches = sender.caches_for(_shm_dest(paths), LAYERS)
+        caches = sender.caches_for(_shm_dest(receiver.address, receiver.paths), LAYERS)
         caches[0][0, 0, 0, 0] = 7.0
-        assert theirs[0][0, 0, 0, 0] == 7.0  # the same memory
+        assert receiver.kv_caches[0][0][0, 0, 0, 0] == 7.0  # the same memory
     finally:
         sender.close()
 
@@ -108,9 +118,8 @@ def _refusal(sender, dest) -> str:
     return str(e.value)
 
 
-def test_other_files_are_never_created_grown_or_written(cache_dir, tmp_path):
-    paths = new_kv_paths(cache_dir, LAYERS)
-    map_shared_cache(paths, SHAPE, "float32")
+def test_other_files_are_never_created_grown_or_written(cache_dir, tmp_path, receiver):
+    paths = receiver.paths
     sender = ShmKVSender(secret=SECRET, shm_dir=cache_dir)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
@@ -120,22 +129,41 @@ def test_other_files_are_never_created_grown_or_written(cache_dir, tmp_path):
     os.symlink(victim, link)
     missing = new_kv_paths(cache_dir, LAYERS)
     try:
-        assert "not a pdserve KV cache file" in _refusal(sender, _shm_dest([str(victim), *paths[1:]]))
-        assert "not in this worker's shared-memory directory" in _refusal(sender, _shm_dest([outside[0], *paths[1:]]))
-        assert "cannot open" in _refusal(sender, _shm_dest([link, *paths[1:]]))  # O_NOFOLLOW
-        assert "cannot open" in _refusal(sender, _shm_dest(missing))
+        assert "not a pdserve KV cache file" in _refusal(sender, _shm_dest(receiver.address, [str(victim), *paths[1:]]))
+        assert "not in this worker's shared-memory directory" in _refusal(
+            sender, _shm_dest(receiver.address, [outside[0], *paths[1:]])
+        )
+        assert "cannot open" in _refusal(sender, _shm_dest(receiver.address, [link, *paths[1:]]))  # O_NOFOLLOW
+        assert "cannot open" in _refusal(sender, _shm_dest(receiver.address, missing))
         assert "its layout says" in _refusal(sender, KVDestination(
             "s", "tcp://x:1", [0], BLOCK, 0, 4, shm_paths=paths, shm_shape=[BLOCKS * 2, BLOCK, HEADS, DIM],
             shm_dtype="float32"))  # fmt: skip
-        assert "for 2 layers" in _refusal(sender, _shm_dest(paths[:2]))
-        assert "outside" in _refusal(sender, _shm_dest(paths, block_ids=[0, BLOCKS]))
+        assert "for 2 layers" in _refusal(sender, _shm_dest(receiver.address, paths[:2]))
+        assert "outside" in _refusal(sender, _shm_dest(receiver.address, paths, block_ids=[0, BLOCKS]))
         with pytest.raises(KVTransferError, match="refused"):
-            sender.begin(_shm_dest([str(victim), *paths[1:]]), LAYERS)
+            sender.begin(_shm_dest(receiver.address, [str(victim), *paths[1:]]), LAYERS)
     finally:
         sender.close()
     assert victim.read_text() == "precious"
     assert not any(os.path.exists(p) for p in missing)
     assert all(os.path.getsize(p) == BLOCKS * BLOCK * HEADS * DIM * 4 for p in paths)
+
+
+def test_only_the_named_receivers_own_files_of_this_cluster_are_written(cache_dir, receiver):
+    """Cache files of another worker, or of another deployment of the same user on this host
+    (its receiver fails our handshake), are not mapped: a receiver names its own files."""
+    others = new_kv_paths(cache_dir, LAYERS)  # another worker's, of the right size
+    map_shared_cache(others, SHAPE, "float32")
+    theirs = KVReceiverServer(receiver.kv_caches, scheme="shm", secret=b"another-deployments-secret",
+                              shm_paths=receiver.paths)  # fmt: skip
+    sender = ShmKVSender(secret=SECRET, shm_dir=cache_dir)
+    try:
+        assert "does not name these cache files" in _refusal(sender, _shm_dest(receiver.address, others))
+        assert "could not be asked" in _refusal(sender, _shm_dest(theirs.address, receiver.paths))
+        assert sender.caches_for(_shm_dest(receiver.address, receiver.paths), LAYERS)
+    finally:
+        sender.close()
+        theirs.close()
 
 
 def test_auto_sender_sends_over_tcp_what_it_will_not_write_in_place(cache_dir, tmp_path, caplog):
@@ -231,3 +259,24 @@ def test_a_receiver_that_stops_reading_holds_up_only_its_own_transfer(monkeypatc
         sender.close()
         rx.close()
         tarpit.close()
+
+
+def test_no_in_place_write_after_the_receivers_lease(cache_dir, receiver):
+    """A prefill queued past the decode worker's lease must not write into blocks that may be
+    another request's by now: the shared-memory sender checks the lease before each layer."""
+    sender = ShmKVSender(secret=SECRET, shm_dir=cache_dir)
+    try:
+        dest = _shm_dest(receiver.address, receiver.paths)
+        dest.expires_unix = time.time() + 0.5  # inside the 1 s margin already
+        sender.begin(dest, LAYERS)
+        k = torch.ones(12, HEADS, DIM)
+        with pytest.raises(KVTransferError, match="lease on its blocks ran out"):
+            sender.save_layer("s", 0, 0, k, k)
+        assert all(not c.any() for pair in receiver.kv_caches for c in pair)
+        dest2 = _shm_dest(receiver.address, receiver.paths)
+        dest2.transfer_id, dest2.expires_unix = "s2", time.time() + 60
+        sender.begin(dest2, LAYERS)
+        sender.save_layer("s2", 0, 0, k, k)  # in time: written
+        assert receiver.kv_caches[0][0].any()
+    finally:
+        sender.close()
