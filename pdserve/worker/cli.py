@@ -100,7 +100,7 @@ def build(args, port: int):
     from pdserve.server.calibrate import DecodeStepRecorder
     from pdserve.server.metrics import ServerMetrics
     from pdserve.transfer.auto import AutoKVSender
-    from pdserve.transfer.receiver import KVReceiverServer
+    from pdserve.transfer.receiver import KV_IDLE_TIMEOUT_S, KVReceiverServer
     from pdserve.worker.app import WorkerApi, build_worker_app
 
     role = args.role
@@ -155,6 +155,8 @@ def build(args, port: int):
                     secret=secret,
                     scheme="shm" if engine.runner.kv_shm_paths else "tcp",
                     shm_paths=engine.runner.kv_shm_paths,
+                    # a pull connection waits out a whole prefill: never idle-closed inside a lease
+                    idle_timeout_s=max(KV_IDLE_TIMEOUT_S, args.max_kv_lease_s + 60),
                 )
         state.steps = DecodeStepRecorder(engine)
         state.static_stats = {
