@@ -310,9 +310,12 @@ class SignedHead:
 class Verifier:
     """Checks `X-PDServe-Auth` headers against the secret."""
 
-    def __init__(self, secret: bytes, max_skew_s: float = MAX_SKEW_S):
+    def __init__(self, secret: bytes, max_skew_s: float = MAX_SKEW_S, aliases=()):
         self.secret = secret
         self.max_skew_s = max_skew_s
+        # receivers' names this process also answers to (`--internal-aliases`): a port mapping
+        # or a Service in front of it, which its socket cannot tell
+        self.aliases = {target_of(a if "://" in a else f"http://{a}") for a in aliases or ()}
         self._nonces = _Nonces(max_skew_s)
         self.refused = 0  # requests refused by InternalAuth (a /metrics counter)
 
@@ -354,7 +357,7 @@ class Verifier:
         now = time.time() if now is None else now
         if abs(now - ts) > self.max_skew_s:
             return f"stale signature ({now - ts:+.0f} s; are the hosts' clocks in sync?)", None
-        why = _receiver_mismatch(target, server, scheme)
+        why = None if target in self.aliases else _receiver_mismatch(target, server, scheme)
         if why is not None:
             return why, None
         if not self._nonces.fresh(nonce, ts, now):

@@ -80,6 +80,19 @@ class SecurityConfig:
 
 
 @dataclass
+class InternalNames:
+    """Names this process is reached at, besides its own socket's."""
+
+    internal_aliases: list[str] | None = setting(
+        None,
+        metavar="HOST:PORT",
+        help="host:port names that others reach this process at for internal calls when it is not "
+        "its socket's (a Docker port mapping, a Kubernetes Service port): signatures made out to "
+        "them are accepted (by default only those for the port it listens on)",
+    )
+
+
+@dataclass
 class EngineServerConfig:
     """The process around an engine: its queue and its step trace."""
 
@@ -252,6 +265,7 @@ ROUTER_SECTIONS = (
     Section(SLOConfig),
     AUTOSCALE,
     Section(SecurityConfig),
+    Section(InternalNames),
     Section(ProcessConfig),
 )
 WORKER_SECTIONS = (
@@ -262,6 +276,7 @@ WORKER_SECTIONS = (
     Section(EngineServerConfig),
     *ENGINE_SECTIONS,
     Section(SecurityConfig),
+    Section(InternalNames),
     Section(ProcessConfig),
 )
 SERVE_SECTIONS = (

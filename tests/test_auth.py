@@ -141,3 +141,17 @@ def test_token_from_file_env_or_a_private_default(tmp_path, monkeypatch, caplog)
     monkeypatch.setattr(auth, "DEFAULT_TOKEN_FILE", tmp_path / "home2" / "cluster-token")
     named = auth.load_cluster_secret(str(tmp_path / "home2" / "cluster-token"))
     assert len(named) == 64 and auth.load_cluster_secret() == named
+
+
+def test_a_process_accepts_signatures_for_its_aliases_only():
+    """Behind a port mapping or a Service (80 -> 8000) the signed receiver is not the socket's;
+    `--internal-aliases` names it. Other receivers stay refused."""
+    secret = b"s" * 32
+    body = b"{}"
+    header = auth.sign_request(secret, "POST", "/internal/heartbeat", body, target="pdserve-router:80")
+    server = ("10.0.0.5", 8000)
+    assert "another receiver" in auth.Verifier(secret).check(header, "POST", "/internal/heartbeat", body, server)
+    aliased = auth.Verifier(secret, aliases=["pdserve-router:80", "http://10.1.2.3:9000"])
+    assert aliased.check(header, "POST", "/internal/heartbeat", body, server) is None
+    other = auth.sign_request(secret, "POST", "/internal/heartbeat", body, target="pdserve-router:81")
+    assert "another receiver" in aliased.check(other, "POST", "/internal/heartbeat", body, server)

@@ -38,9 +38,9 @@ from pdserve.server.errors import APIError
 log = logging.getLogger("pdserve.router")
 
 
-def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerSettings, secret: bytes):
+def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerSettings, secret: bytes, aliases=()):
     app = build_app(engine, settings)
-    verifier = auth.Verifier(secret)
+    verifier = auth.Verifier(secret, aliases=aliases)
     app.add_middleware(auth.InternalAuth, verifier=verifier)
     engine.metrics.registry.register(_RouterCollector(engine, registry, verifier))
 

@@ -73,7 +73,7 @@ def build(args):
     )
     engine.pools.set_autoscale(autoscale_config(args))
     settings = ServerSettings.from_args(args)
-    return build_router_app(engine, registry, settings, secret), engine
+    return build_router_app(engine, registry, settings, secret, aliases=args.internal_aliases), engine
 
 
 class _Core:

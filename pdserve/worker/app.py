@@ -265,7 +265,7 @@ class WorkerApi:
         )
 
 
-def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown=None) -> FastAPI:
+def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown=None, aliases=()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         api.engine.start()
@@ -281,7 +281,7 @@ def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown
 
     app = FastAPI(title="pdserve-worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
-    api.verifier = auth.Verifier(secret)
+    api.verifier = auth.Verifier(secret, aliases=aliases)
     app.add_middleware(auth.InternalAuth, verifier=api.verifier)
     for path, fn, method in (
         ("/internal/prefill", api.prefill, "POST"),

@@ -203,7 +203,11 @@ def build(args, port: int):
         if api.receiver is not None:
             api.receiver.close()
 
-    return build_worker_app(api, secret, on_startup=join_router, on_shutdown=close), api, beat_now
+    return (
+        build_worker_app(api, secret, on_startup=join_router, on_shutdown=close, aliases=args.internal_aliases),
+        api,
+        beat_now,
+    )
 
 
 def advertised(address: str, host: str) -> str:
