@@ -255,14 +255,12 @@ class TcpKVSender(KVSender):
         Only when nothing queued would be passed and the connection is up; never blocks:
         a full socket buffer, a broken connection or a busy sender thread answers False
         and the caller queues the frame, so the thread's retry and resend heal it."""
-        with self._count_lock:
-            lane = self._lanes.get(t.dest.address)
+        lane = self._lanes.get(t.dest.address)  # (a dict read: atomic; no lock on the notice path)
         if lane is None or self.faults or not lane.lock.acquire(blocking=False):
             return False  # (no lane: no connection either; the first frame goes through the thread)
         try:
-            with self._count_lock:
-                if lane.queued:
-                    return False
+            if lane.queued:  # changed under _count_lock by whoever queues: a frame queued now waits for us
+                return False
             sock = self._socks.get(t.dest.address)
             if sock is None or (t.sock is not None and t.sock is not sock):  # a new one: resend first
                 return False

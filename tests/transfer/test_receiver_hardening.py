@@ -86,6 +86,13 @@ def log_has(caplog, text: str) -> bool:
 # ---------------------------------------------------------------- late frames (cancel is a fence)
 
 
+def sevens_for_a(rx: KVReceiverServer):
+    """Transfer A expected at `rx`: its slots, and a layer-0 frame of all sevens for them."""
+    _, slots = expect_as(rx, "A")
+    pattern = torch.full((TOKENS, HEADS, DIM), 7.0)
+    return slots, pattern, raw_frame("A", 0, 0, pattern, pattern)
+
+
 def test_a_frame_cancelled_mid_way_does_not_land_in_the_next_reservations_blocks(caplog):
     """The audit's attack: half a layer frame for A, A's lease runs out and its blocks go
     to B, then the rest of A's frame. It must not reach B's rows (raw frame, received
@@ -94,9 +101,7 @@ def test_a_frame_cancelled_mid_way_does_not_land_in_the_next_reservations_blocks
     kv = caches()
     rx = KVReceiverServer(kv, secret=SECRET)
     try:
-        _, slots = expect_as(rx, "A")
-        pattern = torch.full((TOKENS, HEADS, DIM), 7.0)
-        frame = raw_frame("A", 0, 0, pattern, pattern)
+        slots, pattern, frame = sevens_for_a(rx)
         header_len = len(frame) - 2 * pattern.numel() * 4
         with authenticated(rx.address) as s:
             s.sendall(frame[: header_len + 64])  # the header and 16 floats of K, then silence
@@ -158,9 +163,7 @@ def test_cancel_does_not_wait_for_a_silent_sender():
     kv = caches()
     rx = KVReceiverServer(kv, secret=SECRET)
     try:
-        _, slots = expect_as(rx, "A")
-        pattern = torch.full((TOKENS, HEADS, DIM), 7.0)
-        frame = raw_frame("A", 0, 0, pattern, pattern)
+        slots, pattern, frame = sevens_for_a(rx)
         with authenticated(rx.address) as s:
             s.sendall(frame[: len(frame) - 100])
             assert wait_until(lambda: rows(kv, 0, 1, slots).flatten()[0] == 7.0)  # deep inside V
