@@ -28,6 +28,7 @@ imported) the same kernels run on CPU tensors, which is how the tests check them
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,6 +40,8 @@ TILE_N = 16
 TILE_M = 16
 # Decode contexts longer than this are split across programs (split-K).
 DEFAULT_PARTITION = 256
+# Partitions the merge kernel takes at a time.
+SPLIT_TILE = 16
 
 
 @triton.jit
@@ -76,69 +79,84 @@ def _tile_kv_offsets(bt_row_ptr, pos, valid, BLOCK_SIZE: tl.constexpr, N_KV: tl.
     return slot * (N_KV * HEAD_DIM)
 
 
-@triton.jit
+# PARTITION and NUM_SPLITS are runtime values, not specialised: a constant would compile a
+# kernel for each block-table width an eager step brings (seconds of stalls on a GPU).
+@triton.jit(do_not_specialize=["partition", "num_splits"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    stride_qt, stride_qh, stride_bt, sm_scale,
+    stride_qt, stride_qh, stride_bt, sm_scale, partition, num_splits,
     N_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    g_ok = g < GROUP
-    heads = kvh * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-    q = q.to(tl.float32) * sm_scale
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    lsum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    part_start = split * PARTITION
-    part_end = tl.minimum(part_start + PARTITION, seq_len)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for tile_start in range(part_start, part_end, TILE):
-        pos = tile_start + tl.arange(0, TILE)
-        valid = pos < part_end
-        base = _tile_kv_offsets(bt_row, pos, valid, BLOCK_SIZE, N_KV, HEAD_DIM) + kvh * HEAD_DIM
-        kv_off = base[:, None] + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
-    # an empty partition (past the sequence's end) leaves lse = -inf and contributes nothing
-    has = lsum > 0
-    out = tl.where(has[:, None], acc / tl.where(has, lsum, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m + tl.log(tl.where(has, lsum, 1.0)), float("-inf"))
-    row = (seq * (N_KV * GROUP) + heads) * NUM_SPLITS + split
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_ok[:, None])
-    tl.store(part_lse_ptr + row, lse, mask=g_ok)
+    part_start = split * partition
+    # a partition past the sequence's end does nothing: the merge reads only the live ones
+    # (a captured graph's tables are as wide as the longest context allowed, most of it empty)
+    if part_start < seq_len:
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        g_ok = g < GROUP
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        q = q.to(tl.float32) * sm_scale
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        lsum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        part_end = tl.minimum(part_start + partition, seq_len)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        for tile_start in range(part_start, part_end, TILE):
+            pos = tile_start + tl.arange(0, TILE)
+            valid = pos < part_end
+            base = _tile_kv_offsets(bt_row, pos, valid, BLOCK_SIZE, N_KV, HEAD_DIM) + kvh * HEAD_DIM
+            kv_off = base[:, None] + d[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            lsum = lsum * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = m_new
+        out = acc / lsum[:, None]
+        lse = m + tl.log(lsum)
+        row = (seq * (N_KV * GROUP) + heads).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition", "num_splits"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh,
-    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_ot, stride_oh, partition, num_splits,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):  # fmt: skip
+    """Merge the live partitions of one (sequence, head) by their log-sum-exp, SPLIT_TILE at a
+    time with a running maximum, so any number of partitions fits in registers."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, SPLITS_PAD)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    live = tl.minimum(tl.cdiv(seq_len, partition), num_splits)
     d = tl.arange(0, HEAD_DIM)
-    row = (seq * N_HEADS + h) * NUM_SPLITS + sp
-    ok = sp < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row, mask=ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(ok, tl.exp(lse - top), 0.0)
-    parts = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    base = (seq * N_HEADS + h).to(tl.int64) * num_splits
+    top = tl.full([1], float("-inf"), tl.float32)
+    wsum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, live, SPLIT_TILE):
+        sp = s0 + tl.arange(0, SPLIT_TILE)
+        ok = sp < live
+        lse = tl.load(part_lse_ptr + base + sp, mask=ok, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(lse, 0))
+        alpha = tl.exp(top - new_top)  # 0 on the first tile (top = -inf; a live lse is finite)
+        w = tl.where(ok, tl.exp(lse - new_top), 0.0)
+        parts = tl.load(part_out_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(parts * w[:, None], 0)
+        wsum = wsum * alpha + tl.sum(w, 0)
+        top = new_top
+    out = acc / tl.where(wsum > 0, wsum, 1.0)
     tl.store(out_ptr + seq * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -167,13 +185,13 @@ def decode_attention_triton(
     part_lse = torch.empty((b, n_heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_partial_kernel[(b, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), block_tables.stride(0), float(sm_scale),
+        q.stride(0), q.stride(1), block_tables.stride(0), float(sm_scale), partition, num_splits,
         N_KV=n_kv, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_SIZE=block_size, TILE=TILE_N, PARTITION=partition, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, TILE=TILE_N,
     )  # fmt: skip
     _decode_reduce_kernel[(b, n_heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1),
-        N_HEADS=n_heads, HEAD_DIM=d, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        part_out, part_lse, seq_lens, out, out.stride(0), out.stride(1), partition, num_splits,
+        N_HEADS=n_heads, HEAD_DIM=d, SPLIT_TILE=SPLIT_TILE,
     )  # fmt: skip
     return out
 
@@ -252,6 +270,11 @@ def prefill_attention_triton(out, q, k_cache, v_cache, spans, block_tables, sm_s
     return out
 
 
+class DeviceSpans(NamedTuple):
+    spans: torch.Tensor  # [S, 3] int64 on the kernels' device
+    max_len: int  # the longest span, in tokens
+
+
 class TritonAttentionBackend:
     """The kernels behind the interface ``attention.paged_attention`` calls on its kernel modules.
 
@@ -271,9 +294,16 @@ class TritonAttentionBackend:
     def paged_decode_attention(self, out, q, k_cache, v_cache, block_tables, seq_lens, sm_scale):
         decode_attention_triton(out, q, k_cache, v_cache, block_tables, seq_lens, sm_scale)
 
+    @staticmethod
+    def prepare_spans(spans: torch.Tensor, device) -> DeviceSpans:
+        """A step's host spans, copied to the device once for all its layers, with the longest
+        span's length (read on the host: it sizes the grid without a device sync)."""
+        return DeviceSpans(spans.to(device), int((spans[:, 1] - spans[:, 0]).max()))
+
     def prefill_attention(self, out, q, k_cache, v_cache, spans, block_tables, sm_scale):
-        """``spans`` may be a host tensor: its longest span sizes the grid without a device sync."""
-        max_len = int((spans[:, 1] - spans[:, 0]).max())
+        """``spans``: a host tensor, or what ``prepare_spans`` made of one."""
+        if not isinstance(spans, DeviceSpans):
+            spans = self.prepare_spans(spans, q.device)
         prefill_attention_triton(
-            out, q, k_cache, v_cache, spans.to(q.device), block_tables.to(q.device), sm_scale, max_len
+            out, q, k_cache, v_cache, spans.spans, block_tables.to(q.device), sm_scale, spans.max_len
         )

@@ -43,6 +43,6 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
         assert k["registers"] <= 255, k
         assert k["local_bytes"] == 0, f"{k['kernel']} spills registers: {k}"
         assert k["shared_bytes_triton"] <= 227 * 1024, k  # an sm_90 block's shared memory limit
-    # the decode kernel is launched with the split-K constants the engine uses at 8,192 tokens
+    # the decode kernels take the split-K sizes at run time: one compile serves every context length
     decode = next(k for k in kernels if k["kernel"] == "decode_partial_kernel" and k["shape"] == "llama3-8b")
-    assert decode["constexprs"]["NUM_SPLITS"] == 32 and decode["constexprs"]["GROUP"] == 4
+    assert decode["constexprs"]["GROUP"] == 4 and "NUM_SPLITS" not in decode["constexprs"]
