@@ -44,7 +44,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     # All prefill spans as one call of the C++ prefill kernel (bf16 caches), when set:
     prefill_kernel: object | None = None
-    prefill_spans: torch.Tensor | None = None  # [S, 3] int64: start, end, context_len
+    # [S, 3] int64: start, end, context_len (or what the kernel's `prepare_spans` made of them)
+    prefill_spans: object | None = None
     prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks] int64, every span's table
     # Called after each layer's forward (its K/V are in the cache): the KV bridge
     # hooks here to ship a layer while the next one computes.

@@ -22,9 +22,14 @@ class ModelRunner:
         self.device = torch.device(config.device.device)
         self.dtype = config.device.torch_dtype
         self.block_size = config.cache.block_size
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches, CUDA graphs' side stream and index_select all use the current device
+            torch.cuda.set_device(self.device)
         with torch.device("meta"):
             model = LlamaModel(model_config)
-        model = model.to_empty(device=self.device)
+        # in the serving dtype before any memory is taken: an 8B model made in fp32 would take
+        # 32 GB of GPU memory and a conversion pass before it shrank to its 16 GB of bf16
+        model = model.to(self.dtype).to_empty(device=self.device)
         model.init_rope_tables(self.device)  # meta-device buffers hold no values
         model.tie_weights()
         model.load_hf_state_dict(state_dict)
@@ -242,6 +247,9 @@ class ModelRunner:
         meta.prefill_kernel = self.prefill_kernel
         meta.prefills = [PrefillSpan(first, end, ctx, None) for first, end, ctx, _ in spans]
         meta.prefill_spans = torch.tensor([[first, end, ctx] for first, end, ctx, _ in spans], dtype=torch.long)
+        prepare = getattr(self.prefill_kernel, "prepare_spans", None)
+        if prepare is not None:  # once a step, not once a layer (the triton kernels want them on the device)
+            meta.prefill_spans = prepare(meta.prefill_spans, self.device)
         width = max(len(table) for *_, table in spans)
         meta.prefill_block_tables = torch.tensor(
             [table + [0] * (width - len(table)) for *_, table in spans], dtype=torch.long, device=self.device

@@ -131,7 +131,8 @@ class TieredKVStore:
     # ---- saving (engine thread: copy out; saver thread: encode and write)
     def _gather(self, blocks: list[BlockRef]) -> torch.Tensor:
         """[n, layers, 2, block_size, heads, dim]: a copy, so the pool may reuse the blocks."""
-        idx = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
+        # the ids where the cache lives: CUDA's index_select takes no host indices
+        idx = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=self.kv_caches[0][0].device)
         per_layer = [
             torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1) for k, v in self.kv_caches
         ]  # each [n, 2, bs, heads, dim]
@@ -290,8 +291,9 @@ class TieredKVStore:
         if not found:
             return 0
         t0 = time.monotonic()
-        data = torch.stack(found)  # [n, layers, 2, block_size, heads, dim]
-        idx = torch.tensor([b.block_id for b in blocks[: len(found)]], dtype=torch.long)
+        device = self.kv_caches[0][0].device
+        data = torch.stack(found).to(device)  # [n, layers, 2, block_size, heads, dim]
+        idx = torch.tensor([b.block_id for b in blocks[: len(found)]], dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, data[:, layer, 0])
             v.index_copy_(0, idx, data[:, layer, 1])
