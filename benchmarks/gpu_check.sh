@@ -8,8 +8,8 @@
 # GPU parity tests, measures the copy bandwidth, builds two random-weight models (the
 # shapes of SmolLM2-135M and Llama-3-8B) and measures pdserve and transformers on them.
 # Every stage has its own time limit, cut to what is left of GPU_CHECK_BUDGET_S, and
-# writes its numbers as soon as it has them: results.json, summary.md and logs/ land in
-# $OUT (default ./gpu-check-out) even when a stage hangs or fails.
+# writes its numbers as soon as it has them: results.json, summary.md and logs.tar.gz (logs/
+# and parts/) land in $OUT (default ./gpu-check-out) even when a stage hangs or fails.
 # Exit status: 0 when the parity tests passed (skipped in CPU mode), else 1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,8 +82,11 @@ if [[ "$DEVICE" == cpu ]]; then
 elif [[ ! -d tests/gpu ]]; then
     echo '{"status": "missing (no tests/gpu in this tree)"}' >"$PARTS/parity.json"
 else
-    stage parity 150 "$PYTHON" -m pytest -m gpu tests/gpu -q -p no:cacheprovider
+    # the image's own pytest plugins (xdist, cov, timeout, ...) stay out: the tests need none,
+    # and one that does not load with the carried pytest would fail the gate for nothing
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 stage parity 150 "$PYTHON" -m pytest -m gpu tests/gpu -q -p no:cacheprovider
     rc=$?
+    (( rc == 0 )) || tail -n 60 "$OUT/logs/parity.log"
     case $rc in
         0) status=passed ;;
         5) status="no tests collected" ;;
@@ -119,5 +122,10 @@ IFS=, ; expect="${EXPECT[*]}" ; unset IFS
 timeout 60 "$PYTHON" benchmarks/gpu_check.py report --parts "$PARTS" --out "$OUT" --expect "$expect" \
     2>"$OUT/logs/report.log"
 rc=$?
-echo "total $(( SECONDS - START ))s; results in $OUT"
+cat "$OUT/summary.md" 2>/dev/null
+# the device tool brings back at most 8 files: the logs and parts travel as one archive
+if tar czf "$OUT/logs.tar.gz" -C "$OUT" logs parts; then
+    rm -rf "$OUT/logs" "$OUT/parts"
+fi
+echo "total $(( SECONDS - START ))s; results in $OUT (results.json, summary.md, logs.tar.gz)"
 exit $rc

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,10 @@ def test_cpu_flow_end_to_end(tmp_path):
     assert results["targets"]["roofline_pct"]["verdict"] in ("met", "missed")
     summary = (tmp_path / "summary.md").read_text()
     assert "| tiny |" in summary and "not measured" not in summary
-    assert (tmp_path / "logs" / "pdserve-tiny.log").is_file()
+    # three files come back (the device tool returns at most 8): the logs travel as one archive
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "results.json", "summary.md"]
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert {"logs/pdserve-tiny.log", "logs/stages.log", "parts/parity.json"} <= set(tar.getnames())
 
 
 def test_nominal_bandwidth_follows_the_gpu_torch_names():

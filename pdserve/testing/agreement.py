@@ -84,6 +84,11 @@ class Agreement:
     def top1(self) -> float:
         return self.agree / max(1, self.steps)
 
+    def within(self, gap: float) -> int:
+        """Steps where the chosen token is the reference's top, or trails it by at most `gap`
+        nats: a near-tie that rounding alone can flip (bf16 steps are 0.25 apart at logit 50)."""
+        return self.agree + sum(g <= gap for g in self.split_gaps)
+
     def summary(self) -> dict:
         bad = self.split_gaps
         return {
