@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import ConfigError, EngineConfig, ModelConfig
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.scheduler import SchedulerOutput
@@ -97,6 +97,14 @@ class ModelRunner:
             from pdserve.engine import triton_attention
 
             return "triton" if triton_attention.TritonAttentionBackend.supports(model_config.head_dim) else "torch"
+        if wanted == "triton":
+            from pdserve.engine import triton_attention
+
+            if not triton_attention.TritonAttentionBackend.supports(model_config.head_dim):
+                raise ConfigError(
+                    f"--attention-backend triton needs a head dim that is a power of two >= 16; this model's "
+                    f"is {model_config.head_dim} (auto would take torch)"
+                )
         return wanted
 
     def _prefill_kernel(self, model_config: ModelConfig):

@@ -256,3 +256,16 @@ def test_padded_rows_write_no_kv_and_read_one_token(tiny_model_dir):
     meta.kv_writer, meta.decode_kernel = runner.kv_writer, runner.decode_kernel
     eager = runner.model(ids, pos, runner.kv_caches, meta, torch.tensor([0, 2], **long))
     torch.testing.assert_close(logits, eager)
+
+
+def test_an_explicit_triton_backend_refuses_a_head_dim_it_cannot_tile(tmp_path):
+    """tl.arange tiles the head dim: 48 would fail to compile on the first step; the engine
+    says so when it is built instead (auto takes torch for such a model)."""
+    from pdserve import LLM
+    from pdserve.config import ConfigError
+    from tests.tiny import write_tiny_model
+
+    path = write_tiny_model(str(tmp_path), hidden=96, heads=2, kv_heads=1)
+    with pytest.raises(ConfigError, match="head dim that is a power of two"):
+        LLM(path, device="cpu", dtype="float32", attention_backend="triton", num_gpu_blocks=16)
+    assert LLM(path, device="cpu", dtype="float32", num_gpu_blocks=16).engine.runner.attention_backend != "triton"
