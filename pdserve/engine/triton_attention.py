@@ -18,7 +18,9 @@ Three kernels:
 All of them keep scores in registers with an online softmax (running max and sum, rescaled as new
 tiles arrive), so no score matrix is ever stored, and they accumulate in fp32 whatever the cache
 dtype (fp32, bf16, fp16). Products run with ``input_precision="ieee"`` on fp32 operands so an fp32
-cache gives fp32-exact results (no TF32 rounding on the GPU).
+cache gives fp32-exact results (no TF32 rounding on the GPU). Prefill over a bf16/fp16 cache
+multiplies its 16-bit tiles on the tensor cores instead (the probabilities rounded to the cache's
+dtype before P @ V, as flash attention does); decode, bound by reading the cache, stays in fp32.
 
 This module imports triton at import time; the engine imports it only when the triton backend is
 chosen, so CPU start-up never loads triton. Under ``TRITON_INTERPRET=1`` (set before this module is
@@ -28,12 +30,15 @@ imported) the same kernels run on CPU tensors, which is how the tests check them
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+# Under Triton's CPU interpreter (read once, like triton itself reads it when kernels are defined)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Key/value tokens per inner tile, and query rows per prefill program. 16 is the smallest size
 # tl.dot accepts; a tile spans several cache blocks when block_size < 16.
 TILE_N = 16
@@ -197,11 +202,21 @@ def decode_attention_triton(
 
 
 @triton.jit
+def _lowp_dot(a, b, EMULATE: tl.constexpr):
+    """a @ b of bf16/fp16 tiles with fp32 accumulation. The interpreter's bf16 dot returns
+    garbage (Triton 3.9), so there it is computed in fp32 on the same values: a product of two
+    16-bit floats is exact in fp32, which is what the tensor cores compute too."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, spans_ptr, bt_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, sm_scale,
     N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE_Q: tl.constexpr, TILE: tl.constexpr,
+    TILE_Q: tl.constexpr, TILE: tl.constexpr, LOWP: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
     span = tl.program_id(0)
     h = tl.program_id(1)
@@ -217,7 +232,8 @@ def _prefill_kernel(
         d = tl.arange(0, HEAD_DIM)
         tok = (start + i).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-        q = q.to(tl.float32) * sm_scale
+        if not LOWP:
+            q = q.to(tl.float32) * sm_scale
         kvh = h // GROUP
         m = tl.full([TILE_Q], float("-inf"), tl.float32)
         lsum = tl.zeros([TILE_Q], tl.float32)
@@ -230,9 +246,14 @@ def _prefill_kernel(
             valid = pos < key_end
             base = _tile_kv_offsets(bt_row, pos, valid, BLOCK_SIZE, N_KV, HEAD_DIM) + kvh * HEAD_DIM
             kv_off = base[:, None] + d[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+            if LOWP:  # bf16/fp16 operands on the tensor cores, fp32 accumulators (as flash attention)
+                s = _lowp_dot(q, tl.trans(k), EMULATE) * sm_scale
+            else:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
             allowed = valid[None, :] & (pos[None, :] <= qpos[:, None])
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -241,7 +262,10 @@ def _prefill_kernel(
             alpha = tl.exp(m - shift)
             p = tl.exp(s - shift[:, None])
             lsum = lsum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if LOWP:
+                acc = acc * alpha[:, None] + _lowp_dot(p.to(v.dtype), v, EMULATE)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
         out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
         o_off = tok[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -266,6 +290,7 @@ def prefill_attention_triton(out, q, k_cache, v_cache, spans, block_tables, sm_s
         q, k_cache, v_cache, out, spans, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), float(sm_scale),
         N_KV=n_kv, GROUP=n_heads // n_kv, HEAD_DIM=d, BLOCK_SIZE=block_size, TILE_Q=TILE_M, TILE=TILE_N,
+        LOWP=q.dtype == k_cache.dtype and k_cache.dtype in (torch.bfloat16, torch.float16), EMULATE=_INTERPRETED,
     )  # fmt: skip
     return out
 
