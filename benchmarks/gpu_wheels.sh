@@ -41,6 +41,7 @@ WHEELS=(
     charset-normalizer
     certifi
     ninja
+    llguidance  # structured outputs (abi3: the same wheel serves Python 3.12)
     # the parity tests (pytest -m gpu)
     pytest
     pluggy
@@ -72,7 +73,7 @@ mkdir -p "$DEST"
 "$PYTHON" -m pip download --quiet --dest "$DEST" --only-binary=:all: --no-deps \
     --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any \
     "${PINS[@]}"
 count=$(ls "$DEST"/*.whl | wc -l)
 size=$(du -sm "$DEST" | cut -f1)

@@ -6,7 +6,7 @@ the simulator import without torch.
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "Logprob", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name):
@@ -22,4 +22,8 @@ def __getattr__(name):
         from pdserve.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from pdserve.engine.sampling_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(name)

@@ -20,6 +20,7 @@ from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
 from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence, as_logprobs
 from pdserve.engine.step_trace import StepRecord, step_rows
+from pdserve.engine.structured_outputs import StructuredOutputs
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.kv.block_manager import BlockManager
 from pdserve.kv.slots import slot_mapping
@@ -66,7 +67,8 @@ class LLMEngine:
             self.kv_store = build_kv_store(config, self.model_config, self.runner, kv_secret)
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
-        self.sampler = Sampler(self.runner.device)
+        self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
+        self.sampler = Sampler(self.runner.device, self.structured)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
@@ -308,6 +310,9 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        so = params.structured_outputs
+        if so is not None and getattr(so, "_grammar", None) is None:
+            so._grammar = self.structured.compile(so)  # a grammar that does not compile: 400 here
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", "prompt"

@@ -40,14 +40,18 @@ class _Seen:
 
 
 class Sampler:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, structured=None):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
         self._seen: dict[str, _Seen] = {}
+        # structured_outputs.StructuredOutputs: the masks of constrained sequences
+        self.structured = structured
 
     def forget(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
         self._seen.pop(seq_id, None)
+        if self.structured is not None:
+            self.structured.forget(seq_id)
 
     def _generator(self, seq_id: str, seed: int) -> torch.Generator:
         g = self._generators.get(seq_id)
@@ -77,25 +81,32 @@ class Sampler:
 
     def _apply_penalties(self, logits, params, seq_ids, history):
         for i, p in enumerate(params):
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-                bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[i].index_add_(0, ids, bias)
-            if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
-                continue
-            prompt, output = history[i]
-            seen = self._seen.get(seq_ids[i])
-            if seen is None or seen.num_counted > len(output):  # new, or the id was reused
-                seen = self._seen[seq_ids[i]] = _Seen(prompt, logits.shape[1], logits.device)
-            seen.update(output)
-            if p.repetition_penalty != 1.0:
-                mask = seen.in_prompt | (seen.counts > 0)
-                row = logits[i, mask]
-                logits[i, mask] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if output and (p.presence_penalty or p.frequency_penalty):
-                counts = seen.counts
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            self._apply_row(logits, i, p, seq_ids, history)
+            if p.structured_outputs is not None:  # last: nothing may bring a masked token back
+                allowed = self.structured.allowed(seq_ids[i], p.structured_outputs, history[i][1], logits.device)
+                logits[i].masked_fill_(~allowed, float("-inf"))
         return logits
+
+    def _apply_row(self, logits, i, p, seq_ids, history) -> None:
+        """logit_bias and the penalties, on row i."""
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, bias)
+        if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
+            return
+        prompt, output = history[i]
+        seen = self._seen.get(seq_ids[i])
+        if seen is None or seen.num_counted > len(output):  # new, or the id was reused
+            seen = self._seen[seq_ids[i]] = _Seen(prompt, logits.shape[1], logits.device)
+        seen.update(output)
+        if p.repetition_penalty != 1.0:
+            mask = seen.in_prompt | (seen.counts > 0)
+            row = logits[i, mask]
+            logits[i, mask] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if output and (p.presence_penalty or p.frequency_penalty):
+            counts = seen.counts
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
     def _sample(self, logits, params, seq_ids) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)

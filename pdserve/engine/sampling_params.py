@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
 
 # Bounds on what a caller may ask for. Each stop string is searched for after
@@ -31,6 +32,56 @@ def _bad(cond: bool, param: str, message: str) -> None:
         raise InvalidRequest(message, param)
 
 
+# Structured outputs: sizes of what a caller may constrain the output with (the grammar is
+# compiled per request; its parser's own limits are in structured_outputs.py)
+MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, a grammar, a JSON schema as JSON text
+MAX_CHOICES = 1024
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regular expression, one of a
+    few strings, or a grammar (Lark, or llama.cpp's GBNF), as vLLM's parameters of the same
+    name: exactly one of them. The output is then generated token by token under a mask of
+    the tokens that keep it valid (pdserve/engine/structured_outputs.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without any whitespace between tokens (vLLM's option); by default up to 32
+    # whitespace characters may separate two tokens, enough to pretty-print
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        _bad(len(given) != 1, "structured_outputs", f"give exactly one of {', '.join(STRUCTURED_KINDS)} (got {given})")
+        if self.json is not None:
+            _bad(not isinstance(self.json, (str, dict)), "structured_outputs", "json is a JSON schema")
+            size = len(self.json) if isinstance(self.json, str) else len(_json.dumps(self.json))
+            _bad(size > MAX_GRAMMAR_CHARS, "structured_outputs", f"the JSON schema is over {MAX_GRAMMAR_CHARS} chars")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None:
+                _bad(not isinstance(v, str) or not v, "structured_outputs", f"{name} is a non-empty string")
+                _bad(len(v) > MAX_GRAMMAR_CHARS, "structured_outputs", f"{name} is over {MAX_GRAMMAR_CHARS} chars")
+        if self.choice is not None:
+            ok = isinstance(self.choice, list) and all(isinstance(c, str) and c for c in self.choice)
+            _bad(not ok or not self.choice, "structured_outputs", "choice is a list of non-empty strings")
+            _bad(len(self.choice) > MAX_CHOICES, "structured_outputs", f"at most {MAX_CHOICES} choices")
+            _bad(
+                sum(map(len, self.choice)) > MAX_GRAMMAR_CHARS,
+                "structured_outputs",
+                f"the choices hold over {MAX_GRAMMAR_CHARS} chars",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -56,8 +107,15 @@ class SamplingParams:
     # {token id: bias} added to the logits before sampling (OpenAI's logit_bias; logprobs
     # stay the model's own, as vLLM reports them)
     logit_bias: dict[int, float] | None = None
+    # the output held to a JSON schema, a regex, a choice or a grammar (vLLM's name)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):  # from JSON (another worker, the API)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidRequest(f"structured_outputs: {e}", "structured_outputs") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -147,10 +205,12 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        """Anything that changes the logits before sampling: the penalties and logit_bias."""
+        """Anything that changes the logits before sampling: the penalties, logit_bias and a
+        structured output's mask."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
+            or self.structured_outputs is not None
         )

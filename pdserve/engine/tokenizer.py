@@ -64,6 +64,11 @@ class Tokenizer:
         self.special_ids = {t_id for t_id, t in tok.get_added_tokens_decoder().items() if t.special}
         self._template = None
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer underneath (structured outputs read its vocabulary)."""
+        return self._tok
+
     # ---- construction
     @classmethod
     def from_loaded(cls, loaded: LoadedModel) -> Tokenizer:

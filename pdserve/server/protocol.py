@@ -15,7 +15,14 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, InvalidRequest, SamplingParams
+from pdserve.engine.sampling_params import (
+    MAX_LOGPROBS,
+    SEED_MAX,
+    SEED_MIN,
+    InvalidRequest,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pdserve.server.errors import APIError, bad_request, from_validation_errors
 
 MAX_N = 128
@@ -41,12 +48,6 @@ class _Strict(BaseModel):
 # vLLM's request options that change what is generated and that this server does not
 # implement: refused, never silently ignored (a value equal to vLLM's default is let through).
 _NOT_IMPLEMENTED = {
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "allowed_token_ids": None,
@@ -66,6 +67,24 @@ _NOT_IMPLEMENTED = {
     "repetition_detection": None,
     "thinking_token_budget": None,
 }
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field("", max_length=256)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's `structured_outputs` object: the constraints it holds, and its options that change
+# nothing here (backend choices) or that this server does not implement (refused when set)
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_IGNORED = ("disable_fallback", "backend", "_backend", "_backend_was_auto")
 
 
 class StreamOptions(_Strict):
@@ -100,6 +119,15 @@ class _SamplingFields(_Strict):
     priority: int = Field(0, ge=_PRIORITY_MIN, le=_PRIORITY_MAX)
 
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # which library vLLM uses: one here, ignored
 
     @model_validator(mode="before")
     @classmethod
@@ -145,10 +173,44 @@ class _SamplingFields(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 logit_bias=self.logit_bias,
+                structured_outputs=self.structured(),
                 **given,
             )
         except InvalidRequest as e:
             raise bad_request(str(e), e.param) from None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one constraint the request gives, wherever it gives it; two are a 400."""
+        found: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+            # OpenAI's schema is optional: without one, any JSON object
+            found.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
+        if self.structured_outputs is not None:
+            so = dict(self.structured_outputs)
+            for key in _STRUCTURED_IGNORED:
+                so.pop(key, None)
+            unknown = [k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False, "", [], {})]
+            if unknown:
+                raise bad_request(
+                    f"structured_outputs.{unknown[0]} is not supported by this server", "structured_outputs"
+                )
+            found.append(("structured_outputs", {k: so[k] for k in _STRUCTURED_KEYS if k in so}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise bad_request(f"give one output constraint, not {found[0][0]} and {found[1][0]}", found[1][0])
+        try:
+            return StructuredOutputsParams(**found[0][1])
+        except InvalidRequest as e:
+            raise bad_request(f"{found[0][0]}: {e}", found[0][0]) from None
 
     @property
     def include_usage(self) -> bool:
@@ -221,10 +283,6 @@ class ChatMessage(_Strict):
         return "\n".join(p.text for p in self.content)  # as vLLM joins text parts
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class _ChatTemplateFields(_Strict):
     """How messages become the prompt: the same for a chat completion and /tokenize."""
 
@@ -254,15 +312,12 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    response_format: ResponseFormat | None = None
     tool_choice: str | dict | None = None
 
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("only response_format type 'text' is supported", "response_format")
         if self.tools and self.tool_choice != "none":
             # the tools reach the chat template; calling them needs a tool-call parser, as in vLLM
             raise bad_request("tool calls are not supported by this server (tool_choice 'none' only)", "tools")

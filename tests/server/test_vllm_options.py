@@ -119,8 +119,7 @@ def test_continuous_usage_stats_on_every_chunk(client):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"structured_outputs": {"choice": ["yes", "no"], "structural_tag": "{}"}}, "structured_outputs"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"cache_salt": "tenant"}, "cache_salt"),
