@@ -310,9 +310,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        so = params.structured_outputs
-        if so is not None and getattr(so, "_grammar", None) is None:
-            so._grammar = self.structured.compile(so)  # a grammar that does not compile: 400 here
+        if params.structured_outputs is not None:  # a grammar that does not compile: 400 here
+            self.structured.compile(params.structured_outputs)  # (cached: the servers compiled it already)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens", "prompt"

@@ -34,7 +34,8 @@ def _bad(cond: bool, param: str, message: str) -> None:
 
 # Structured outputs: sizes of what a caller may constrain the output with (the grammar is
 # compiled per request; its parser's own limits are in structured_outputs.py)
-MAX_GRAMMAR_CHARS = 64 * 1024  # a regex, a grammar, a JSON schema as JSON text
+MAX_GRAMMAR_CHARS = 64 * 1024  # a regex or a JSON schema as JSON text
+MAX_CFG_CHARS = 16 * 1024  # a Lark or GBNF grammar (GBNF is converted in Python, in quadratic time)
 MAX_CHOICES = 1024
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -60,13 +61,18 @@ class StructuredOutputsParams:
         _bad(len(given) != 1, "structured_outputs", f"give exactly one of {', '.join(STRUCTURED_KINDS)} (got {given})")
         if self.json is not None:
             _bad(not isinstance(self.json, (str, dict)), "structured_outputs", "json is a JSON schema")
-            size = len(self.json) if isinstance(self.json, str) else len(_json.dumps(self.json))
+            try:
+                size = len(self.json) if isinstance(self.json, str) else len(_json.dumps(self.json))
+            except (RecursionError, TypeError, ValueError):
+                raise InvalidRequest(
+                    "json is not a JSON schema (or is nested too deeply)", "structured_outputs"
+                ) from None
             _bad(size > MAX_GRAMMAR_CHARS, "structured_outputs", f"the JSON schema is over {MAX_GRAMMAR_CHARS} chars")
-        for name in ("regex", "grammar"):
+        for name, most in (("regex", MAX_GRAMMAR_CHARS), ("grammar", MAX_CFG_CHARS)):
             v = getattr(self, name)
             if v is not None:
                 _bad(not isinstance(v, str) or not v, "structured_outputs", f"{name} is a non-empty string")
-                _bad(len(v) > MAX_GRAMMAR_CHARS, "structured_outputs", f"{name} is over {MAX_GRAMMAR_CHARS} chars")
+                _bad(len(v) > most, "structured_outputs", f"{name} is over {most} chars")
         if self.choice is not None:
             ok = isinstance(self.choice, list) and all(isinstance(c, str) and c for c in self.choice)
             _bad(not ok or not self.choice, "structured_outputs", "choice is a list of non-empty strings")

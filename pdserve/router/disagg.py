@@ -51,6 +51,7 @@ from pdserve.control_api import (
     params_to_json,
     parse_event,
 )
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import choice_request_id
 from pdserve.router import conductor
 from pdserve.router.placement import Placer
@@ -465,6 +466,10 @@ class DisaggEngine:
     @property
     def num_in_flight(self) -> int:
         return sum(len(g.subs) for g in self._groups)
+
+    async def compile_constraints(self, params: list[SamplingParams]) -> None:
+        """Nothing here: the workers compile the constraints they are sent (and refuse those
+        that do not compile with a 400 the client gets)."""
 
     def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
         if self.draining:

@@ -279,6 +279,7 @@ class _Api:
             # started under the old ids may still be there until its workers notice)
             engine_rid = f"{rid}-f{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
+        await self.engine.compile_constraints([i.params for i in inputs])
         group = self.engine.submit(inputs, priority=req.priority, request_id=engine_rid) if inputs else None
         try:
             if group is not None:

@@ -194,6 +194,25 @@ class AsyncEngine:
         self._cmds.put(("add", group, [(s.rid, inp, priority, arrival_s) for s, inp in zip(group.subs, inputs)]))
         return group
 
+    async def compile_constraints(self, params: list[SamplingParams]) -> None:
+        """Compile the output constraints (structured outputs) of `params` on a thread of their
+        own, before the request reaches the engine: a large grammar takes a while, and the
+        engine thread would stall every running request for it. The engine then finds them in
+        its cache. A constraint that does not compile is the caller's 400."""
+        engine = self.engine
+        if engine is None:
+            return
+        done: set[int] = set()
+        for p in params:
+            so = p.structured_outputs
+            if so is None or id(so) in done:
+                continue
+            done.add(id(so))
+            try:
+                await asyncio.to_thread(engine.structured.compile, so)
+            except InvalidRequest as e:
+                raise APIError(400, str(e), param=e.param) from None
+
     def _admit(self, num: int) -> None:
         """Refuse a group of `num` sequences that would take the queue past its limit.
 

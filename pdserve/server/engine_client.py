@@ -123,6 +123,10 @@ class EngineClient(Protocol):
     async def shutdown(self, reason: str = ...) -> None:
         """Fail what is in flight with a 503 giving `reason`, and stop."""
 
+    async def compile_constraints(self, params: list[SamplingParams]) -> None:
+        """Prepare the requests' output constraints (structured outputs) before `submit`, off
+        the thread that steps the engine; raises APIError 400 for one that does not compile."""
+
     def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestStream:
         """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now."""
 

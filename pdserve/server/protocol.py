@@ -48,6 +48,7 @@ class _Strict(BaseModel):
 # vLLM's request options that change what is generated and that this server does not
 # implement: refused, never silently ignored (a value equal to vLLM's default is let through).
 _NOT_IMPLEMENTED = {
+    "guided_whitespace_pattern": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
     "allowed_token_ids": None,
@@ -81,10 +82,43 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-# vLLM's `structured_outputs` object: the constraints it holds, and its options that change
-# nothing here (backend choices) or that this server does not implement (refused when set)
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
-_STRUCTURED_IGNORED = ("disable_fallback", "backend", "_backend", "_backend_was_auto")
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` object, typed: the constraints and the whitespace switch; the
+    fallback switch changes nothing here (one library); its other options are refused when set."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data):
+        if isinstance(data, dict):
+            for name in ("whitespace_pattern", "structural_tag", "disable_additional_properties"):
+                if data.get(name) not in (None, False):
+                    raise bad_request(
+                        f"structured_outputs.{name} is not supported by this server", "structured_outputs"
+                    )
+            data = {
+                k: v
+                for k, v in data.items()
+                if k not in ("whitespace_pattern", "structural_tag", "disable_additional_properties")
+            }
+        return data
+
+    def params(self) -> dict:
+        out = {
+            k: getattr(self, k) for k in ("regex", "choice", "grammar", "json_object") if getattr(self, k) is not None
+        }
+        if self.json_ is not None:
+            out["json"] = self.json_
+        return {**out, "disable_any_whitespace": self.disable_any_whitespace}
 
 
 class StreamOptions(_Strict):
@@ -122,7 +156,7 @@ class _SamplingFields(_Strict):
 
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
-    structured_outputs: dict | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -190,15 +224,7 @@ class _SamplingFields(_Strict):
             # OpenAI's schema is optional: without one, any JSON object
             found.append(("response_format", {"json": schema} if schema is not None else {"json_object": True}))
         if self.structured_outputs is not None:
-            so = dict(self.structured_outputs)
-            for key in _STRUCTURED_IGNORED:
-                so.pop(key, None)
-            unknown = [k for k, v in so.items() if k not in _STRUCTURED_KEYS and v not in (None, False, "", [], {})]
-            if unknown:
-                raise bad_request(
-                    f"structured_outputs.{unknown[0]} is not supported by this server", "structured_outputs"
-                )
-            found.append(("structured_outputs", {k: so[k] for k in _STRUCTURED_KEYS if k in so}))
+            found.append(("structured_outputs", self.structured_outputs.params()))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                           ("guided_grammar", "grammar")):  # fmt: skip
             if getattr(self, name) is not None:

@@ -107,6 +107,7 @@ class WorkerApi:
         params = dataclasses.replace(_params(b.params), max_tokens=1, min_tokens=0)
         if self._faults:
             await self._faults.before_prefill()
+        await self.engine.compile_constraints([params])
         group = self.engine.submit(
             [EngineInput(b.prompt_token_ids, params, kv_destination=dest)], request_id=b.request_id
         )
@@ -154,6 +155,7 @@ class WorkerApi:
         # no room now: wait in line for up to wait_s (the scheduler's queue and the
         # transfers already admitted go first), then 503
         wait_s = min(b.wait_s, MAX_RESERVE_WAIT_S)
+        await self.engine.compile_constraints([params])
         try:
             dest = await self.engine.reserve_for_transfer(
                 rid, b.prompt_token_ids, params, self.receiver, deadline_s=deadline_s, wait_s=wait_s
@@ -189,6 +191,7 @@ class WorkerApi:
     # ---- whole requests here
     async def generate(self, b: GenerateRequest) -> StreamingResponse:
         inp = EngineInput(b.prompt_token_ids, _params(b.params), resume_token_ids=b.resume_token_ids)
+        await self.engine.compile_constraints([inp.params])
         group = self.engine.submit([inp], request_id=b.request_id)
         await group.accepted()
         return StreamingResponse(stream_outputs(group), media_type="application/x-ndjson")

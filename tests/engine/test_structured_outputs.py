@@ -114,6 +114,67 @@ def test_a_constraint_that_does_not_compile_is_refused_when_added(llm, kw, messa
     )
 
 
+def test_a_long_chain_of_rules_is_compiled_not_a_crash(llm):
+    """The library builds a grammar recursively: a schema whose 1,200 definitions refer each to
+    the next (52 KB, under the size limit) overflows a normal 8 MB thread stack and kills the
+    process (checked: exit 139). It is compiled on a thread with a large stack, and works."""
+    defs = {str(i): {"items": {"$ref": f"#/$defs/{i + 1}"}} for i in range(1200)}
+    defs["1200"] = {"type": "integer"}
+    chain = {"$defs": defs, "$ref": "#/$defs/0"}
+    so = StructuredOutputsParams(json=chain, disable_any_whitespace=True)
+    compiled = llm.engine.structured.compile(so)
+    m = compiled.template.deep_copy()
+    assert m.consume_tokens(llm.tokenizer.encode("[" * 1200 + "7" + "]" * 1200, add_special_tokens=False))
+    assert m.is_accepting()
+    lark = "\n".join(f'r{i}: "x" r{i + 1}' for i in range(1000)) + '\nr1000: "y"\nstart: r0'
+    out = llm.generate("x", SamplingParams(max_tokens=1100, structured_outputs=StructuredOutputsParams(grammar=lark)))
+    assert out[0].outputs[0].text == "x" * 1000 + "y"
+
+
+def test_a_deeply_nested_schema_is_refused_not_an_error():
+    deep = "[" * 2000 + "]" * 2000
+    with pytest.raises(InvalidRequest, match="nested too deeply|not a JSON schema"):
+        nested: dict = {}
+        cur = nested
+        for _ in range(3000):
+            cur["anyOf"] = [{}]
+            cur = cur["anyOf"][0]
+        StructuredOutputsParams(json=nested)
+    assert deep  # a deep string is refused at compile time (the library parses text with a depth limit)
+
+
+def test_the_compiled_grammar_follows_the_content_not_the_object(llm):
+    so = StructuredOutputsParams(regex="[0-9]{3}")
+    assert re.fullmatch("[0-9]{3}", llm.generate("x", SamplingParams(structured_outputs=so))[0].outputs[0].text)
+    so.regex = "[a-z]{3}"  # the same object, changed: compiled anew
+    assert re.fullmatch("[a-z]{3}", llm.generate("x", SamplingParams(structured_outputs=so))[0].outputs[0].text)
+
+
+def test_disable_any_whitespace_wins_over_the_schemas_own_options(llm):
+    schema = {"type": "object", "x-guidance": {"whitespace_pattern": "[ ]{1,8}"}}
+    compiled = llm.engine.structured.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    m = compiled.template.deep_copy()
+    assert not m.consume_tokens(llm.tokenizer.encode("{ }", add_special_tokens=False))
+    widened = llm.engine.structured.compile(StructuredOutputsParams(json=schema))
+    assert widened.template.deep_copy().consume_tokens(llm.tokenizer.encode("{ }", add_special_tokens=False))
+
+
+def test_a_parser_limit_mid_output_ends_it_and_says_so(model_dir, caplog, monkeypatch):
+    """A regex that compiles but whose lexer outgrows its state limit after a few tokens: the
+    output ends there (only EOS is allowed) and the log says why, in one line."""
+    from pdserve import LLM
+    from pdserve.engine import structured_outputs
+
+    monkeypatch.setitem(structured_outputs._LIMITS, "max_lexer_states", 300)  # what the byte vocabulary reaches
+    llm = LLM(model_dir, dtype="float32", block_size=4, num_gpu_blocks=256, max_num_batched_tokens=64)
+    so = StructuredOutputsParams(regex="(([^a]{0,30}a)|([^b]{0,29}b)|([^c]{0,28}c)|([^d]{0,27}d)){1,50}")
+    with caplog.at_level("WARNING", logger="pdserve.engine.structured_outputs"):
+        out = llm.generate("x", SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured_outputs=so))
+    assert out[0].outputs[0].finish_reason == "stop" and len(out[0].outputs[0].token_ids) < 200
+    lines = [r.getMessage() for r in caplog.records if "structured output ends here" in r.getMessage()]
+    assert len(lines) == 1 and "too many states" in lines[0] and len(lines[0]) < 400, lines
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -123,6 +184,7 @@ def test_a_constraint_that_does_not_compile_is_refused_when_added(llm, kw, messa
         dict(choice=["a", ""]),
         dict(choice=["x"] * 1025),
         dict(regex="a" * (64 * 1024 + 1)),
+        dict(grammar="start: " + '"a"' * 6000),  # Lark/GBNF: 16 KiB
         dict(json={"description": "x" * (64 * 1024)}),
     ],
 )

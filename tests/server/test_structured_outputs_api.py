@@ -92,7 +92,7 @@ def test_vllm_fields_on_completions(client):
 def test_bad_constraints_are_400s_that_name_the_field(client, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=USER, max_tokens=5, **kw)
-    assert e.value.body["param"] == param and words in e.value.body["message"]
+    assert e.value.body["param"].startswith(param) and words in e.value.body["message"]
     # and the server goes on serving
     assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=2).usage.completion_tokens == 2
 
