@@ -82,9 +82,13 @@ class Sampler:
     def _apply_penalties(self, logits, params, seq_ids, history):
         for i, p in enumerate(params):
             self._apply_row(logits, i, p, seq_ids, history)
-            if p.structured_outputs is not None:  # last: nothing may bring a masked token back
-                allowed = self.structured.allowed(seq_ids[i], p.structured_outputs, history[i][1], logits.device)
-                logits[i].masked_fill_(~allowed, float("-inf"))
+        held = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+        if held:  # last: nothing may bring a masked token back; one copy and one fill for all rows
+            masks = torch.stack(
+                [self.structured.allowed(seq_ids[i], params[i].structured_outputs, history[i][1]) for i in held]
+            ).to(logits.device)
+            rows = torch.tensor(held, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(~masks, float("-inf"))
         return logits
 
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:

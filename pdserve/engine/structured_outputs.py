@@ -225,14 +225,14 @@ class StructuredOutputs:
     def forget(self, seq_id: str) -> None:
         self._guides.pop(seq_id, None)
 
-    def allowed(self, seq_id: str, so: StructuredOutputsParams, output: list[int], device) -> torch.Tensor:
-        """[vocab] bool: the tokens that keep this sequence's output valid, its output so far
-        consumed first."""
+    def allowed(self, seq_id: str, so: StructuredOutputsParams, output: list[int]) -> torch.Tensor:
+        """[vocab] bool, on the host: the tokens that keep this sequence's output valid, its
+        output so far consumed first."""
         guide = self._guides.get(seq_id)
         if guide is None or guide.consumed > len(output):  # new, or the id was reused
             guide = self._guides[seq_id] = _Guide(self, self.compile(so), seq_id)
         guide.consume(output)
-        return guide.allowed(device)
+        return guide.allowed()
 
 
 class _Guide:
@@ -262,17 +262,17 @@ class _Guide:
                 self._fail(self.matcher.get_error() or f"token {t} is outside the grammar")
         self.consumed = len(output)
 
-    def allowed(self, device) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor:
         vocab = self.owner.vocab_size
         if not self.failed and self.matcher.is_error():  # a parser limit reached while computing
             self._fail(self.matcher.get_error())
         if self.failed or self.matcher.is_stopped():
             mask = torch.zeros(vocab, dtype=torch.bool)
             mask[[t for t in self.owner.eos_token_ids if t < vocab]] = True
-            return mask.to(device)
+            return mask
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
         if self.matcher.is_error():
-            return self.allowed(device)
+            return self.allowed()
         # bit t % 32 of word t // 32 is token t; the words are little-endian
         bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")
         mask = torch.zeros(vocab, dtype=torch.bool)
@@ -280,5 +280,5 @@ class _Guide:
         mask[:n] = torch.from_numpy(bits[:n])
         if not mask.any():  # the parser found nothing to extend it with
             self._fail("no token can continue it")
-            return self.allowed(device)
-        return mask.to(device)
+            return self.allowed()
+        return mask
