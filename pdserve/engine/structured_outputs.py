@@ -66,7 +66,10 @@ def _on_big_stack(fn, *args):
             box["error"] = e
 
     with _stack_lock:  # the size applies to threads started while it is set
-        old = threading.stack_size(_STACK_BYTES)
+        try:
+            old = threading.stack_size(_STACK_BYTES)
+        except (ValueError, RuntimeError):  # a platform that cannot size thread stacks
+            return fn(*args)
         try:
             t = threading.Thread(target=run, name="pdserve-grammar", daemon=True)
             t.start()
