@@ -250,7 +250,9 @@ class _Api:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, req.engine_logprobs())
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormatter(rid, self.served_names()[0], self._text(), req.n, req.engine_logprobs())
+        fmt = ChatFormatter(
+            rid, self.served_names()[0], self._text(), req.n, req.engine_logprobs(), tool_calls=req.tool_calls()
+        )
         return await self._generate(request, req, rid, [prompt], params, fmt, resume)
 
     async def _generate(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 from pdserve.server.engine_client import ChoiceOutput
 from pdserve.server.errors import APIError
@@ -58,6 +59,9 @@ class TokenText:
         if s is None:
             s = self._text[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return s
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids)
 
     def bytes_of(self, token_id: int) -> list[int]:
         b = self._bytes.get(token_id)
@@ -242,6 +246,81 @@ class ChatFormatter(_Base):
     _delta_key = '"delta":{"content":'
     _delta_end = "}"
 
+    def __init__(self, *args, tool_calls=None, **kw):
+        super().__init__(*args, **kw)
+        # protocol.ToolCalls: the output is the arguments of a named function, or a JSON list
+        # of calls ("required"); it is returned as `tool_calls`, not as content
+        self.tool_calls = tool_calls
+        self._streamed: dict[int, str] = {}  # per choice: the text so far (tool calls only)
+
+    def _call(self, name: str, arguments: str, index: int | None = None) -> dict:
+        call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function"}
+        if index is not None:
+            call = {"index": index, **call}
+        return {**call, "function": {"name": name, "arguments": arguments}}
+
+    def _parsed_calls(self, text: str) -> list[dict] | None:
+        """A "required" output's calls ([{name, parameters}]) as OpenAI's tool_calls, or None
+        when it is not a complete list (cut by max_tokens, or a grammar that had to end it)."""
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+            return None
+        return [(c["name"], dumps(c.get("parameters", {}))) for c in calls]
+
+    def _tool_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The assistant message of a tool-call output, and its finish reason."""
+        if self.tool_calls.named is not None:
+            return {"role": "assistant", "content": None, "tool_calls": [self._call(self.tool_calls.named, text)]}, (
+                finish_reason
+            )
+        calls = self._parsed_calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": [self._call(n, a) for n, a in calls]}, reason
+
+    def resume(self, index: int, token_ids: list[int]) -> None:
+        # a resumed stream already sent the named call's head (its arguments went out as deltas);
+        # a "required" list is sent whole at the end, so the text it had is needed again
+        if self.tool_calls is not None and token_ids:
+            self._streamed[index] = self.token_text.decode(token_ids)
+
+    def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
+        if self.tool_calls is None:
+            return super().chunk_json(index, out, include_usage, usage_now)
+        chunk = self.chunk(index, out)
+        if chunk is None:
+            return None
+        if include_usage:
+            chunk["usage"] = usage_now
+        return dumps(chunk)
+
+    def _tool_chunk(self, index: int, out: ChoiceOutput) -> dict | None:
+        before = self._streamed.get(index)
+        self._streamed[index] = (before or "") + out.new_text
+        reason = out.final.finish_reason if out.final else None
+        delta: dict = {}
+        if self.tool_calls.named is not None:
+            if before is None:  # the call's head, with the first of its arguments
+                delta = {"tool_calls": [self._call(self.tool_calls.named, out.new_text, 0)]}
+            elif out.new_text:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": out.new_text}}]}
+        elif out.final:  # "required": the list is parsed whole, then sent
+            message, reason = self._tool_message(self._streamed[index], reason)
+            if "tool_calls" in message:
+                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
+            else:
+                delta = {"content": message["content"]}
+        if not delta and not out.final:
+            return None
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        if out.final:
+            choice["stop_reason"] = out.final.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
+
     def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict | None:
         if self.top_logprobs is None:
             return None
@@ -269,6 +348,8 @@ class ChatFormatter(_Base):
         ]
 
     def chunk(self, index: int, out: ChoiceOutput) -> dict | None:
+        if self.tool_calls is not None:
+            return self._tool_chunk(index, out)
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None
         choice = {
@@ -282,14 +363,18 @@ class ChatFormatter(_Base):
         return self._envelope(self.chunk_object_name, [choice])
 
     def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c.token_ids, c.logprobs or []),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for i, c in enumerate(out.final for out in finals)
-        ]
+        choices = []
+        for i, c in enumerate(out.final for out in finals):
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if self.tool_calls is not None:
+                message, reason = self._tool_message(c.text, c.finish_reason)
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs or []),
+                    "finish_reason": reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {**self._envelope(self.object_name, choices), "usage": u}

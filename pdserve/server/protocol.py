@@ -302,6 +302,9 @@ class ChatMessage(_Strict):
     role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an assistant's earlier calls and a tool's answer to one: passed to the chat template
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -332,6 +335,53 @@ class _ChatTemplateFields(_Strict):
         }
 
 
+class ToolFunction(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+MAX_TOOLS = 128
+
+
+class ToolCalls:
+    """How a chat request's tools are called: one named function, or at least one of them
+    ("required"). The arguments are generated under a JSON schema built from the functions'
+    `parameters`, so no tool-call parser is needed, as vLLM does for these two choices."""
+
+    def __init__(self, tools: list[Tool], named: str | None):
+        self.tools, self.named = tools, named
+
+    # between two JSON tokens of the arguments at most one space, as `json.dumps` writes them:
+    # arguments are a string for a program to parse, and a small model given room for more
+    # fills it with blank lines (a schema's own "x-guidance" options win)
+    WHITESPACE = {"whitespace_pattern": "[ ]?"}
+
+    def schema(self) -> dict:
+        def params(t: Tool) -> dict:
+            return t.function.parameters if t.function.parameters is not None else {"type": "object"}
+
+        if self.named is not None:
+            p = params(next(t for t in self.tools if t.function.name == self.named))
+            return {**p, "x-guidance": {**self.WHITESPACE, **(p.get("x-guidance") or {})}}
+        one_call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": params(t)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": one_call}, "x-guidance": self.WHITESPACE}
+
+
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -344,11 +394,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools and self.tool_choice != "none":
-            # the tools reach the chat template; calling them needs a tool-call parser, as in vLLM
-            raise bad_request("tool calls are not supported by this server (tool_choice 'none' only)", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
+        self.tool_calls()  # the tools and tool_choice are checked there
         self.check_template()
         if self.echo:
             raise bad_request("echo is not supported on chat completions by this server", "echo")
@@ -356,12 +402,65 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_calls(self) -> ToolCalls | None:
+        """The tool calls the output is to be, or None (text: no tools, or tool_choice "none",
+        where the tools still reach the chat template)."""
+        if self.tools is not None and len(self.tools) > MAX_TOOLS:
+            raise bad_request(f"{len(self.tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
+        tools = []
+        for i, t in enumerate(self.tools or ()):
+            try:
+                tools.append(Tool.model_validate(t))
+            except ValidationError as e:
+                errors = [{**err, "loc": ("tools", i, *err.get("loc", ()))} for err in e.errors()]
+                raise from_validation_errors(errors) from None
+        choice = self.tool_choice
+        if choice == "none" or (choice is None and not tools):
+            return None
+        if not tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if choice is None or choice == "auto":
+            # the model would choose between text and a call, in its own format: that takes a
+            # parser for the model's tool-call syntax, which this server does not have
+            raise bad_request(
+                "tool_choice 'auto' (the default when tools are given) is not supported by this server: "
+                "give 'required', a named function, or 'none'",
+                "tool_choice",
+            )
+        if choice == "required":
+            return ToolCalls(tools, None)
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request(
+                'tool_choice is \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in {t.function.name for t in tools}:
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return ToolCalls(tools, name)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        calls = self.tool_calls()
+        other = super().structured()
+        if calls is None:
+            return other
+        if other is not None:
+            raise bad_request("a tool call's arguments are already held to the tools' schemas", "tool_choice")
+        try:
+            return StructuredOutputsParams(json=calls.schema())
+        except InvalidRequest as e:
+            raise bad_request(f"tools: {e}", "tools") from None
+
     def conversation(self) -> list[dict]:
         out = []
         for m in self.messages:
             d = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls is not None:
+                d["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out
 

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.integration
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
 def body(**kw):
@@ -115,7 +116,25 @@ CASES = [
         400,
         "stream_options",
     ),
-    ("tools_unsupported", "POST", CHAT, body(messages=USER, tools=[{"type": "function"}]), AUTH, 400, "tools"),
+    (
+        "tool_without_function",
+        "POST",
+        CHAT,
+        body(messages=USER, tools=[{"type": "function"}], tool_choice="required"),
+        AUTH,
+        400,
+        "tools.0.function",
+    ),  # fmt: skip
+    ("tool_choice_auto", "POST", CHAT, body(messages=USER, tools=TOOLS), AUTH, 400, "tool_choice"),
+    (
+        "tool_choice_unknown_name",
+        "POST",
+        CHAT,
+        body(messages=USER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        AUTH,
+        400,
+        "tool_choice",
+    ),  # fmt: skip
     ("logit_bias_out_of_vocab", "POST", CMPL, body(prompt="hi", logit_bias={"1000000": 5}), AUTH, 400, "logit_bias"),
     ("logit_bias_not_an_id", "POST", CMPL, body(prompt="hi", logit_bias={"abc": 5}), AUTH, 400, "logit_bias"),
     ("logit_bias_too_big", "POST", CMPL, body(prompt="hi", logit_bias={"1": 101}), AUTH, 400, "logit_bias"),
