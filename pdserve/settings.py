@@ -51,6 +51,11 @@ class FrontendConfig:
     max_request_body_bytes: int = setting(1 << 20, help="larger request bodies get 413 before they are read")
     max_seqs_per_request: int = setting(256, help="most sequences (prompts x n) one request may ask for; more get 400")
     metrics_require_key: bool = setting(False, help="/metrics needs the --api-key too (by default it is open)")
+    vllm_metric_names: bool = setting(
+        False,
+        help="/metrics also exports the families vLLM has under its vllm: names (dashboards, alerts and "
+        "autoscalers written for vLLM read them unchanged)",
+    )
 
 
 @dataclass

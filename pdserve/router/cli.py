@@ -62,7 +62,7 @@ def build(args):
     engine = DisaggEngine(
         core,
         registry,
-        ServerMetrics(names[0] if names else info.config.name),
+        ServerMetrics(names[0] if names else info.config.name, vllm_names=args.vllm_metric_names),
         Placer(args.router_policy),
         kv_timeout_s=args.kv_timeout_s,
         max_in_flight=args.max_num_seqs_in_flight,

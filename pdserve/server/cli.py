@@ -123,7 +123,7 @@ def _build(args):
 
     engine = AsyncEngine(
         make_engine,
-        lambda name: ServerMetrics(names[0] if names else name),
+        lambda name: ServerMetrics(names[0] if names else name, vllm_names=args.vllm_metric_names),
         max_waiting_requests=args.max_waiting_requests,
         step_trace=open_step_trace(args.step_trace),
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -67,12 +67,42 @@ class Counter:
         self.value += amount
 
 
-class ServerMetrics:
-    """One per server process; `render()` is the /metrics body."""
+# The families vLLM exports under the same names and meanings: with `vllm_names` they are
+# exported again as `vllm:...`, so dashboards, alerts and autoscalers written for vLLM (the
+# Grafana dashboard, KEDA on vllm:num_requests_waiting, schedulers reading
+# vllm:kv_cache_usage_perc) read pdserve unchanged
+VLLM_NAMES = frozenset(
+    {
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_time_per_output_token_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+    }
+)
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+
+class ServerMetrics:
+    """One per server process; `render()` is the /metrics body. `vllm_names`: the families
+    vLLM has are exported under its `vllm:` names too."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, vllm_names: bool = False):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.vllm_names = vllm_names
         self._stats: dict | None = None
         self.ttft = Histogram(
             "pdserve:time_to_first_token_seconds", "Time from arrival to the first generated token.", LATENCY_BUCKETS_S
@@ -162,6 +192,12 @@ class _Collector:
         return []  # families are built at scrape time; nothing to check at registration
 
     def collect(self):
+        for family in self._families():
+            yield family
+            if self.m.vllm_names and family.name.removeprefix("pdserve:") in VLLM_NAMES:
+                yield _renamed(family, "vllm:" + family.name.removeprefix("pdserve:"))
+
+    def _families(self):
         m, name = self.m, self.m.model_name
         for h in (m.ttft, m.itl, m.e2e, m.queue, m.prefill, m.decode, m.tpot, m.req_prompt, m.req_generation):
             yield h.family(name)
@@ -251,6 +287,13 @@ def _kv_tiers(kv: dict, name: str):
         name,
         kv["dropped_saves"],
     )
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """`family` under another name: the same type, help and samples."""
+    out = Metric(name, family.documentation, family.type)
+    out.samples = [s._replace(name=name + s.name[len(family.name) :]) for s in family.samples]
+    return out
 
 
 def _counter(metric: str, doc: str, model: str, value: float) -> CounterMetricFamily:
