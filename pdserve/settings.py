@@ -300,6 +300,7 @@ SERVE_SECTIONS = (
     Section(EngineServerConfig),
     *ENGINE_SECTIONS,
     Section(SecurityConfig),
+    Section(InternalNames),
     Section(RayConfig),
     Section(ProcessConfig),
 )

@@ -53,13 +53,13 @@ def _echo_app():
     return app
 
 
-def _serve(kind: str, host: str, router_url: str | None = None) -> None:
+def _serve(kind: str, host: str, router_url: str | None = None, aliases: str = "") -> None:
     import uvicorn
 
     if kind == "front":
         from pdserve.server.front import Front
 
-        app = Front(router_url, SECRET, retry_window_s=2.0)
+        app = Front(router_url, SECRET, retry_window_s=2.0, aliases=[a for a in aliases.split(",") if a])
     else:
         app = _echo_app()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -74,9 +74,9 @@ def _serve(kind: str, host: str, router_url: str | None = None) -> None:
 class Child:
     """`python -m tests.test_auth_receiver KIND HOST [ROUTER_URL]`: a server on a port of its choosing."""
 
-    def __init__(self, kind: str, host: str = "127.0.0.1", router_url: str = ""):
+    def __init__(self, kind: str, host: str = "127.0.0.1", router_url: str = "", aliases: str = ""):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.test_auth_receiver", kind, host, router_url],
+            [sys.executable, "-m", "tests.test_auth_receiver", kind, host, router_url, aliases],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -273,4 +273,4 @@ def test_a_request_is_refused_on_its_header_before_its_body_is_read(two):
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None)
+    _serve(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None, *sys.argv[4:5])

@@ -225,6 +225,7 @@ def test_serve_hands_each_worker_every_setting_they_share(tmp_path):
     w = _child("worker", doc, tmp_path)
     own = {
         "port": 0,
+        "internal_aliases": None,  # the deployment's names are its front's (or its router's, on Ray)
         "threads": 2,
         "step_trace": f"{args.step_trace}.decode-1.jsonl",
         "kv_disk_dir": os.path.join(args.kv_disk_dir, "decode-1"),

@@ -132,11 +132,17 @@ class Front:
     the router's --max-request-body-bytes."""
 
     def __init__(
-        self, router_url: str, secret: bytes, max_body_bytes: int = 1 << 20, retry_window_s: float = RETRY_WINDOW_S
+        self,
+        router_url: str,
+        secret: bytes,
+        max_body_bytes: int = 1 << 20,
+        retry_window_s: float = RETRY_WINDOW_S,
+        aliases=(),
     ):
         self.router_url = router_url.rstrip("/")
         self.signer = auth.http_auth(secret)
-        self.verifier = auth.Verifier(secret)
+        # `aliases`: the deployment's names its socket cannot tell (--internal-aliases)
+        self.verifier = auth.Verifier(secret, aliases=aliases)
         self.max_body_bytes = max_body_bytes
         self.retry_window_s = retry_window_s
         self.draining = False

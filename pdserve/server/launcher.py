@@ -67,9 +67,11 @@ def child_settings(args, command: str, **overrides) -> dict:
     return flags.document(COMMANDS[command], {**vars(args), **overrides})
 
 
-def router_settings(args, host: str, port: int) -> dict:
-    """The router listens on host:port; the rest is the deployment's."""
-    return child_settings(args, "router", host=host, port=port)
+def router_settings(args, host: str, port: int, public: bool = True) -> dict:
+    """The router listens on host:port; the rest is the deployment's. `public`: clients reach
+    it at the deployment's address (on Ray), so the names given with --internal-aliases are its;
+    behind the front they are the front's (which signs again for the router)."""
+    return child_settings(args, "router", host=host, port=port, **({} if public else {"internal_aliases": None}))
 
 
 def worker_settings(
@@ -83,6 +85,7 @@ def worker_settings(
         "router": router_url,
         "worker_id": name,
         "port": 0,  # the deployment's port is the front's; a worker's control API takes any free one
+        "internal_aliases": None,  # the deployment's names are the front's or the router's
         "threads": threads,
         "cpu_cores": ",".join(str(c) for c in cores) if cores else None,
     }
@@ -271,7 +274,7 @@ def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int
     router_url = f"http://{LOOPBACK}:{port}"  # the workers started here skip the front
     secret = auth.load_cluster_secret()
     Child.shm_dir = getattr(args, "kv_shm_dir", "")
-    router_cmd = _command(configs, "router", "router", router_settings(args, LOOPBACK, port))
+    router_cmd = _command(configs, "router", "router", router_settings(args, LOOPBACK, port, public=False))
     cores = _cores()
     placement = _placement(args, cores)
     relay = _relay_cores(placement, cores)
@@ -284,7 +287,9 @@ def _launch(args, env: dict, listener: socket.socket, configs: ConfigDir) -> int
     ]
     pools = _Pools(args, env, workers, secret, router_url, configs)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per forwarded request is noise
-    front = _FrontThread(Front(router_url, secret, args.max_request_body_bytes), listener, cores=relay)
+    front = _FrontThread(
+        Front(router_url, secret, args.max_request_body_bytes, aliases=args.internal_aliases), listener, cores=relay
+    )
     return _supervise(router, pools, args.shutdown_timeout, front, internal)
 
 

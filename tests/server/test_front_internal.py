@@ -101,3 +101,30 @@ def test_unsigned_large_internal_bodies_do_not_grow_the_front(deployment):
     sampler.join()
     assert all(a in (401, "closed") for a in answers), answers
     assert peak[0] - rss0 < 48, f"the front grew from {rss0} to {peak[0]} MiB"
+
+
+def test_the_front_accepts_signatures_for_its_aliases(deployment):
+    """--internal-aliases on `pdserve serve` reach the front: a call signed for the name the
+    deployment is reached at (a port mapping, a Service) passes; other names stay refused."""
+    _, router = deployment
+    front = Child("front", router_url=router.url, aliases="pdserve.example:80")
+    try:
+        before = router.calls()
+        for target, status in (("pdserve.example:80", 200), ("other.example:80", 401)):
+            h = signed_headers("GET", front.url + "/internal/state", target=target)
+            assert httpx.get(front.url + "/internal/state", headers=h).status_code == status, target
+        assert router.calls() == before + 1
+    finally:
+        front.stop()
+
+
+def test_serve_gives_its_aliases_to_the_front_not_to_the_router_behind_it_nor_the_workers():
+    from pdserve.cli import build_parser
+    from pdserve.server.launcher import router_settings, worker_settings
+
+    args = build_parser("serve").parse_args(["serve", "--internal-aliases", "pdserve.example:80"])
+    assert args.internal_aliases == ["pdserve.example:80"]
+    # the children's settings documents, keyed by flag
+    assert router_settings(args, "127.0.0.1", 9000, public=False).get("internal-aliases") is None
+    assert router_settings(args, "0.0.0.0", 8000).get("internal-aliases") == ["pdserve.example:80"]  # on Ray
+    assert worker_settings(args, "decode", 0, "http://127.0.0.1:9000", threads=1).get("internal-aliases") is None
