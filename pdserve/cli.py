@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         port = getattr(args, name, None)
         if isinstance(port, int) and not 0 <= port <= 65535:
             parser.error(f"--{name.replace('_', '-')} {port}: a port is 0-65535")
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
     if getattr(args, "_missing", None):
         print(f"pdserve {args.command}: not available ({args._missing})", file=sys.stderr)
         return 2

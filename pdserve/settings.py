@@ -51,6 +51,17 @@ class FrontendConfig:
     max_request_body_bytes: int = setting(1 << 20, help="larger request bodies get 413 before they are read")
     max_seqs_per_request: int = setting(256, help="most sequences (prompts x n) one request may ask for; more get 400")
     metrics_require_key: bool = setting(False, help="/metrics needs the --api-key too (by default it is open)")
+    enable_auto_tool_choice: bool = setting(
+        False,
+        help="tool_choice 'auto' (the default when tools are given): the model decides whether to call, "
+        "and --tool-call-parser reads its calls from its output (vLLM's flag)",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        choices=("hermes",),
+        help="the model's own tool-call syntax, for --enable-auto-tool-choice: hermes "
+        "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
+    )
     vllm_metric_names: bool = setting(
         False,
         help="/metrics also exports the families vLLM has under its vllm: names (dashboards, alerts and "

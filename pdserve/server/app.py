@@ -44,6 +44,7 @@ class ServerSettings:
     # prompts x n: each is an engine sequence that waits, runs and is aborted on its own
     max_seqs_per_request: int = FrontendConfig.max_seqs_per_request
     metrics_require_key: bool = FrontendConfig.metrics_require_key  # /metrics behind api_key too
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (--enable-auto-tool-choice)
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -54,7 +55,14 @@ class ServerSettings:
             max_request_body_bytes=args.max_request_body_bytes,
             max_seqs_per_request=args.max_seqs_per_request,
             metrics_require_key=args.metrics_require_key,
+            tool_call_parser=auto_tool_parser(args),
         )
+
+
+def auto_tool_parser(args) -> str | None:
+    """The parser `tool_choice: "auto"` uses, or None when auto is off (pdserve.cli refuses
+    --enable-auto-tool-choice without --tool-call-parser)."""
+    return getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -244,6 +252,7 @@ class _Api:
 
     async def _chat(self, request: Request, resume: ResumeRequest | None = None):
         req: P.ChatCompletionRequest = await self._parse(request, P.ChatCompletionRequest, resume)
+        req._auto_tool_parser = self.settings.tool_call_parser
         text = self._chat_prompt(req.conversation(), req.add_generation_prompt, **req.template_kw())
         self._check_request(req, [text])
         prompt = req.truncate(await self._encode(text), self._core().max_model_len)

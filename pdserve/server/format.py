@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 
+from pdserve.server import tool_parsers
 from pdserve.server.engine_client import ChoiceOutput
 from pdserve.server.errors import APIError
 
@@ -252,6 +253,8 @@ class ChatFormatter(_Base):
         # of calls ("required"); it is returned as `tool_calls`, not as content
         self.tool_calls = tool_calls
         self._streamed: dict[int, str] = {}  # per choice: the text so far (tool calls only)
+        self._readers: dict[int, tool_parsers.HermesStream] = {}  # per choice, tool_choice "auto"
+        self._num_calls: dict[int, int] = {}  # per choice: calls streamed so far ("auto")
 
     def _call(self, name: str, arguments: str, index: int | None = None) -> dict:
         call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function"}
@@ -272,6 +275,12 @@ class ChatFormatter(_Base):
 
     def _tool_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a tool-call output, and its finish reason."""
+        if self.tool_calls.parser is not None:  # "auto": the calls the model wrote, if any
+            content, calls = tool_parsers.parse(text)
+            if not calls:
+                return {"role": "assistant", "content": text}, finish_reason
+            reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            return {"role": "assistant", "content": content, "tool_calls": [self._call(n, a) for n, a in calls]}, reason
         if self.tool_calls.named is not None:
             return {"role": "assistant", "content": None, "tool_calls": [self._call(self.tool_calls.named, text)]}, (
                 finish_reason
@@ -284,9 +293,37 @@ class ChatFormatter(_Base):
 
     def resume(self, index: int, token_ids: list[int]) -> None:
         # a resumed stream already sent the named call's head (its arguments went out as deltas);
-        # a "required" list is sent whole at the end, so the text it had is needed again
+        # a "required" list is sent whole at the end, so the text it had is needed again; an
+        # "auto" reader is brought to where the stream was (what it sent is not sent again)
         if self.tool_calls is not None and token_ids:
             self._streamed[index] = self.token_text.decode(token_ids)
+            if self.tool_calls.parser is not None:
+                _, calls = self._reader(index).feed(self._streamed[index])
+                self._num_calls[index] = len(calls)
+
+    def _reader(self, index: int) -> tool_parsers.HermesStream:
+        return self._readers.setdefault(index, tool_parsers.HermesStream())
+
+    def _auto_chunk(self, index: int, out: ChoiceOutput) -> dict | None:
+        reader = self._reader(index)
+        content, calls = reader.feed(out.new_text)
+        if out.final:
+            more, last = reader.finish()
+            content, calls = content + more, calls + last
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            first = self._num_calls.get(index, 0)
+            self._num_calls[index] = first + len(calls)
+            delta["tool_calls"] = [self._call(n, a, first + k) for k, (n, a) in enumerate(calls)]
+        if not delta and not out.final:
+            return None
+        reason = out.final.finish_reason if out.final else None
+        if reason == "stop" and reader.seen_call:
+            reason = "tool_calls"
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        if out.final:
+            choice["stop_reason"] = out.final.stop_reason
+        return self._envelope(self.chunk_object_name, [choice])
 
     def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
         if self.tool_calls is None:
@@ -299,6 +336,8 @@ class ChatFormatter(_Base):
         return dumps(chunk)
 
     def _tool_chunk(self, index: int, out: ChoiceOutput) -> dict | None:
+        if self.tool_calls.parser is not None:
+            return self._auto_chunk(index, out)
         before = self._streamed.get(index)
         self._streamed[index] = (before or "") + out.new_text
         reason = out.final.finish_reason if out.final else None

@@ -9,11 +9,12 @@ would hit every request in the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pdserve.engine.sampling_params import (
     MAX_LOGPROBS,
@@ -355,8 +356,10 @@ class ToolCalls:
     ("required"). The arguments are generated under a JSON schema built from the functions'
     `parameters`, so no tool-call parser is needed, as vLLM does for these two choices."""
 
-    def __init__(self, tools: list[Tool], named: str | None):
-        self.tools, self.named = tools, named
+    def __init__(self, tools: list[Tool], named: str | None, parser: str | None = None):
+        # parser: tool_choice "auto": the output is free, and calls are read from it with the
+        # model's own syntax (server/tool_parsers.py)
+        self.tools, self.named, self.parser = tools, named, parser
 
     # between two JSON tokens of the arguments at most one space, as `json.dumps` writes them:
     # arguments are a string for a program to parse, and a small model given room for more
@@ -383,6 +386,8 @@ class ToolCalls:
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    # the server's tool-call parser for tool_choice "auto" (None: auto is refused); set by the app
+    _auto_tool_parser: str | None = PrivateAttr(default=None)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -394,7 +399,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        self.tool_calls()  # the tools and tool_choice are checked there
+        self.tool_calls(checking=True)  # the tools and tool_choice are checked there
         self.check_template()
         if self.echo:
             raise bad_request("echo is not supported on chat completions by this server", "echo")
@@ -402,9 +407,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def tool_calls(self) -> ToolCalls | None:
+    def tool_calls(self, checking: bool = False) -> ToolCalls | None:
         """The tool calls the output is to be, or None (text: no tools, or tool_choice "none",
-        where the tools still reach the chat template)."""
+        where the tools still reach the chat template). `checking`: while the body is parsed,
+        before the app has said whether it reads "auto" calls (checked again then)."""
         if self.tools is not None and len(self.tools) > MAX_TOOLS:
             raise bad_request(f"{len(self.tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
         tools = []
@@ -420,13 +426,17 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         if not tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if choice is None or choice == "auto":
-            # the model would choose between text and a call, in its own format: that takes a
-            # parser for the model's tool-call syntax, which this server does not have
-            raise bad_request(
-                "tool_choice 'auto' (the default when tools are given) is not supported by this server: "
-                "give 'required', a named function, or 'none'",
-                "tool_choice",
-            )
+            # the model chooses between text and a call, in its own syntax: that takes a parser
+            # for it, which the server is given with its flags
+            if checking:
+                return None
+            if self._auto_tool_parser is None:
+                raise bad_request(
+                    "tool_choice 'auto' (the default when tools are given) needs the server started with "
+                    "--enable-auto-tool-choice --tool-call-parser NAME; give 'required', a named function, or 'none'",
+                    "tool_choice",
+                )
+            return ToolCalls(tools, None, self._auto_tool_parser)
         if choice == "required":
             return ToolCalls(tools, None)
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -439,10 +449,18 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return ToolCalls(tools, name)
 
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        calls = self.tool_calls()
+        if calls is not None and calls.parser is not None:
+            # a model's call tags may be special tokens: the parser must see them (as vLLM does)
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
     def structured(self) -> StructuredOutputsParams | None:
         calls = self.tool_calls()
         other = super().structured()
-        if calls is None:
+        if calls is None or calls.parser is not None:  # "auto": the output is the model's own
             return other
         if other is not None:
             raise bad_request("a tool call's arguments are already held to the tools' schemas", "tool_choice")

@@ -1,0 +1,98 @@
+"""Reading tool calls out of a model's own output (`tool_choice: "auto"`).
+
+With "auto" the model decides between answering and calling, and writes calls in the syntax
+its chat template taught it; a parser for that syntax turns them into OpenAI's `tool_calls`.
+vLLM's flags choose one: `--enable-auto-tool-choice --tool-call-parser NAME`.
+
+`hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen2.5
+and Qwen3 and the many models trained on their format). Text outside the tags is the message's
+content. A block that is not such JSON stays in the content, tags and all, as the model wrote it.
+
+Streaming: text is passed on as content until a tag may be starting (a suffix that is a prefix
+of `<tool_call>` is held back); a call is sent whole once its closing tag arrives (its arguments
+complete, as one delta); at the end, what is held goes out as content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+PARSERS = ("hermes",)
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _call(block: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one block's JSON, or None if it is not a call."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def parse(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The whole output's content (None when it is only calls and blank space) and its calls."""
+    stream = HermesStream()
+    content, calls = stream.feed(text)
+    more_content, more_calls = stream.finish()
+    content += more_content
+    calls += more_calls
+    if calls and not content.strip():
+        return None, calls
+    return content.strip() if calls else content, calls
+
+
+@dataclass
+class HermesStream:
+    """One choice's output as it streams: `feed` returns what can be sent now."""
+
+    held: str = ""
+    in_call: bool = False
+    seen_call: bool = False
+    calls: list = field(default_factory=list)
+
+    def feed(self, new_text: str) -> tuple[str, list[tuple[str, str]]]:
+        text, content, calls = self.held + new_text, "", []
+        while True:
+            if not self.in_call:
+                i = text.find(_OPEN)
+                if i >= 0:
+                    content += text[:i]
+                    text, self.in_call = text[i + len(_OPEN) :], True
+                    continue
+                k = next((k for k in range(min(len(_OPEN) - 1, len(text)), 0, -1) if _OPEN.startswith(text[-k:])), 0)
+                content += text[: len(text) - k]
+                self.held = text[len(text) - k :]
+                break
+            j = text.find(_CLOSE)
+            if j < 0:
+                self.held = text
+                break
+            call = _call(text[:j])
+            if call is None:  # not a call after all: the model's text, as it wrote it
+                content += _OPEN + text[: j + len(_CLOSE)]
+            else:
+                calls.append(call)
+                self.seen_call = True
+            text, self.in_call = text[j + len(_CLOSE) :], False
+        if self.seen_call and not content.strip():
+            content = ""  # the blank space around and between calls is not an answer
+        return content, calls
+
+    def finish(self) -> tuple[str, list[tuple[str, str]]]:
+        """What is held at the end: a call whose closing tag never came (the model stopped
+        right after its JSON) if it parses, else the text."""
+        held, self.held = self.held, ""
+        if self.in_call:
+            self.in_call = False
+            call = _call(held)
+            if call is not None:
+                self.seen_call = True
+                return "", [call]
+            return _OPEN + held, []
+        return ("" if self.seen_call and not held.strip() else held), []
