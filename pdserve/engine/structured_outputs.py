@@ -116,11 +116,17 @@ def cache_key(so: StructuredOutputsParams) -> tuple:
     return kind, content, bool(so.disable_any_whitespace)
 
 
-def _json_options(disable_any_whitespace: bool) -> dict:
-    """(defaults, overrides) of the JSON compiler: a schema's own "x-guidance" options come
-    between them, so a caller can widen the whitespace, and disable_any_whitespace wins."""
+def _json_options(disable_any_whitespace: bool, schema_text: str = "") -> dict:
+    """(defaults, overrides) of the JSON compiler: a schema's own "x-guidance" whitespace
+    options replace the default bound, and disable_any_whitespace wins over both."""
     if disable_any_whitespace:
         return {"defaults": None, "overrides": {"whitespace_flexible": False, "whitespace_pattern": None}}
+    try:
+        own = json.loads(schema_text).get("x-guidance") if schema_text else None
+    except (ValueError, RecursionError, AttributeError):
+        own = None
+    if isinstance(own, dict) and ("whitespace_pattern" in own or "whitespace_flexible" in own):
+        return {"defaults": None, "overrides": None}
     return {"defaults": {"whitespace_pattern": JSON_WHITESPACE}, "overrides": None}
 
 
@@ -131,7 +137,7 @@ def _grammar_text(key: tuple) -> str:
 
     kind, content, compact = key
     if kind == "json":
-        return LLMatcher.grammar_from_json_schema(content, **_json_options(compact))
+        return LLMatcher.grammar_from_json_schema(content, **_json_options(compact, content))
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema('{"type": "object"}', **_json_options(compact))
     if kind == "regex":

@@ -61,8 +61,8 @@ class TokenText:
             s = self._text[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return s
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def bytes_of(self, token_id: int) -> list[int]:
         b = self._bytes.get(token_id)
@@ -267,7 +267,7 @@ class ChatFormatter(_Base):
         when it is not a complete list (cut by max_tokens, or a grammar that had to end it)."""
         try:
             calls = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
             return None
@@ -296,13 +296,17 @@ class ChatFormatter(_Base):
         # a "required" list is sent whole at the end, so the text it had is needed again; an
         # "auto" reader is brought to where the stream was (what it sent is not sent again)
         if self.tool_calls is not None and token_ids:
-            self._streamed[index] = self.token_text.decode(token_ids)
+            # "auto" reads the text with special tokens kept (a call's tags may be some)
+            self._streamed[index] = self.token_text.decode(token_ids, self.tool_calls.parser is None)
             if self.tool_calls.parser is not None:
                 _, calls = self._reader(index).feed(self._streamed[index])
                 self._num_calls[index] = len(calls)
 
     def _reader(self, index: int) -> tool_parsers.HermesStream:
         return self._readers.setdefault(index, tool_parsers.HermesStream())
+
+    def _chunk_logprobs(self, out: ChoiceOutput) -> dict | None:
+        return self._logprobs(out.new_token_ids, out.new_logprobs or []) if self.top_logprobs is not None else None
 
     def _auto_chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         reader = self._reader(index)
@@ -315,12 +319,12 @@ class ChatFormatter(_Base):
             first = self._num_calls.get(index, 0)
             self._num_calls[index] = first + len(calls)
             delta["tool_calls"] = [self._call(n, a, first + k) for k, (n, a) in enumerate(calls)]
-        if not delta and not out.final:
+        if not delta and not out.final and self.top_logprobs is None:
             return None
         reason = out.final.finish_reason if out.final else None
         if reason == "stop" and reader.seen_call:
             reason = "tool_calls"
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": self._chunk_logprobs(out), "finish_reason": reason}
         if out.final:
             choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])
@@ -353,9 +357,9 @@ class ChatFormatter(_Base):
                 delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
             else:
                 delta = {"content": message["content"]}
-        if not delta and not out.final:
+        if not delta and not out.final and self.top_logprobs is None:
             return None
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": self._chunk_logprobs(out), "finish_reason": reason}
         if out.final:
             choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])

@@ -363,26 +363,71 @@ class ToolCalls:
 
     # between two JSON tokens of the arguments at most one space, as `json.dumps` writes them:
     # arguments are a string for a program to parse, and a small model given room for more
-    # fills it with blank lines (a schema's own "x-guidance" options win)
+    # fills it with blank lines (a named tool's own "x-guidance" whitespace options win)
     WHITESPACE = {"whitespace_pattern": "[ ]?"}
 
     def schema(self) -> dict:
-        def params(t: Tool) -> dict:
-            return t.function.parameters if t.function.parameters is not None else {"type": "object"}
-
+        """The JSON schema of the output. A 400 for a tool schema it cannot be built from."""
         if self.named is not None:
-            p = params(next(t for t in self.tools if t.function.name == self.named))
-            return {**p, "x-guidance": {**self.WHITESPACE, **(p.get("x-guidance") or {})}}
-        one_call = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": params(t)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for t in self.tools
-        ]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": one_call}, "x-guidance": self.WHITESPACE}
+            p = _parameters(next(t for t in self.tools if t.function.name == self.named))
+            own = p.get("x-guidance", {})
+            if not isinstance(own, dict):
+                raise bad_request("a tool's parameters' x-guidance must be an object", "tools")
+            if "whitespace_pattern" in own or "whitespace_flexible" in own:
+                return p
+            return {**p, "x-guidance": {**self.WHITESPACE, **own}}
+        # each tool's parameters sit inside the list's schema: their `$defs` move to its root,
+        # where their "#/$defs/..." references point (pydantic-made tools use them)
+        defs: dict = {}
+        one_call = []
+        for t in self.tools:
+            p = dict(_parameters(t))
+            for key in ("$defs", "definitions"):
+                own = p.pop(key, None)
+                if own is None:
+                    continue
+                if not isinstance(own, dict):
+                    raise bad_request(f"a tool's parameters' {key} must be an object", "tools")
+                for name, d in own.items():
+                    if defs.setdefault(key, {}).setdefault(name, d) != d:
+                        raise bad_request(
+                            f"two tools define {key}/{name} differently; with tool_choice 'required' their "
+                            "definitions share one schema",
+                            "tools",
+                        )
+            p.pop("x-guidance", None)  # only the root's options count
+            one_call.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.function.name}, "parameters": p},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
+        return {"type": "array", "minItems": 1, "items": {"anyOf": one_call}, "x-guidance": self.WHITESPACE, **defs}
+
+
+def _parameters(t: Tool) -> dict:
+    """A tool's parameters' schema; none or {} is an object with no properties (as vLLM reads
+    them: many clients send {} for a function without arguments)."""
+    return t.function.parameters or {"type": "object", "properties": {}}
+
+
+def _template_calls(calls: list) -> list:
+    """An assistant's earlier calls as chat templates expect them: `arguments` a mapping, not
+    OpenAI's JSON text (templates render it with `tojson` or iterate over it)."""
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except (ValueError, RecursionError):
+                args = None
+            if isinstance(args, dict):
+                c = {**c, "function": {**fn, "arguments": args}}
+        out.append(c)
+    return out
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
@@ -439,7 +484,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             return ToolCalls(tools, None, self._auto_tool_parser)
         if choice == "required":
             return ToolCalls(tools, None)
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
             raise bad_request(
                 'tool_choice is \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
@@ -475,8 +521,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             d = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
-            if m.tool_calls is not None:
-                d["tool_calls"] = m.tool_calls
+            if m.tool_calls:  # an empty list is none (as vLLM drops it)
+                d["tool_calls"] = _template_calls(m.tool_calls)
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
             out.append(d)

@@ -99,3 +99,28 @@ def test_auto_without_a_call_is_an_answer(auto_client):
     )
     assert r.choices[0].message.content == "It is 5." and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_blank_text_between_answer_pieces_survives_a_call_streamed():
+    pieces = ["Hi", "<tool_call>", '{"name":"add","arguments":{}}', "</tool_call>", "Line1", "\n\n", "Line2", " ", "x"]
+    reader, content = HermesStream(), ""
+    for p in pieces:
+        content += reader.feed(p)[0]
+    content += reader.finish()[0]
+    assert content == "HiLine1\n\nLine2 x" == parse("".join(pieces))[0]
+
+
+def test_what_is_not_a_call_stays_text():
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    assert parse(deep) == (deep, [])  # nested past the JSON parser: text, not a 500
+    nan = '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'
+    assert parse(nan) == (nan, [])  # NaN is not JSON (a JavaScript client would refuse it)
+
+
+def test_a_long_call_in_many_pieces():
+    body = '{"name": "f", "arguments": {"s": "' + "ab" * 20_000 + '"}}'
+    reader, calls = HermesStream(), []
+    for i in range(0, len(body), 3):
+        calls += reader.feed(("<tool_call>" if i == 0 else "") + body[i : i + 3])[1]
+    calls += reader.feed("</tool_call>")[1]
+    assert calls == [("f", json.dumps({"s": "ab" * 20_000}))]

@@ -117,3 +117,70 @@ def test_tool_choice_with_another_constraint_is_refused(client):
             response_format={"type": "json_object"},
         )  # fmt: skip
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_tool_schemas_as_clients_send_them(client):
+    """Pydantic-made tools keep nested models in `$defs` (moved to the root of the "required"
+    list's schema, where their references point); `parameters: {}` is a function without
+    arguments; a malformed tool_choice or x-guidance is a 400, not a 500."""
+    point = {
+        "type": "function",
+        "function": {
+            "name": "move",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Point"}},
+                "required": ["to"],
+                "additionalProperties": False,
+                "$defs": {
+                    "Point": {
+                        "type": "object",
+                        "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                        "required": ["x", "y"],
+                        "additionalProperties": False,
+                    }
+                },
+            },
+        },
+    }
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=400, tools=[point, ping], tool_choice="required"
+    )
+    for call in r.choices[0].message.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert args == {} if call.function.name == "ping" else set(args["to"]) == {"x", "y"}
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=50,
+        tools=[ping],
+        tool_choice={"type": "function", "function": {"name": "ping"}},
+    )
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {}
+    for bad in ({"type": "function", "function": "ping"}, {"type": "function", "function": None}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=USER, max_tokens=5, tools=[ping], tool_choice=bad)
+        assert e.value.body["param"] == "tool_choice"
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "x-guidance": "a"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny",
+            messages=USER,
+            max_tokens=5,
+            tools=[odd],
+            tool_choice={"type": "function", "function": {"name": "odd"}},
+        )
+    assert e.value.body["param"] == "tools"
+
+
+def test_earlier_calls_reach_the_template_with_their_arguments_as_a_mapping():
+    from pdserve.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
+            {"role": "assistant", "content": "x", "tool_calls": []}]}
+    )  # fmt: skip
+    first, second = req.conversation()
+    assert first["tool_calls"][0]["function"]["arguments"] == {"a": 2} and "tool_calls" not in second
