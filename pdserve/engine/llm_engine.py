@@ -310,6 +310,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", "prompt")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise InvalidRequest(f"allowed token ids must be in [0, {vocab})", "allowed_token_ids")
         if params.structured_outputs is not None:  # a grammar that does not compile: 400 here
             self.structured.compile(params.structured_outputs)  # (cached: the servers compiled it already)
         if len(ids) >= self.max_model_len:

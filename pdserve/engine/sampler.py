@@ -92,7 +92,12 @@ class Sampler:
         return logits
 
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:
-        """logit_bias and the penalties, on row i."""
+        """allowed_token_ids, logit_bias and the penalties, on row i."""
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(logits[i], float("-inf"))
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+            keep[ids] = 0.0
+            logits[i] += keep
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)

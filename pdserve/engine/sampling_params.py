@@ -13,6 +13,7 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each bias in [-100, 100]
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # more than any vocabulary: the list is a mask's worth
 # The sampler puts top_k in an int64 tensor and seeds a torch.Generator, which
 # accepts [-2^63, 2^64); a value outside would fail the whole batch's step.
 MAX_TOP_K = (1 << 31) - 1
@@ -115,6 +116,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # the output held to a JSON schema, a regex, a choice or a grammar (vLLM's name)
     structured_outputs: StructuredOutputsParams | None = None
+    # only these tokens may be sampled (vLLM's name): every other logit is -inf
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):  # from JSON (another worker, the API)
@@ -126,6 +129,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == 0:
             self.top_k = -1
         if self.logit_bias is not None:
@@ -167,6 +172,15 @@ class SamplingParams:
             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         self._check_stops()
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _bad(not ids, "allowed_token_ids", "allowed_token_ids must not be empty")
+            _bad(
+                len(ids) > MAX_ALLOWED_TOKEN_IDS,
+                "allowed_token_ids",
+                f"{len(ids)} allowed token ids; at most {MAX_ALLOWED_TOKEN_IDS}",
+            )
+            _bad(min(ids) < 0, "allowed_token_ids", "allowed token ids must be >= 0")
         if self.logit_bias:
             _bad(
                 len(self.logit_bias) > MAX_LOGIT_BIAS,
@@ -219,4 +233,5 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or bool(self.logit_bias)
             or self.structured_outputs is not None
+            or self.allowed_token_ids is not None
         )

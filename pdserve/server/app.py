@@ -196,6 +196,7 @@ class _Api:
             )
         vocab_size = self._core().model_config.vocab_size
         P.check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
+        P.check_token_ids(req.allowed_token_ids or [], vocab_size, "allowed_token_ids")
         if req.logit_bias:
             try:
                 biased = [int(k) for k in req.logit_bias]

@@ -52,7 +52,6 @@ _NOT_IMPLEMENTED = {
     "guided_whitespace_pattern": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "allowed_token_ids": None,
     "bad_words": [],
     "prompt_logprobs": None,
     "logprob_token_ids": None,
@@ -163,6 +162,7 @@ class _SamplingFields(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # which library vLLM uses: one here, ignored
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
 
     @model_validator(mode="before")
     @classmethod
@@ -208,6 +208,7 @@ class _SamplingFields(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=self.structured(),
                 **given,
             )

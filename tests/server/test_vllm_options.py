@@ -158,3 +158,20 @@ def test_tokenize_detokenize_version_ping(tiny_server):
         assert h.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert h.get("/version").json()["version"]
         assert h.get("/ping").status_code == 200 and h.post("/ping").json()["status"] == "ok"
+
+
+def test_allowed_token_ids(client, tiny_server):
+    import httpx
+
+    ids = httpx.post(tiny_server.url + "/tokenize", json={"prompt": "ab"}, headers=tiny_server.headers).json()["tokens"]
+    r = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"allowed_token_ids": ids, "ignore_eos": True},
+    )
+    assert r.choices[0].text and set(r.choices[0].text) <= {"a", "b"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [10**7]})
+    assert e.value.body["param"] == "allowed_token_ids"
