@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {port}: a port is 0-65535")
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
-    for alias in getattr(args, "internal_aliases", None) or ():
-        try:
-            from pdserve import auth
+    if getattr(args, "internal_aliases", None):
+        from pdserve import auth
 
-            auth.target_of(alias if "://" in alias else f"http://{alias}")
-        except Exception as e:  # httpx's InvalidURL and its kin: an operator's typo
-            parser.error(f"--internal-aliases {alias}: not a HOST:PORT ({e})")
+        for alias in args.internal_aliases:
+            try:
+                auth.target_of(alias if "://" in alias else f"http://{alias}")
+            except Exception as e:  # httpx's InvalidURL and its kin: an operator's typo
+                parser.error(f"--internal-aliases {alias}: not a HOST:PORT ({e})")
     if getattr(args, "_missing", None):
         print(f"pdserve {args.command}: not available ({args._missing})", file=sys.stderr)
         return 2

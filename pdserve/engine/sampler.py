@@ -44,12 +44,14 @@ class Sampler:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
         self._seen: dict[str, _Seen] = {}
+        self._allowed: dict[str, torch.Tensor] = {}  # per sequence: its allowed_token_ids as a mask
         # structured_outputs.StructuredOutputs: the masks of constrained sequences
         self.structured = structured
 
     def forget(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
         self._seen.pop(seq_id, None)
+        self._allowed.pop(seq_id, None)
         if self.structured is not None:
             self.structured.forget(seq_id)
 
@@ -94,10 +96,12 @@ class Sampler:
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:
         """allowed_token_ids, logit_bias and the penalties, on row i."""
         if p.allowed_token_ids is not None:
-            keep = torch.full_like(logits[i], float("-inf"))
-            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
-            keep[ids] = 0.0
-            logits[i] += keep
+            allowed = self._allowed.get(seq_ids[i])
+            if allowed is None:  # made once a sequence, not once a step
+                allowed = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+                allowed[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
+                self._allowed[seq_ids[i]] = allowed
+            logits[i].masked_fill_(~allowed, float("-inf"))
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)

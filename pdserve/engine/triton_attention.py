@@ -84,7 +84,7 @@ def _tile_kv_offsets(bt_row_ptr, pos, valid, BLOCK_SIZE: tl.constexpr, N_KV: tl.
     return slot * (N_KV * HEAD_DIM)
 
 
-# PARTITION and NUM_SPLITS are runtime values, not specialised: a constant would compile a
+# The partition size and count are run-time values, not specialised: a constant would compile a
 # kernel for each block-table width an eager step brings (seconds of stalls on a GPU).
 @triton.jit(do_not_specialize=["partition", "num_splits"])
 def _decode_partial_kernel(

@@ -252,7 +252,8 @@ class ChatFormatter(_Base):
         # protocol.ToolCalls: the output is the arguments of a named function, or a JSON list
         # of calls ("required"); it is returned as `tool_calls`, not as content
         self.tool_calls = tool_calls
-        self._streamed: dict[int, str] = {}  # per choice: the text so far (tool calls only)
+        self._streamed: dict[int, list[str]] = {}  # per choice: the pieces of text so far ("required")
+        self._headed: set[int] = set()  # choices whose named call's head went out
         self._readers: dict[int, tool_parsers.HermesStream] = {}  # per choice, tool_choice "auto"
         self._num_calls: dict[int, int] = {}  # per choice: calls streamed so far ("auto")
 
@@ -295,12 +296,15 @@ class ChatFormatter(_Base):
         # a resumed stream already sent the named call's head (its arguments went out as deltas);
         # a "required" list is sent whole at the end, so the text it had is needed again; an
         # "auto" reader is brought to where the stream was (what it sent is not sent again)
-        if self.tool_calls is not None and token_ids:
-            # "auto" reads the text with special tokens kept (a call's tags may be some)
-            self._streamed[index] = self.token_text.decode(token_ids, self.tool_calls.parser is None)
-            if self.tool_calls.parser is not None:
-                _, calls = self._reader(index).feed(self._streamed[index])
-                self._num_calls[index] = len(calls)
+        if self.tool_calls is None or not token_ids:
+            return
+        if self.tool_calls.named is not None:
+            self._headed.add(index)
+        elif self.tool_calls.parser is None:
+            self._streamed[index] = [self.token_text.decode(token_ids)]
+        else:  # "auto" reads the text with special tokens kept (a call's tags may be some)
+            _, calls = self._reader(index).feed(self.token_text.decode(token_ids, skip_special_tokens=False))
+            self._num_calls[index] = len(calls)
 
     def _reader(self, index: int) -> tool_parsers.HermesStream:
         return self._readers.setdefault(index, tool_parsers.HermesStream())
@@ -342,21 +346,22 @@ class ChatFormatter(_Base):
     def _tool_chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         if self.tool_calls.parser is not None:
             return self._auto_chunk(index, out)
-        before = self._streamed.get(index)
-        self._streamed[index] = (before or "") + out.new_text
         reason = out.final.finish_reason if out.final else None
         delta: dict = {}
         if self.tool_calls.named is not None:
-            if before is None:  # the call's head, with the first of its arguments
+            if index not in self._headed:  # the call's head, with the first of its arguments
+                self._headed.add(index)
                 delta = {"tool_calls": [self._call(self.tool_calls.named, out.new_text, 0)]}
             elif out.new_text:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": out.new_text}}]}
-        elif out.final:  # "required": the list is parsed whole, then sent
-            message, reason = self._tool_message(self._streamed[index], reason)
-            if "tool_calls" in message:
-                delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
-            else:
-                delta = {"content": message["content"]}
+        else:  # "required": the list is parsed whole, then sent
+            self._streamed.setdefault(index, []).append(out.new_text)
+            if out.final:
+                message, reason = self._tool_message("".join(self._streamed.pop(index)), reason)
+                if "tool_calls" in message:
+                    delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}
+                else:
+                    delta = {"content": message["content"]}
         if not delta and not out.final and self.top_logprobs is None:
             return None
         choice = {"index": index, "delta": delta, "logprobs": self._chunk_logprobs(out), "finish_reason": reason}

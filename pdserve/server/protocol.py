@@ -96,20 +96,22 @@ class StructuredOutputsBody(_Strict):
     disable_any_whitespace: bool = False
     disable_fallback: bool = False
 
+    _UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "whitespace_pattern",
+        "structural_tag",
+        "disable_additional_properties",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unimplemented(cls, data):
         if isinstance(data, dict):
-            for name in ("whitespace_pattern", "structural_tag", "disable_additional_properties"):
+            for name in cls._UNIMPLEMENTED:
                 if data.get(name) not in (None, False):
                     raise bad_request(
                         f"structured_outputs.{name} is not supported by this server", "structured_outputs"
                     )
-            data = {
-                k: v
-                for k, v in data.items()
-                if k not in ("whitespace_pattern", "structural_tag", "disable_additional_properties")
-            }
+            data = {k: v for k, v in data.items() if k not in cls._UNIMPLEMENTED}
         return data
 
     def params(self) -> dict:
@@ -434,6 +436,7 @@ def _template_calls(calls: list) -> list:
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     # the server's tool-call parser for tool_choice "auto" (None: auto is refused); set by the app
     _auto_tool_parser: str | None = PrivateAttr(default=None)
+    _tools: list[Tool] | None = PrivateAttr(default=None)  # `tools`, validated once
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -457,15 +460,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         """The tool calls the output is to be, or None (text: no tools, or tool_choice "none",
         where the tools still reach the chat template). `checking`: while the body is parsed,
         before the app has said whether it reads "auto" calls (checked again then)."""
-        if self.tools is not None and len(self.tools) > MAX_TOOLS:
-            raise bad_request(f"{len(self.tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
-        tools = []
-        for i, t in enumerate(self.tools or ()):
-            try:
-                tools.append(Tool.model_validate(t))
-            except ValidationError as e:
-                errors = [{**err, "loc": ("tools", i, *err.get("loc", ()))} for err in e.errors()]
-                raise from_validation_errors(errors) from None
+        tools = self._validated_tools()
         choice = self.tool_choice
         if choice == "none" or (choice is None and not tools):
             return None
@@ -495,6 +490,22 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         if name not in {t.function.name for t in tools}:
             raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return ToolCalls(tools, name)
+
+    def _validated_tools(self) -> list[Tool]:
+        """`tools` as Tool models (the template gets the dicts): checked once a request, though
+        the tool choice is read at parsing, for the engine's parameters and for the reply."""
+        if self._tools is None:
+            if self.tools is not None and len(self.tools) > MAX_TOOLS:
+                raise bad_request(f"{len(self.tools)} tools; at most {MAX_TOOLS} are allowed", "tools")
+            tools = []
+            for i, t in enumerate(self.tools or ()):
+                try:
+                    tools.append(Tool.model_validate(t))
+                except ValidationError as e:
+                    errors = [{**err, "loc": ("tools", i, *err.get("loc", ()))} for err in e.errors()]
+                    raise from_validation_errors(errors) from None
+            self._tools = tools
+        return self._tools
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         params = super().sampling_params(max_tokens, logprobs)
