@@ -229,6 +229,10 @@ class _Output(_Event):
     prefill_s: Annotated[float, Field(ge=0.0)] | None = None
     # the prompt's logprobs (params.prompt_logprobs), once, as for `logprobs`; the first is None
     prompt_logprobs: list[dict[str, Annotated[float, Field(allow_inf_nan=True)]] | None] | None = None
+    # with a request's first token: prompt tokens this worker found cached rather than computed
+    num_cached_tokens: Annotated[int, Field(ge=0)] | None = None
+    # with prompt_logprobs: each prompt token's rank in the vocabulary, the first None
+    prompt_logprob_ranks: list[Annotated[int, Field(ge=1)] | None] | None = None
 
 
 class FirstTokenEvent(_Output):

@@ -22,23 +22,27 @@ def _listed(x):
     return x.tolist() if hasattr(x, "tolist") and not isinstance(x, (str, list, tuple)) else x
 
 
-def _prompt(p):
-    """A prompt as the engine takes it (text or token ids), from any form `generate` accepts."""
+def _prompt(p) -> tuple[str | list[int], str | None]:
+    """A prompt as the engine takes it (text or token ids), from any form `generate` accepts,
+    and the cache salt its dict gives (None: the sampling parameters' own, if any)."""
     p = _listed(p)
     if isinstance(p, dict):
-        keys = set(p) - {"multi_modal_data", "mm_processor_kwargs"}
+        keys = set(p) - {"multi_modal_data", "mm_processor_kwargs", "cache_salt"}
+        salt = p.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt must be a non-empty string if given")
         if keys == {"prompt"} and isinstance(p["prompt"], str):
-            return p["prompt"]
+            return p["prompt"], salt
         ids = _listed(p.get("prompt_token_ids"))
         if keys == {"prompt_token_ids"} and _is_ids(ids):
-            return [int(t) for t in ids]
+            return [int(t) for t in ids], salt
         if p.get("multi_modal_data"):
             raise ValueError("multi-modal prompts are not supported")
         raise ValueError(f"a prompt dict needs exactly one of 'prompt' (text) or 'prompt_token_ids', got {sorted(p)}")
     if isinstance(p, str):
-        return p
+        return p, None
     if _is_ids(p):
-        return [int(t) for t in p]
+        return [int(t) for t in p], None
     raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(p).__name__} {p!r:.60}")
 
 
@@ -74,7 +78,8 @@ class LLM:
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list. A prompt is a string, a list of token ids, or, as
-        in vLLM, a dict: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
+        in vLLM, a dict: `{"prompt": text}` or `{"prompt_token_ids": ids}`, either with an
+        optional `"cache_salt"`: the prompt then reuses only KV cached for the same salt."""
         prompts = _listed(prompts)  # a numpy array or a tensor: one prompt (1-D) or a batch (2-D)
         if isinstance(prompts, (str, dict)) or _is_ids(prompts) and len(prompts) > 0:
             prompts = [prompts]
@@ -86,10 +91,10 @@ class LLM:
         # n > 1: n independent requests; the prompt's full blocks are shared via the prefix cache.
         order: list[tuple[int, str]] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            for i, ((prompt, salt), p) in enumerate(zip(prompts, params_list)):
                 for j in range(p.n):
                     rid = f"offline-{next(self._ids)}"
-                    sub = replace(p, n=1, seed=None if p.seed is None else p.seed + j)
+                    sub = replace(p, n=1, seed=None if p.seed is None else p.seed + j, cache_salt=salt or p.cache_salt)
                     self.engine.add_request(rid, prompt, sub, priority=priority[i] if priority else 0)
                     order.append((i, rid))
             finals = self._run(use_tqdm, len(order))

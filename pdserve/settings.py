@@ -62,6 +62,11 @@ class FrontendConfig:
         help="the model's own tool-call syntax, for --enable-auto-tool-choice: hermes "
         "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
     )
+    enable_prompt_tokens_details: bool = setting(
+        False,
+        help="usage reports prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache or "
+        "a KV tier rather than computed (vLLM's flag)",
+    )
     vllm_metric_names: bool = setting(
         False,
         help="/metrics also exports the families vLLM has under its vllm: names (dashboards, alerts and "

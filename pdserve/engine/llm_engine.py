@@ -68,7 +68,7 @@ class LLMEngine:
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
         self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
-        self.sampler = Sampler(self.runner.device, self.structured)
+        self.sampler = Sampler(self.runner.device, self.structured, self.tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
@@ -291,7 +291,7 @@ class LLMEngine:
         self.scheduler.remote.pop(request_id, None)
         if kv_complete:
             seq.num_computed_tokens = seq.num_prompt_tokens
-            self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens)
+            self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens, seq.hash_root)
         first = None
         if first_token is not None:
             token = int(first_token)
@@ -512,10 +512,10 @@ class LLMEngine:
             )
         comp.cumulative_logprob = seq.cumulative_logprob if want_lp else None
         # the prompt's logprobs: with the first output (all computed by then) and the final one
-        prompt_lps = None
+        prompt_lps = prompt_ranks = None
         if seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
             if finished or len(seq.output_token_ids) == len(new_ids):
-                prompt_lps = list(seq.prompt_logprobs)
+                prompt_lps, prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_logprob_ranks)
         if self.logprob_objects and finished:  # the offline API's form (vLLM's Logprob), not the servers'
             if comp.logprobs is not None:
                 ranks = seq.logprob_ranks[-len(comp.logprobs) :] if comp.logprobs else []
@@ -540,6 +540,8 @@ class LLMEngine:
                 "num_preemptions": seq.num_preemptions,
             },
             prompt_logprobs=prompt_lps,
+            num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprob_ranks=prompt_ranks,
         )
 
     def _token_text(self, token_id: int) -> str:

@@ -39,12 +39,28 @@ class _Seen:
             self.num_counted = len(output)
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences of `bad_words`, as vLLM finds them: each word as written (leading
+    spaces dropped), and with one leading space where that is as many tokens and starts with
+    another token (a word in mid-text)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (bare, spaced):
+            if ids and ids not in out and (ids is bare or (len(ids) == len(bare) and ids[0] != bare[0])):
+                out.append(ids)
+    return out
+
+
 class Sampler:
-    def __init__(self, device: torch.device, structured=None):
+    def __init__(self, device: torch.device, structured=None, tokenizer=None):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
         self._seen: dict[str, _Seen] = {}
         self._allowed: dict[str, torch.Tensor] = {}  # per sequence: its allowed_token_ids as a mask
+        self.tokenizer = tokenizer  # for bad_words
+        self._bad_words: dict[str, list[list[int]]] = {}  # per sequence: its bad words' token ids
         # structured_outputs.StructuredOutputs: the masks of constrained sequences
         self.structured = structured
 
@@ -52,6 +68,7 @@ class Sampler:
         self._generators.pop(seq_id, None)
         self._seen.pop(seq_id, None)
         self._allowed.pop(seq_id, None)
+        self._bad_words.pop(seq_id, None)
         if self.structured is not None:
             self.structured.forget(seq_id)
 
@@ -94,7 +111,9 @@ class Sampler:
         return logits
 
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:
-        """allowed_token_ids, logit_bias and the penalties, on row i."""
+        """allowed_token_ids, bad_words, logit_bias and the penalties, on row i."""
+        if p.bad_words:
+            self._ban_bad_words(logits, i, p, seq_ids[i], history[i][1])
         if p.allowed_token_ids is not None:
             allowed = self._allowed.get(seq_ids[i])
             if allowed is None:  # made once a sequence, not once a step
@@ -120,6 +139,14 @@ class Sampler:
         if output and (p.presence_penalty or p.frequency_penalty):
             counts = seen.counts
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+    def _ban_bad_words(self, logits, i, p, seq_id: str, output: list[int]) -> None:
+        words = self._bad_words.get(seq_id)
+        if words is None:  # tokenized once a sequence
+            words = self._bad_words[seq_id] = bad_words_token_ids(self.tokenizer, p.bad_words)
+        banned = [w[-1] for w in words if len(w) == 1 or (len(output) >= len(w) - 1 and output[1 - len(w) :] == w[:-1])]
+        if banned:
+            logits[i, banned] = float("-inf")
 
     def _sample(self, logits, params, seq_ids) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)

@@ -14,6 +14,11 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each bias in [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # more than any vocabulary: the list is a mask's worth
+MAX_CACHE_SALT_CHARS = 1024  # hashed once per request; a tenant id or a secret fits
+# bad_words: each is tokenized once a request and its token sequence compared with the
+# output's tail at every step
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 # The sampler puts top_k in an int64 tensor and seeds a torch.Generator, which
 # accepts [-2^63, 2^64); a value outside would fail the whole batch's step.
 MAX_TOP_K = (1 << 31) - 1
@@ -118,6 +123,14 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # only these tokens may be sampled (vLLM's name): every other logit is -inf
     allowed_token_ids: list[int] | None = None
+    # Prefix-cache isolation (vLLM's request field `cache_salt`): the request reuses only KV
+    # cached for requests with the same salt (pdserve/kv/hashing.py). Carried here so that it
+    # travels with the request to every worker and tier; `LLM.generate` also takes it in a
+    # prompt dict, as vLLM does.
+    cache_salt: str | None = None
+    # words the output must not contain (vLLM's): each word's last token is forbidden where
+    # the output ends with the tokens before it (with and without a leading space)
+    bad_words: list[str] | None = None
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):  # from JSON (another worker, the API)
@@ -131,6 +144,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            self.bad_words = list(words) or None
         if self.top_k == 0:
             self.top_k = -1
         if self.logit_bias is not None:
@@ -172,6 +188,30 @@ class SamplingParams:
             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
         )
         self._check_stops()
+        if self.cache_salt is not None:
+            _bad(
+                not isinstance(self.cache_salt, str) or not self.cache_salt,
+                "cache_salt",
+                "cache_salt must be a non-empty string if given",
+            )
+            _bad(
+                len(self.cache_salt) > MAX_CACHE_SALT_CHARS,
+                "cache_salt",
+                f"cache_salt is over {MAX_CACHE_SALT_CHARS} characters",
+            )
+        if self.bad_words is not None:
+            words = self.bad_words
+            _bad(len(words) > MAX_BAD_WORDS, "bad_words", f"{len(words)} bad words; at most {MAX_BAD_WORDS}")
+            _bad(
+                not all(isinstance(w, str) and w.strip() for w in words),
+                "bad_words",
+                "bad_words are non-blank strings",
+            )
+            _bad(
+                max(map(len, words)) > MAX_BAD_WORD_CHARS,
+                "bad_words",
+                f"a bad word of over {MAX_BAD_WORD_CHARS} characters",
+            )
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             _bad(not ids, "allowed_token_ids", "allowed_token_ids must not be empty")
@@ -234,4 +274,5 @@ class SamplingParams:
             or bool(self.logit_bias)
             or self.structured_outputs is not None
             or self.allowed_token_ids is not None
+            or self.bad_words is not None
         )

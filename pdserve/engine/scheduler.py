@@ -216,7 +216,7 @@ class Scheduler:
         into: a burst of transfers must not starve the work already here. Full
         blocks this worker caches are kept (seq.num_computed_tokens says how many
         tokens need not be sent)."""
-        cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.prompt_token_ids)
+        cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.prompt_token_ids, seq.hash_root)
         revived = sum(1 for b in cached if b.ref_cnt == 0)
         need = self.kv.blocks_needed(seq.num_tokens) - len(cached) + revived
         spare = self.kv.num_free_blocks - need - self._headroom_blocks() - self._blocks_waiting_needs()
@@ -225,6 +225,8 @@ class Scheduler:
             return False
         seq.num_computed_tokens = num_cached
         seq.num_external_tokens = seq.num_tokens - num_cached
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_cached  # the rest comes from the worker that computes it
         seq.status = Status.WAITING_FOR_REMOTE_KV
         self.remote[seq.seq_id] = seq
         return True
@@ -242,7 +244,7 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_computed_tokens += num_tokens
-        self.kv.cache_full_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+        self.kv.cache_full_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.hash_root)
         seq.status = Status.WAITING
         self.waiting.push(seq, front=True)
         return seq
@@ -316,13 +318,17 @@ class Scheduler:
             fresh = seq.num_computed_tokens == 0 and not self.kv.owns_blocks(seq.seq_id)
             if fresh and seq.needs_prompt_logprobs:
                 fresh = False
-            elif fresh and inflight and self.kv.first_uncached_hash(seq.seq_id, seq.all_token_ids) in inflight:
+            elif (
+                fresh
+                and inflight
+                and self.kv.first_uncached_hash(seq.seq_id, seq.all_token_ids, seq.hash_root) in inflight
+            ):
                 if len(held) >= MAX_HELD:
                     break
                 held.append(self.waiting.hold())
                 continue
             elif fresh:
-                cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
+                cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.hash_root)
             computed = max(num_cached, seq.num_computed_tokens)
             loadable = self._external_hit(seq, computed) if fresh else 0
             if loadable:
@@ -347,6 +353,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             seq.num_computed_tokens = computed
+            if seq.num_cached_tokens is None:  # its first schedule: what the cache and tiers gave
+                seq.num_cached_tokens = computed
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -365,7 +373,7 @@ class Scheduler:
             return False
         if seq.needs_prompt_logprobs:  # computed whole: the cache does not count
             return seq.num_tokens <= self._chunk_limit(budget)
-        _, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids)
+        _, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.hash_root)
         return seq.num_tokens - num_cached <= self._chunk_limit(budget)
 
     def _release_waiting_blocks(self, head: Sequence) -> bool:
@@ -431,10 +439,13 @@ class Scheduler:
             upd.num_prompt_tokens += max(0, min(start + s.num_new_tokens, seq.num_prompt_tokens) - start)
             seq.num_computed_tokens = start + s.num_new_tokens
             if self.cache_generated_blocks:
-                self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.hash_root)
             elif start < seq.num_prompt_tokens:
                 self.kv.cache_full_blocks(
-                    seq.seq_id, seq.prompt_token_ids, min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                    seq.seq_id,
+                    seq.prompt_token_ids,
+                    min(seq.num_computed_tokens, seq.num_prompt_tokens),
+                    seq.hash_root,
                 )
         now = time.monotonic() if now is None else now
         for x in sampled:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv.hashing import salt_root
 
 # what LLMEngine.reserve_for_transfer returns for a reservation with no room yet, waiting in line
 PENDING = "pending"
@@ -143,6 +144,14 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # prompt tokens whose KV was not computed for it when it was first scheduled: prefix-cache
+    # hits and lower-tier loads (vLLM's num_cached_tokens); None until then
+    num_cached_tokens: int | None = None
+    # where its block hashes start: its params' cache salt, hashed (kv/hashing.py)
+    hash_root: int = field(init=False)
+
+    def __post_init__(self):
+        self.hash_root = salt_root(self.params.cache_salt)
 
     @property
     def all_token_ids(self) -> TokenIds:
@@ -242,3 +251,8 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, in the request's first output (and its final one):
     # per prompt token {token id: logprob} (that token's, then the top ones), the first None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens found cached (prefix cache, lower KV tiers) rather than computed, as vLLM
+    num_cached_tokens: int | None = None
+    # with prompt_logprobs as {token id: logprob} (the servers' form): each prompt token's rank
+    # in the whole vocabulary, the first None (the offline form has them in its Logprobs)
+    prompt_logprob_ranks: list[int | None] | None = None

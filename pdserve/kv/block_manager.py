@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.kv.hashing import block_hashes, extend_block_hashes
+from pdserve.kv.hashing import ROOT_HASH, block_hashes, extend_block_hashes
 
 
 @dataclass
@@ -98,16 +98,17 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache
-    def find_cached_prefix(self, seq_id: str, token_ids: list[int]) -> tuple[list[Block], int]:
+    def find_cached_prefix(self, seq_id: str, token_ids: list[int], root: int = ROOT_HASH) -> tuple[list[Block], int]:
         """Longest run of cached full blocks at the start of `token_ids`.
 
         At least one token is always left to compute: the step that computes it
-        produces the logits for the next token.
+        produces the logits for the next token. `root`: where the sequence's hash chain
+        starts (`hashing.salt_root` of its cache salt), in this and the other hashing calls.
         """
         if not self.enable_prefix_caching:
             return [], 0
         sb = self.seqs.setdefault(seq_id, SeqBlocks())
-        sb.hashes = block_hashes(token_ids, self.block_size, start=sb.hashes)
+        sb.hashes = block_hashes(token_ids, self.block_size, start=sb.hashes, root=root)
         max_blocks = (len(token_ids) - 1) // self.block_size
         hit: list[Block] = []
         for h in sb.hashes[:max_blocks]:
@@ -119,7 +120,7 @@ class BlockManager:
         self.stats.hits_tokens += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
-    def first_uncached_hash(self, seq_id: str, token_ids: list[int]) -> int | None:
+    def first_uncached_hash(self, seq_id: str, token_ids: list[int], root: int = ROOT_HASH) -> int | None:
         """Hash of the first full block of `token_ids` that the prefix cache lacks (the last
         token aside, as in `find_cached_prefix`); None when all are cached or prefix caching is
         off. Unlike `find_cached_prefix` it counts no query (the scheduler asks it of a request
@@ -127,7 +128,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return None
         sb = self.seqs.setdefault(seq_id, SeqBlocks())
-        sb.hashes = block_hashes(token_ids, self.block_size, start=sb.hashes)
+        sb.hashes = block_hashes(token_ids, self.block_size, start=sb.hashes, root=root)
         for h in sb.hashes[: (len(token_ids) - 1) // self.block_size]:
             if h not in self.cached:
                 return h
@@ -165,7 +166,9 @@ class BlockManager:
         sb.blocks.extend(self._pop_free() for _ in range(need_new))
         return True
 
-    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(
+        self, seq_id: str, token_ids: list[int], num_computed_tokens: int, root: int = ROOT_HASH
+    ) -> None:
         """Register blocks made full by the last step so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
@@ -174,7 +177,7 @@ class BlockManager:
         if num_full <= sb.num_cached_blocks:
             return
         if len(sb.hashes) < num_full:
-            extend_block_hashes(sb.hashes, token_ids, num_full, self.block_size)
+            extend_block_hashes(sb.hashes, token_ids, num_full, self.block_size, root=root)
         first = sb.num_cached_blocks
         stored = []
         for i in range(first, num_full):

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from pdserve.costmodel import DecodeCostModel
-from pdserve.kv.hashing import block_hashes
+from pdserve.kv.hashing import ROOT_HASH, block_hashes
 from pdserve.router import conductor
 from pdserve.router.placement import Placer
 from pdserve.router.registry import Registry, WorkerInfo
@@ -81,13 +81,16 @@ class Admitter:
         self.admitted = 0
         self.last: dict = {}  # the last prediction, for the status endpoint
 
-    def check(self, registry: Registry, placer: Placer, prompt: list[int], max_tokens: int) -> conductor.Admission:
+    def check(
+        self, registry: Registry, placer: Placer, prompt: list[int], max_tokens: int, root: int = ROOT_HASH
+    ) -> conductor.Admission:
+        """Admit or refuse a prompt; `root`: its hash chain's start (its cache salt's)."""
         cfg = self.config
         decision = (
             self._backpressure(registry, len(prompt), max_tokens) if cfg.kv_watermark is not None else conductor.ADMIT
         )
         if decision.admitted and (cfg.slo_ttft_s is not None or cfg.slo_tpot_s is not None):
-            decision = self._predict(registry, placer, prompt, max_tokens)
+            decision = self._predict(registry, placer, prompt, max_tokens, root)
         if decision.admitted:
             self.admitted += 1
         else:
@@ -111,12 +114,14 @@ class Admitter:
             or DEFAULT_KV_BANDWIDTH_BYTES_PER_S
         )
 
-    def _predict(self, registry: Registry, placer: Placer, prompt: list[int], max_tokens: int) -> conductor.Admission:
-        best = placer.peek_prefill(registry, prompt)
+    def _predict(
+        self, registry: Registry, placer: Placer, prompt: list[int], max_tokens: int, root: int
+    ) -> conductor.Admission:
+        best = placer.peek_prefill(registry, prompt, root)
         d = placer.pick_decode(registry)
         transfer_s = 0.0
         if best is not None and d is not None:
-            transfer_s = self.predict_transfer_s(registry.get(best.worker_id), d, placer, prompt)
+            transfer_s = self.predict_transfer_s(registry.get(best.worker_id), d, placer, prompt, root)
         ttft_s = (
             0.0
             if best is None
@@ -132,14 +137,18 @@ class Admitter:
         }
         return conductor.admit(ttft_s, tpot_s, self.config.slo_ttft_s, self.config.slo_tpot_s)
 
-    def predict_transfer_s(self, p: WorkerInfo | None, d: WorkerInfo, placer: Placer, prompt: list[int]) -> float:
+    def predict_transfer_s(
+        self, p: WorkerInfo | None, d: WorkerInfo, placer: Placer, prompt: list[int], root: int = ROOT_HASH
+    ) -> float:
         """Exposed transfer of the prompt tokens `d` does not already cache."""
         ps = (p.stats if p is not None else None) or {}
         per_token = float(ps.get("kv_bytes_per_token", 0))
         if per_token <= 0:
             return self.config.transfer_s  # a worker that does not say: only the fixed part
         bs = int((d.stats or {}).get("kv_block_size", 0))
-        cached = placer.index.hit_ratio(d.worker_id, block_hashes(prompt, bs), bs, len(prompt)) if bs else 0.0
+        cached = (
+            placer.index.hit_ratio(d.worker_id, block_hashes(prompt, bs, root=root), bs, len(prompt)) if bs else 0.0
+        )
         return conductor.predict_transfer_s(
             (1 - cached) * len(prompt),
             per_token,

@@ -53,6 +53,7 @@ from pdserve.control_api import (
 )
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import choice_request_id
+from pdserve.kv.hashing import salt_root
 from pdserve.router import conductor
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
@@ -89,12 +90,15 @@ class _Choice:
     def __init__(self, group, index: int, rid: str, inp: EngineInput):
         self.group, self.index, self.rid = group, index, rid
         self.prompt, self.params = inp.prompt_token_ids, inp.params
+        self.hash_root = salt_root(inp.params.cache_salt)  # its block hashes start here
         # resumed: what the choice streamed through a router that died (the front resumes it)
         self.resumed = bool(inp.resume_token_ids)
         self.token_ids: list[int] = list(inp.resume_token_ids or ())
         self._texts: list[str] = []
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.prompt_logprobs: list[dict | None] | None = None  # from the worker that computed the prompt
+        self.num_cached_tokens: int | None = None  # the same worker's: the first that says
+        self.prompt_logprob_ranks: list[int | None] | None = None  # with prompt_logprobs
         self.finished = False
         self.arrival_s = time.monotonic()
         # a resumed choice had its first token long ago: its gaps count from now, not its TTFT
@@ -112,9 +116,14 @@ class _Choice:
         if self.logprobs is not None:
             new_lps = logprobs_from_wire(ev.logprobs)
             self.logprobs += new_lps
+        new_cached = None
+        if self.num_cached_tokens is None and ev.num_cached_tokens is not None:
+            new_cached = self.num_cached_tokens = ev.num_cached_tokens
         new_plps = None
+        new_ranks = None
         if ev.prompt_logprobs and self.prompt_logprobs is None:
             new_plps = self.prompt_logprobs = logprobs_from_wire(ev.prompt_logprobs)
+            new_ranks = self.prompt_logprob_ranks = ev.prompt_logprob_ranks
         self.finished = ev.finished
         now = time.monotonic()
         m = self.group.engine.metrics
@@ -140,6 +149,8 @@ class _Choice:
                 ev.finish_reason,
                 ev.stop_reason,
                 prompt_logprobs=self.prompt_logprobs,
+                num_cached_tokens=self.num_cached_tokens,
+                prompt_logprob_ranks=self.prompt_logprob_ranks,
             )
             m.on_finish(
                 final.finish_reason or "stop",
@@ -148,7 +159,16 @@ class _Choice:
                 self.last_token_s,
                 len(self.token_ids),
             )
-        self.group._queue.put_nowait((self.index, ChoiceOutput(ids, ev.text, new_lps, final, prompt_logprobs=new_plps)))
+        out = ChoiceOutput(
+            ids,
+            ev.text,
+            new_lps,
+            final,
+            prompt_logprobs=new_plps,
+            num_cached_tokens=new_cached,
+            prompt_logprob_ranks=new_ranks,
+        )
+        self.group._queue.put_nowait((self.index, out))
 
 
 class RouterGroup:
@@ -493,7 +513,8 @@ class DisaggEngine:
             if inp.resume_token_ids:
                 continue  # admitted once already, by the router that died
             max_tokens = inp.params.max_output_tokens(len(inp.prompt_token_ids), self.engine.max_model_len)
-            d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens)
+            root = salt_root(inp.params.cache_salt)
+            d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens, root)
             if not d.admitted:
                 self.metrics.rejected.inc()
                 raise APIError(
@@ -529,7 +550,9 @@ class DisaggEngine:
             # whose logprobs are wanted is computed whole wherever it goes: its hits do not count
             whole = len(c.prompt) <= self.max_local_prefill_length or c.params.prompt_logprobs is not None
             if d is not None and conductor.prefill_locally(
-                len(c.prompt), 0 if whole else self.placer.cached_tokens(d, c.prompt), self.max_local_prefill_length
+                len(c.prompt),
+                0 if whole else self.placer.cached_tokens(d, c.prompt, c.hash_root),
+                self.max_local_prefill_length,
             ):
                 await self._run_whole(c, "local_prefill", worker=d)
                 return
@@ -538,7 +561,7 @@ class DisaggEngine:
             request_id=c.rid, prompt_token_ids=c.prompt, params=params, deadline_s=self.kv_timeout_s
         )
         for attempt in range(3):
-            p, d = self.placer.pick(self.registry, c.prompt)
+            p, d = self.placer.pick(self.registry, c.prompt, c.hash_root)
             if p is None or d is None:
                 await self._run_whole(c)
                 return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from pdserve.costmodel import PrefillCostModel
-from pdserve.kv.hashing import block_hashes, hash_block
+from pdserve.kv.hashing import ROOT_HASH, block_hashes, hash_block
 from pdserve.router import conductor, policy
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.registry import Registry, WorkerInfo
@@ -66,7 +66,11 @@ class Placer:
         self._rr = policy.RoundRobin()
         self._prefill = {"least_loaded": policy.least_loaded, "round_robin": self._rr}.get(prefill_policy)
 
-    def pick(self, registry: Registry, prompt: list[int]) -> tuple[WorkerInfo | None, WorkerInfo | None]:
+    def pick(
+        self, registry: Registry, prompt: list[int], root: int = ROOT_HASH
+    ) -> tuple[WorkerInfo | None, WorkerInfo | None]:
+        """A (prefill, decode) pair for the prompt; `root`: its hash chain's start (the
+        request's cache salt, `hashing.salt_root`), here and in the other prompt methods."""
         ps, ds = registry.alive("prefill"), registry.alive("decode")
         if not ps or not ds:
             return None, None
@@ -74,36 +78,40 @@ class Placer:
         ps = [w for w in ps if w.role == "prefill"] or ps
         ds = [w for w in ds if w.role == "decode"] or ds
         if self.name == "cache_aware":
-            p = self._cache_aware(ps, prompt)
+            p = self._cache_aware(ps, prompt, root)
         elif self.name == "consistent_hash":
-            key = hash_block(0, prompt[:HASH_PREFIX_TOKENS])
+            key = hash_block(root, prompt[:HASH_PREFIX_TOKENS])
             p = {w.worker_id: w for w in ps}[policy.consistent_hash(key, [w.worker_id for w in ps])]
         else:
             p = self._choose(ps, self._prefill)
         d = self._choose(ds, policy.most_kv_headroom)
         return p, d
 
-    def _cache_aware(self, ps: list[WorkerInfo], prompt: list[int]) -> WorkerInfo:
+    def _cache_aware(self, ps: list[WorkerInfo], prompt: list[int], root: int) -> WorkerInfo:
         now = self._clock()
-        best = self._best_prefill(ps, prompt, now)
+        best = self._best_prefill(ps, prompt, now, root)
         self._busy_until_s[best.worker_id] = conductor.next_busy_until_s(
             now, self._busy_until_s.get(best.worker_id, now), (1 - best.hit_ratio) * best.prefill_time_s
         )
         return next(w for w in ps if w.worker_id == best.worker_id)
 
-    def peek_prefill(self, registry: Registry, prompt: list[int]) -> conductor.PrefillCandidate | None:
+    def peek_prefill(
+        self, registry: Registry, prompt: list[int], root: int = ROOT_HASH
+    ) -> conductor.PrefillCandidate | None:
         """The prefill candidate cache_aware would pick now, booking nothing (for admission)."""
         ps = registry.alive("prefill")
         ps = [w for w in ps if w.role == "prefill"] or ps
-        return self._best_prefill(ps, prompt, self._clock()) if ps else None
+        return self._best_prefill(ps, prompt, self._clock(), root) if ps else None
 
-    def _best_prefill(self, ps: list[WorkerInfo], prompt: list[int], now: float) -> conductor.PrefillCandidate:
+    def _best_prefill(
+        self, ps: list[WorkerInfo], prompt: list[int], now: float, root: int
+    ) -> conductor.PrefillCandidate:
         hashes: dict[int, list[int]] = {}
         cands = []
         for w in ps:
             bs = int((w.stats or {}).get("kv_block_size", 0))
             if bs and bs not in hashes:
-                hashes[bs] = block_hashes(prompt, bs)
+                hashes[bs] = block_hashes(prompt, bs, root=root)
             hit = 0.0
             if bs:
                 local = self.index.hit_blocks(w.worker_id, hashes[bs])
@@ -145,10 +153,10 @@ class Placer:
         ds = [w for w in ds if w.role == "decode"] or ds
         return self._choose(ds, policy.most_kv_headroom) if ds else None
 
-    def cached_tokens(self, w: WorkerInfo, prompt: list[int]) -> int:
+    def cached_tokens(self, w: WorkerInfo, prompt: list[int], root: int = ROOT_HASH) -> int:
         """Leading tokens of the prompt that the worker's own pool holds, by the prefix index."""
         bs = int((w.stats or {}).get("kv_block_size", 0))
-        return self.index.hit_blocks(w.worker_id, block_hashes(prompt, bs)) * bs if bs else 0
+        return self.index.hit_blocks(w.worker_id, block_hashes(prompt, bs, root=root)) * bs if bs else 0
 
     def pick_any(self, registry: Registry, exclude: set[str]) -> WorkerInfo | None:
         """A worker to run a whole request: a decode worker if one is left, else a prefill worker."""

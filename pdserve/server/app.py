@@ -24,9 +24,9 @@ from pydantic.json_schema import models_json_schema
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.server import protocol as P
-from pdserve.server.engine_client import ChoiceOutput, Completion, EngineClient, EngineInput
+from pdserve.server.engine_client import EngineClient, EngineInput
 from pdserve.server.errors import APIError, bad_request, install_handlers
-from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, usage
+from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, cached_prompt_tokens, usage
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.streaming import collect, read_body, sse_events
 from pdserve.settings import FrontendConfig
@@ -45,6 +45,7 @@ class ServerSettings:
     max_seqs_per_request: int = FrontendConfig.max_seqs_per_request
     metrics_require_key: bool = FrontendConfig.metrics_require_key  # /metrics behind api_key too
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (--enable-auto-tool-choice)
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -56,6 +57,7 @@ class ServerSettings:
             max_seqs_per_request=args.max_seqs_per_request,
             metrics_require_key=args.metrics_require_key,
             tool_call_parser=auto_tool_parser(args),
+            prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
         )
 
 
@@ -237,7 +239,7 @@ class _Api:
                 for p, ids in zip(texts, prompts)
             ]
             if req.logprobs is not None:  # the prompt's tokens are listed with their logprobs
-                params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+                params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
         rid = resume.request_id if resume else f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormatter(
             rid,
@@ -248,6 +250,9 @@ class _Api:
             echo_texts=echo,
             echo_ids=prompts if echo else None,
             n=req.n,
+            prompt_ids=prompts if req.return_token_ids else None,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+            prompt_logprobs=req.prompt_logprobs,
         )
         return await self._generate(request, req, rid, prompts, params, fmt, resume, echo_only=echo_only)
 
@@ -261,7 +266,15 @@ class _Api:
         params = req.sampling_params(max_tokens, req.engine_logprobs())
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
-            rid, self.served_names()[0], self._text(), req.n, req.engine_logprobs(), tool_calls=req.tool_calls()
+            rid,
+            self.served_names()[0],
+            self._text(),
+            req.n,
+            req.engine_logprobs(),
+            tool_calls=req.tool_calls(),
+            prompt_ids=[prompt] if req.return_token_ids else None,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+            prompt_logprobs=req.prompt_logprobs,
         )
         return await self._generate(request, req, rid, [prompt], params, fmt, resume)
 
@@ -335,6 +348,7 @@ class _Api:
                 preamble=resume is None,
                 choice_prompt_tokens=[len(p) for p in prompts for _ in range(req.n)] if req.continuous_usage else None,
                 choice_tokens_before={c.index: len(c.token_ids) for c in resume.choices} if resume else None,
+                cached_per_prompt_of=req.n if self.settings.prompt_tokens_details else None,
             )
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"}
@@ -346,7 +360,10 @@ class _Api:
             raise
         completion_tokens = sum(len(f.final.token_ids) for f in finals)
         done("ok", completion_tokens)
-        return JSONResponse(fmt.full(finals, usage(num_prompt_tokens, completion_tokens)), headers=headers)
+        cached = None
+        if self.settings.prompt_tokens_details:
+            cached = cached_prompt_tokens({i: f.final.num_cached_tokens for i, f in enumerate(finals)}, req.n)
+        return JSONResponse(fmt.full(finals, usage(num_prompt_tokens, completion_tokens, cached)), headers=headers)
 
     # ---- everything else
     async def models(self, request: Request):
@@ -444,11 +461,16 @@ class _NothingGenerated:
         out = []
         for index, c in batch:
             final = None
-            if c.final is not None:
+            if c.final is not None:  # the prompt's logprobs and counts stay; the output goes
                 f = c.final
-                final = Completion("", [], [] if f.logprobs is not None else None, "length", None, f.prompt_logprobs)
+                empty = [] if f.logprobs is not None else None
+                final = dataclasses.replace(
+                    f, text="", token_ids=[], logprobs=empty, finish_reason="length", stop_reason=None
+                )
             empty_lps = [] if c.new_logprobs is not None else None
-            out.append((index, ChoiceOutput([], "", empty_lps, final, prompt_logprobs=c.prompt_logprobs)))
+            out.append(
+                (index, dataclasses.replace(c, new_token_ids=[], new_text="", new_logprobs=empty_lps, final=final))
+            )
         return out
 
     def abort(self) -> None:

@@ -44,13 +44,26 @@ def choice_output(out: RequestOutput) -> ChoiceOutput:
     """The front end's view of an engine output: its new part, and the whole completion once
     the request has finished (whose logprobs then cover every token: the new ones are its tail)."""
     c = out.outputs[0]
-    plp = out.prompt_logprobs
+    plp, ranks = out.prompt_logprobs, out.prompt_logprob_ranks
     if not out.finished:  # the engine's running outputs hold only what is new
-        return ChoiceOutput(out.new_token_ids, out.new_text, c.logprobs, prompt_logprobs=plp)
+        return ChoiceOutput(
+            out.new_token_ids, out.new_text, c.logprobs, prompt_logprobs=plp, prompt_logprob_ranks=ranks
+        )
     lps, n = c.logprobs, len(out.new_token_ids)
     new_lps = None if lps is None else (lps[len(lps) - n :] if n else [])
-    final = Completion(c.text, c.token_ids, lps, c.finish_reason, c.stop_reason, prompt_logprobs=plp)
-    return ChoiceOutput(out.new_token_ids, out.new_text, new_lps, final, prompt_logprobs=plp)
+    final = Completion(
+        c.text,
+        c.token_ids,
+        lps,
+        c.finish_reason,
+        c.stop_reason,
+        prompt_logprobs=plp,
+        num_cached_tokens=out.num_cached_tokens,
+        prompt_logprob_ranks=ranks,
+    )
+    return ChoiceOutput(
+        out.new_token_ids, out.new_text, new_lps, final, prompt_logprobs=plp, prompt_logprob_ranks=ranks
+    )
 
 
 class _Sub:
@@ -408,12 +421,14 @@ class AsyncEngine:
                     sub.num_tokens,
                 )
             c = choice_output(out)
-            if first and m.get("first_scheduled_time") is not None:
-                c.prefill_s = max(0.0, m["first_token_time"] - m["first_scheduled_time"])
+            if first:
+                c.num_cached_tokens = out.num_cached_tokens
+                if m.get("first_scheduled_time") is not None:
+                    c.prefill_s = max(0.0, m["first_token_time"] - m["first_scheduled_time"])
             if not first:
                 # the prompt's logprobs travel once, with the first output (a worker's stream
                 # to its router included); the final completion still holds them
-                c.prompt_logprobs = None
+                c.prompt_logprobs = c.prompt_logprob_ranks = None
             sub.group.put((sub.index, c))
 
     # ---- the engine thread

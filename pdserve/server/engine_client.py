@@ -43,6 +43,10 @@ class Completion:
     stop_reason: int | str | None = None
     # per prompt token, the first None, when asked for (SamplingParams.prompt_logprobs)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt tokens found cached (prefix cache, KV tiers) by the worker that computed the prompt
+    num_cached_tokens: int | None = None
+    # with prompt_logprobs: each prompt token's rank in the vocabulary (the first None)
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +65,9 @@ class ChoiceOutput:
     prefill_s: float | None = None
     # the prompt's logprobs (SamplingParams.prompt_logprobs), on the output that first has them
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # on a request's first output: prompt tokens found cached rather than computed
+    num_cached_tokens: int | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # with prompt_logprobs, as in Completion
 
     @property
     def finished(self) -> bool:

@@ -13,18 +13,33 @@ import time
 import uuid
 
 from pdserve.server import tool_parsers
-from pdserve.server.engine_client import ChoiceOutput
+from pdserve.server.engine_client import ChoiceOutput, Completion
 from pdserve.server.errors import APIError
 
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; `cached_tokens` given: with its prompt_tokens_details."""
+    u = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def cached_prompt_tokens(per_choice: dict[int, int | None], n: int) -> int:
+    """Prompt tokens the request found cached: per prompt, the fewest any of its n choices
+    found (the other choices hit the blocks the first one computed, which were not cached
+    when the request came), summed over the prompts. `per_choice`: by choice index (prompt
+    i's choices are i*n .. i*n+n-1); a choice that did not say counts none."""
+    fewest: dict[int, int] = {}
+    for index, cached in per_choice.items():
+        fewest[index // n] = min(fewest.get(index // n, cached or 0), cached or 0)
+    return sum(fewest.values())
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -87,13 +102,31 @@ class _Base:
     _delta_key = ""  # where a streamed chunk's text goes: '"text":' or '"delta":{"content":'
     _delta_end = ""
 
-    def __init__(self, request_id: str, model: str, token_text: TokenText, num_choices: int, top_logprobs: int | None):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        token_text: TokenText,
+        num_choices: int,
+        top_logprobs: int | None,
+        *,
+        prompt_ids: list[list[int]] | None = None,
+        tokens_as_ids: bool = False,
+        prompt_logprobs: int | None = None,
+    ):
+        """`prompt_ids` (per prompt): vLLM's return_token_ids, the prompt's token ids and each
+        choice's generated ones go in the response; `tokens_as_ids`: vLLM's
+        return_tokens_as_token_ids, logprobs name tokens "token_id:N" rather than by text;
+        `prompt_logprobs`: vLLM's, each prompt token's logprob and that many top ones."""
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text
         self.top_logprobs = top_logprobs  # None: no logprobs asked for
         self.num_choices = num_choices
+        self.prompt_ids = prompt_ids
+        self.tokens_as_ids = tokens_as_ids
+        self.prompt_logprobs = prompt_logprobs
         head = dumps({"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model})
         self._chunk_head = head[:-1] + ',"choices":[{"index":'
 
@@ -103,8 +136,8 @@ class _Base:
         """`chunk()` as JSON text. The common chunk (text only, not the last) is written
         straight from a template: it is one per token per stream, the hot path. `usage_now`:
         the choice's usage so far, on every chunk (vLLM's continuous_usage_stats)."""
-        if out.finished or self.top_logprobs is not None:
-            chunk = self.chunk(index, out)
+        if out.finished or self.top_logprobs is not None or self.prompt_ids is not None:
+            chunk = self.chunk_with_ids(index, out)
             if chunk is None:
                 return None
             if include_usage:
@@ -117,6 +150,46 @@ class _Base:
             f"{self._chunk_head}{index},{self._delta_key}{dumps(out.new_text)}{self._delta_end},"
             f'"logprobs":null,"finish_reason":null}}]{tail}'
         )
+
+    def chunk_with_ids(self, index: int, out: ChoiceOutput) -> dict | None:
+        """`chunk()`, with the new token ids when they are asked for (return_token_ids): then
+        every token is sent, even one whose text is not complete yet."""
+        chunk = self.chunk(index, out)
+        if self.prompt_ids is None or (chunk is None and not out.new_token_ids):
+            return chunk
+        if chunk is None:
+            chunk = self._envelope(self.chunk_object_name, [self._empty_choice(index)])
+        chunk["choices"][0]["token_ids"] = out.new_token_ids
+        return chunk
+
+    def _empty_choice(self, index: int) -> dict:
+        raise NotImplementedError
+
+    def prompt_logprobs_json(self, c: Completion) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first None: nothing predicts it)
+        {token id: {logprob, rank, decoded_token}} of the token itself and the top k, ranks in
+        the whole vocabulary; -inf as -9999.0, as vLLM sends it."""
+        entries, ranks = c.prompt_logprobs, c.prompt_logprob_ranks or []
+        if entries is None:
+            raise APIError(502, "the engine returned no prompt logprobs (a worker older than the router?)")
+        out: list[dict | None] = []
+        for i, entry in enumerate(entries):
+            if entry is None:
+                out.append(None)
+                continue
+            (own, own_lp), *_ = entry.items()  # the prompt token first, then the top ones
+            row = {str(own): self._logprob_obj(own, own_lp, ranks[i] if i < len(ranks) else None)}
+            for rank, (t, lp) in enumerate(_top(entry, self.prompt_logprobs), 1):
+                row.setdefault(str(t), self._logprob_obj(t, lp, rank))
+            out.append(row)
+        return out
+
+    def _logprob_obj(self, token_id: int, lp: float, rank: int | None) -> dict:
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": self.label(token_id)}
+
+    def label(self, token_id: int) -> str:
+        """How logprobs name a token: its text, or "token_id:N" (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.token_text(token_id)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -146,6 +219,7 @@ class CompletionFormatter(_Base):
         # (as vLLM counts them): with echo, the prompt's tokens come first
         self._offsets = [0] * self.num_choices
         self._prompt_sent: set[int] = set()
+        self._ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
 
     def _logprobs(self, index: int, token_ids: list[int], entries: list[dict | None]) -> dict | None:
         """The legacy logprobs of `token_ids`, offsets continuing the choice's; a None entry
@@ -154,10 +228,9 @@ class CompletionFormatter(_Base):
             return None
         tokens, offsets = [], []
         for t in token_ids:
-            s = self.token_text(t)
-            tokens.append(s)
+            tokens.append(self.label(t))
             offsets.append(self._offsets[index])
-            self._offsets[index] += len(s)
+            self._offsets[index] += len(self.token_text(t))
         return {
             "tokens": tokens,
             "token_logprobs": [None if e is None else e[t] for t, e in zip(token_ids, entries)],
@@ -184,15 +257,26 @@ class CompletionFormatter(_Base):
         items = _top(entry, self.top_logprobs)
         if all(t != token_id for t, _ in items):  # the sampled token is always listed
             items = [(token_id, entry[token_id])] + items
-        return {self.token_text(t): lp for t, lp in items}
+        return {self.label(t): lp for t, lp in items}
 
     def resume(self, index: int, token_ids: list[int]) -> None:
         listed = list(self.echo_ids[index // self.n]) if self.echo_ids is not None else []
         self._offsets[index] = sum(len(self.token_text(t)) for t in listed + list(token_ids))
         self._prompt_sent.add(index)  # the resumed stream sent the echo already
+        self._ids_sent.add(index)
 
     def _echo(self, index: int) -> str:
         return self.echo_texts[index // self.n] if self.echo_texts else ""
+
+    def _empty_choice(self, index: int) -> dict:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": None}
+
+    def chunk_with_ids(self, index: int, out: ChoiceOutput) -> dict | None:
+        chunk = super().chunk_with_ids(index, out)
+        if chunk is not None and self.prompt_ids is not None and index not in self._ids_sent:
+            self._ids_sent.add(index)  # each choice's first chunk names its prompt's ids
+            chunk["choices"][0]["prompt_token_ids"] = self.prompt_ids[index // self.n]
+        return chunk
 
     def preamble(self) -> list[dict]:
         if not self.echo_texts or self.echo_ids is not None:
@@ -238,6 +322,10 @@ class CompletionFormatter(_Base):
                     "stop_reason": c.stop_reason,
                 }
             )
+            if self.prompt_ids is not None:
+                choices[-1] |= {"prompt_token_ids": self.prompt_ids[index // self.n], "token_ids": c.token_ids}
+            if self.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs_json(c)
         return {**self._envelope(self.object_name, choices), "usage": u}
 
 
@@ -336,7 +424,7 @@ class ChatFormatter(_Base):
     def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
         if self.tool_calls is None:
             return super().chunk_json(index, out, include_usage, usage_now)
-        chunk = self.chunk(index, out)
+        chunk = self.chunk_with_ids(index, out)
         if chunk is None:
             return None
         if include_usage:
@@ -374,10 +462,10 @@ class ChatFormatter(_Base):
             return None
         content = []
         for t, e in zip(token_ids, entries):
-            s = self.token_text(t)
+            s = self.label(t)
             top = (
                 [
-                    {"token": self.token_text(tt), "logprob": lp, "bytes": self.token_text.bytes_of(tt)}
+                    {"token": self.label(tt), "logprob": lp, "bytes": self.token_text.bytes_of(tt)}
                     for tt, lp in _top(e, self.top_logprobs)
                 ]
                 if self.top_logprobs
@@ -386,14 +474,20 @@ class ChatFormatter(_Base):
             content.append({"token": s, "logprob": e[t], "bytes": self.token_text.bytes_of(t), "top_logprobs": top})
         return {"content": content}
 
+    def _empty_choice(self, index: int) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": None}
+
     def preamble(self) -> list[dict]:
-        return [
+        chunks = [
             self._envelope(
                 self.chunk_object_name,
                 [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
             )
             for i in range(self.num_choices)
         ]
+        if self.prompt_ids is not None:  # return_token_ids: the prompt's, once, as vLLM
+            chunks[0]["prompt_token_ids"] = self.prompt_ids[0]
+        return chunks
 
     def chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         if self.tool_calls is not None:
@@ -425,4 +519,11 @@ class ChatFormatter(_Base):
                     "stop_reason": c.stop_reason,
                 }
             )
-        return {**self._envelope(self.object_name, choices), "usage": u}
+            if self.prompt_ids is not None:
+                choices[-1]["token_ids"] = c.token_ids
+        out = {**self._envelope(self.object_name, choices), "usage": u}
+        if self.prompt_logprobs is not None:  # one prompt: the first choice computed it
+            out["prompt_logprobs"] = self.prompt_logprobs_json(finals[0].final)
+        if self.prompt_ids is not None:
+            out["prompt_token_ids"] = self.prompt_ids[0]
+        return out

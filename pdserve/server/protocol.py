@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pdserve.engine.sampling_params import (
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     SEED_MAX,
     SEED_MIN,
@@ -52,15 +53,10 @@ _NOT_IMPLEMENTED = {
     "guided_whitespace_pattern": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "bad_words": [],
-    "prompt_logprobs": None,
     "logprob_token_ids": None,
     "logits_processors": None,
-    "return_tokens_as_token_ids": False,
-    "return_token_ids": False,
     "spaces_between_special_tokens": True,
     "truncation_side": "left",
-    "cache_salt": None,
     "chat_template": None,
     "documents": None,
     "kv_transfer_params": None,
@@ -165,6 +161,18 @@ class _SamplingFields(_Strict):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # which library vLLM uses: one here, ignored
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # vLLM's: this request reuses only KV cached for requests with the same salt (one per
+    # tenant or user keeps their prompts from hitting, or timing, each other's cache)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: the prompt's token ids and each choice's generated ones in the response (what
+    # an RL trainer needs, without tokenizing the text again)
+    return_token_ids: bool = False
+    # vLLM's: logprobs name tokens "token_id:N" instead of by their (possibly partial) text
+    return_tokens_as_token_ids: bool = False
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    # vLLM's: each prompt token's logprob (rank, text) and this many top alternatives; the
+    # prompt is then computed whole, never taken from a cache (-1, the whole vocabulary: 400)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="before")
     @classmethod
@@ -178,6 +186,8 @@ class _SamplingFields(_Strict):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: no field to stream them in
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             # choice j is seeded with seed + j, which must still be a valid seed
             raise bad_request(f"seed + n - 1 must be at most {SEED_MAX}", "seed")
@@ -209,9 +219,12 @@ class _SamplingFields(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=self.structured(),
+                cache_salt=self.cache_salt,
+                bad_words=self.bad_words,
                 **given,
             )
         except InvalidRequest as e:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from pdserve.control_api import STREAM_COMMENT, tokens_comment
 from pdserve.server.engine_client import RequestStream
 from pdserve.server.errors import APIError
-from pdserve.server.format import dumps, usage
+from pdserve.server.format import cached_prompt_tokens, dumps, usage
 
 log = logging.getLogger("pdserve.server")
 DONE = "data: [DONE]\n\n"
@@ -51,6 +51,7 @@ async def sse_events(
     preamble: bool = True,
     choice_prompt_tokens: list[int] | None = None,
     choice_tokens_before: dict[int, int] | None = None,
+    cached_per_prompt_of: int | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body of a streamed response; one write per engine step, however many chunks it made.
 
@@ -60,9 +61,11 @@ async def sse_events(
     client's, `completion_tokens` counts what streamed before, and the preamble is not sent again.
     `choice_prompt_tokens` (per choice, the client's order): every chunk carries its choice's usage
     so far (vLLM's continuous_usage_stats), counting on from `choice_tokens_before` (a resumed
-    stream's, per client choice).
+    stream's, per client choice). `cached_per_prompt_of` (the request's n): the usage chunk
+    says how many prompt tokens were found cached (format.cached_prompt_tokens).
     """
     per_choice: dict[int, int] = dict(choice_tokens_before or {})
+    cached: dict[int, int | None] = {}
     finish = "error"
     try:
         if tag_tokens:
@@ -75,6 +78,8 @@ async def sse_events(
             for i, out in batch:
                 index = i if indices is None else indices[i]
                 completion_tokens += len(out.new_token_ids)
+                if out.num_cached_tokens is not None:
+                    cached.setdefault(index, out.num_cached_tokens)
                 now = None
                 if choice_prompt_tokens is not None:
                     per_choice[index] = per_choice.get(index, 0) + len(out.new_token_ids)
@@ -88,7 +93,9 @@ async def sse_events(
             if parts:
                 yield "".join(parts)
         if include_usage:
-            yield sse(fmt.usage_chunk(usage(num_prompt_tokens, completion_tokens)))
+            n = cached_per_prompt_of
+            details = None if n is None else cached_prompt_tokens(cached, n)
+            yield sse(fmt.usage_chunk(usage(num_prompt_tokens, completion_tokens, details)))
         finish = "ok"
         yield DONE
     except APIError as e:

@@ -132,7 +132,7 @@ class SimInstance:
     def activate(self, seq: Sequence, timing: Timing) -> None:
         """The KV arrived: the prefill worker's first token is appended and decoding goes on."""
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids, seq.num_prompt_tokens)
+        self.bm.cache_full_blocks(seq.seq_id, seq.prompt_token_ids, seq.num_prompt_tokens, seq.hash_root)
         self.timing[seq.seq_id] = timing
         if self.sched.append_token(seq, OUTPUT_TOKEN, now=self.loop.now):
             self._done(seq)

@@ -160,6 +160,8 @@ def output_event(out: ChoiceOutput) -> dict:
         "logprobs": logprobs_to_wire(lps),
         "prefill_s": out.prefill_s,
         "prompt_logprobs": logprobs_to_wire(out.prompt_logprobs),
+        "num_cached_tokens": out.num_cached_tokens,
+        "prompt_logprob_ranks": out.prompt_logprob_ranks,
     }
 
 
@@ -173,7 +175,16 @@ async def stream_outputs(group: RequestGroup, first_out: ChoiceOutput | None = N
             end = output_event(first_out)
             yield event_line(
                 OutputEvent(
-                    **{**end, "token_ids": [], "text": "", "logprobs": None, "prefill_s": None, "prompt_logprobs": None}
+                    **{
+                        **end,
+                        "token_ids": [],
+                        "text": "",
+                        "logprobs": None,
+                        "prefill_s": None,
+                        "prompt_logprobs": None,
+                        "num_cached_tokens": None,
+                        "prompt_logprob_ranks": None,
+                    }
                 )
             )
             group.abort()

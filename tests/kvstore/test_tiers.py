@@ -310,6 +310,35 @@ def test_host_tier_hits_give_the_same_tokens(sharp_model, reference):
         assert host["hits"] >= 8 * len(PROMPTS) and host["errors"] == 0, host
 
 
+def test_lower_tiers_keep_salted_prefixes_apart(sharp_model, reference, tmp_path):
+    """A prefix evicted to host memory and written to disk under one cache salt is a hit for
+    that salt only, before and after a restart."""
+    from pdserve import SamplingParams
+
+    def run(llm, salt):
+        p = {"prompt_token_ids": PROMPTS[0], "cache_salt": salt}
+        out = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    kw = dict(kv_offload_bytes=8 << 20, kv_disk_dir=str(tmp_path / "kv"), kv_disk_bytes=64 << 20)
+    with _llm(sharp_model, **kw) as llm:
+        assert run(llm, "a") == (reference[0], 0)
+        for p in PROMPTS[1:]:  # evict it from the 24-block pool
+            _run(llm, [p])
+        _wait_saved(llm)
+        hits = _tier(llm, "host")["hits"]
+        assert run(llm, "b") == (reference[0], 0)
+        assert _tier(llm, "host")["hits"] == hits
+        assert run(llm, "a") == (reference[0], 36)
+        assert _tier(llm, "host")["hits"] >= hits + 8
+    with _llm(sharp_model, **kw) as llm:  # restarted: only the disk holds them
+        assert run(llm, "c") == (reference[0], 0)
+        assert _run(llm, [PROMPTS[0]]) == [reference[0]]  # unsalted: the disk has no such blocks
+        assert _tier(llm, "disk")["hits"] == 0
+        assert run(llm, "a") == (reference[0], 36)
+        assert _tier(llm, "disk")["hits"] >= 8
+
+
 def test_disk_tier_survives_a_restart_and_corrupt_files_are_misses(sharp_model, reference, tmp_path):
     d = str(tmp_path / "kv")
     with _llm(sharp_model, kv_disk_dir=d, kv_disk_bytes=64 << 20) as llm:

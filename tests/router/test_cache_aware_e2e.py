@@ -46,3 +46,37 @@ def test_cache_aware_beats_round_robin_on_prefix_hits(tiny_model_dir):
             assert all(len(s["prefill_cost_s"]) == 3 for s in prefill_stats)  # calibrated at start-up
     print(rates)
     assert rates["cache_aware"] >= 1.5 * rates["round_robin"], rates
+
+
+def test_cache_salt_keeps_tenants_caches_apart_across_the_deployment(tiny_model_dir):
+    """Router, 2 prefill workers and a decode worker: a salted prompt is found cached (and the
+    usage says so, with vLLM's --enable-prompt-tokens-details) only under its own salt; the
+    router hashes the prompt under the salt to place it where that salt's blocks are."""
+    openai = pytest.importorskip("openai")
+    router = ["--policy", "cache_aware", "--enable-prompt-tokens-details"]
+    with (
+        Cluster(tiny_model_dir, prefill=2, decode=1, worker_args=ENGINE, router_args=router) as c,
+        openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client,
+    ):
+        model = client.models.list().data[0].id
+        prompt = CONVOS[0]
+
+        def cached(salt=None, stream=False):
+            extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt else {})
+            kw = dict(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+            if stream:
+                chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+                u = chunks[-1].usage
+            else:
+                u = client.completions.create(**kw).usage
+            time.sleep(0.4)  # a heartbeat carries the new blocks to the router
+            return u.prompt_tokens_details.cached_tokens, u.prompt_tokens
+
+        first, n = cached("tenant-a")
+        assert first == 0 and n > 64
+        hit = cached("tenant-a")[0]
+        assert hit >= 64 and hit % 16 == 0  # whole blocks, on the prefill worker that has them
+        assert cached("tenant-b")[0] == 0
+        assert cached()[0] == 0
+        assert cached("tenant-b", stream=True)[0] == hit
+        assert cached(stream=True)[0] == hit

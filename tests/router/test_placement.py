@@ -5,7 +5,7 @@ import types
 import pytest
 
 from pdserve.kv.block_manager import BlockManager
-from pdserve.kv.hashing import block_hashes
+from pdserve.kv.hashing import block_hashes, salt_root
 from pdserve.router import policy
 from pdserve.router.app import _feed_index
 from pdserve.router.placement import Placer
@@ -47,6 +47,22 @@ def test_cache_aware_follows_the_prefix_then_spreads_a_burst():
     assert [placer.pick(reg, c)[0].worker_id for c in cold] == ["p0", "p1", "p0", "p1"]
     clock.t += 60  # all drained
     assert placer.pick(reg, prompt + [1])[0].worker_id == "p1"
+
+
+def test_cache_aware_matches_a_salted_prefix_only_under_its_salt():
+    """Workers report salted block hashes; the router hashes a prompt under the request's
+    salt, so another tenant's (or an unsalted) identical prompt is not drawn to that cache."""
+    reg, clock = _registry(), _Clock()
+    placer = Placer("cache_aware", clock=clock)
+    prompt = list(range(20 * BS))
+    salted = block_hashes(prompt, BS, root=salt_root("tenant-a"))
+    placer.index.apply_events("p1", "e", [{"seq": 1, "kind": "stored", "block_hashes": salted}])
+    assert placer.cached_tokens(reg.get("p1"), prompt, salt_root("tenant-a")) == 20 * BS
+    assert placer.cached_tokens(reg.get("p1"), prompt) == 0
+    assert placer.cached_tokens(reg.get("p1"), prompt, salt_root("tenant-b")) == 0
+    assert placer.pick(reg, prompt)[0].worker_id == "p0"  # p0 idle, no hit anywhere: first
+    clock.t += 60
+    assert placer.pick(reg, prompt, salt_root("tenant-a"))[0].worker_id == "p1"
 
 
 def test_cache_aware_busy_cached_worker_loses_at_high_alpha():

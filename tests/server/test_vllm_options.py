@@ -120,9 +120,9 @@ def test_continuous_usage_stats_on_every_chunk(client):
     "extra, param",
     [
         ({"structured_outputs": {"choice": ["yes", "no"], "structural_tag": "{}"}}, "structured_outputs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logits_processors": ["x"]}, "logits_processors"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"cache_salt": "tenant"}, "cache_salt"),
+        ({"length_penalty": 2.0}, "length_penalty"),
     ],
 )
 def test_options_not_implemented_are_refused_not_ignored(client, extra, param):
@@ -175,3 +175,88 @@ def test_allowed_token_ids(client, tiny_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [10**7]})
     assert e.value.body["param"] == "allowed_token_ids"
+
+
+def test_return_token_ids_on_completions_whole_and_streamed(client, tiny_offline):
+    prompt = "the token ids of"
+    ids = tiny_offline.tokenizer.encode(prompt)
+    extra = {**EXTRA, "return_token_ids": True}
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, n=2, temperature=0, extra_body=extra)
+    for c in r.model_dump()["choices"]:
+        assert c["prompt_token_ids"] == ids and len(c["token_ids"]) == 6
+        assert tiny_offline.tokenizer.decode(c["token_ids"]) == c["text"]
+    chunks = [
+        c.model_dump()
+        for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, n=2, temperature=0, stream=True, extra_body=extra
+        )
+    ]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in mine[1:])
+        assert sum((c["token_ids"] for c in mine), []) == r.model_dump()["choices"][index]["token_ids"]
+    # without the option the response has neither field
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body=EXTRA).model_dump()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_return_token_ids_on_chat_whole_and_streamed(client, tiny_offline):
+    whole = tiny_offline.tokenizer.apply_chat_template(USER)
+    ids = tiny_offline.tokenizer.encode(whole)
+    extra = {**EXTRA, "return_token_ids": True}
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=5, temperature=0, extra_body=extra)
+    body = r.model_dump()
+    assert body["prompt_token_ids"] == ids and len(body["choices"][0]["token_ids"]) == 5
+    chunks = [
+        c.model_dump()
+        for c in client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=5, temperature=0, stream=True, extra_body=extra
+        )
+    ]
+    assert chunks[0]["prompt_token_ids"] == ids and all(c.get("prompt_token_ids") is None for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks), []) == body["choices"][0]["token_ids"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
+    extra = {**EXTRA, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=4, logprobs=True, top_logprobs=2, extra_body=extra
+    ).model_dump()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in r["choices"][0]["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in content for t in e["top_logprobs"])
+    c = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=1, extra_body=extra).model_dump()
+    lp = c["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["choices"][0]["token_ids"]]
+    assert lp["text_offset"][0] == 0 and all(k.startswith("token_id:") for d in lp["top_logprobs"] for k in d)
+
+
+def test_prompt_logprobs_as_vllm_gives_them(client, tiny_offline):
+    """Each prompt token's logprob, rank in the vocabulary and text, with the top k, equal to
+    the offline engine's; on completions per choice, on chat once at the top."""
+    prompt = "scoring this prompt token by token"
+    ids = tiny_offline.tokenizer.encode(prompt)
+    ref = tiny_offline.generate([ids], SamplingParams(prompt_logprobs=2, max_tokens=1))[0].prompt_logprobs
+    r = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, extra_body={**EXTRA, "prompt_logprobs": 2}
+    ).model_dump()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None and ref[0] is None
+    for pos, (mine, theirs) in enumerate(zip(got[1:], ref[1:]), 1):
+        assert str(ids[pos]) in mine and 2 <= len(mine) <= 3
+        assert set(mine) == {str(t) for t in theirs}
+        for t, lp in theirs.items():
+            m = mine[str(t)]
+            assert m["logprob"] == pytest.approx(lp.logprob, abs=1e-4) and m["rank"] == lp.rank
+            assert m["decoded_token"] == lp.decoded_token
+    # with echo and logprobs too: both lists, each with its own k
+    both = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, echo=True, logprobs=1, extra_body={**EXTRA, "prompt_logprobs": 3}
+    ).model_dump()["choices"][0]
+    assert all(len(e) <= 2 for e in both["logprobs"]["top_logprobs"][1:] if e)
+    assert all(3 <= len(e) <= 4 for e in both["prompt_logprobs"][1:])
+    chat = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=1, extra_body={**EXTRA, "prompt_logprobs": 0}
+    ).model_dump()
+    n = len(tiny_offline.tokenizer.encode(tiny_offline.tokenizer.apply_chat_template(USER)))
+    assert len(chat["prompt_logprobs"]) == n and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])

@@ -167,4 +167,11 @@ def test_echo_logprobs_and_the_router_metrics(cluster, tiny_model_dir):
         <= _sample(after, "pdserve:time_to_first_token_seconds_sum")
         - _sample(before, "pdserve:time_to_first_token_seconds_sum")
     )
+    # vLLM's prompt_logprobs: the prefill worker's ranks in the vocabulary cross to the router
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[1], max_tokens=2, extra_body={"ignore_eos": True, "prompt_logprobs": 0}
+    ).model_dump()
+    got = r["choices"][0]["prompt_logprobs"]
+    ranks = [None] + [e[t].rank for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    assert [None if e is None else e[str(t)]["rank"] for t, e in zip(ref.prompt_token_ids, got)] == ranks
     cluster.wait_idle()
