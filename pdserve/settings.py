@@ -58,9 +58,10 @@ class FrontendConfig:
     )
     tool_call_parser: str | None = setting(
         None,
-        choices=("hermes",),
-        help="the model's own tool-call syntax, for --enable-auto-tool-choice: hermes "
-        "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3)",
+        choices=("hermes", "llama3_json", "mistral", "pythonic"),
+        help="the model's own tool-call syntax, for --enable-auto-tool-choice (vLLM's names): hermes "
+        "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral "
+        "([TOOL_CALLS]...), pythonic ([f(a=1), ...]: Llama 3.2 and 4)",
     )
     enable_prompt_tokens_details: bool = setting(
         False,

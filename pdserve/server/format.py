@@ -342,7 +342,7 @@ class ChatFormatter(_Base):
         self.tool_calls = tool_calls
         self._streamed: dict[int, list[str]] = {}  # per choice: the pieces of text so far ("required")
         self._headed: set[int] = set()  # choices whose named call's head went out
-        self._readers: dict[int, tool_parsers.HermesStream] = {}  # per choice, tool_choice "auto"
+        self._readers: dict[int, object] = {}  # per choice, tool_choice "auto": tool_parsers.reader
         self._num_calls: dict[int, int] = {}  # per choice: calls streamed so far ("auto")
 
     def _call(self, name: str, arguments: str, index: int | None = None) -> dict:
@@ -365,7 +365,7 @@ class ChatFormatter(_Base):
     def _tool_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """The assistant message of a tool-call output, and its finish reason."""
         if self.tool_calls.parser is not None:  # "auto": the calls the model wrote, if any
-            content, calls = tool_parsers.parse(text)
+            content, calls = tool_parsers.parse(text, self.tool_calls.parser)
             if not calls:
                 return {"role": "assistant", "content": text}, finish_reason
             reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -394,8 +394,11 @@ class ChatFormatter(_Base):
             _, calls = self._reader(index).feed(self.token_text.decode(token_ids, skip_special_tokens=False))
             self._num_calls[index] = len(calls)
 
-    def _reader(self, index: int) -> tool_parsers.HermesStream:
-        return self._readers.setdefault(index, tool_parsers.HermesStream())
+    def _reader(self, index: int):
+        r = self._readers.get(index)
+        if r is None:
+            r = self._readers[index] = tool_parsers.reader(self.tool_calls.parser)
+        return r
 
     def _chunk_logprobs(self, out: ChoiceOutput) -> dict | None:
         return self._logprobs(out.new_token_ids, out.new_logprobs or []) if self.top_logprobs is not None else None

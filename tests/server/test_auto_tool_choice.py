@@ -124,3 +124,29 @@ def test_a_long_call_in_many_pieces():
         calls += reader.feed(("<tool_call>" if i == 0 else "") + body[i : i + 3])[1]
     calls += reader.feed("</tool_call>")[1]
     assert calls == [("f", json.dumps({"s": "ab" * 20_000}))]
+
+
+@pytest.mark.integration
+def test_auto_with_the_pythonic_parser_whole_and_streamed(server_model_dir):
+    """Another syntax through the same server path: `--tool-call-parser pythonic`."""
+    with ServerProcess(
+        "--model", server_model_dir, "--threads", "1", "--served-model-name", "tiny",
+        "--enable-auto-tool-choice", "--tool-call-parser", "pythonic", *engine_flags(**TINY_ENGINE),
+    ) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:  # fmt: skip
+        kw = dict(model="tiny", messages=USER, tools=TOOLS, max_tokens=60)
+        extra = {"guided_regex": r"\[add\(a=[0-9], b=[0-9]\)\]"}
+        r = client.chat.completions.create(extra_body=extra, **kw)
+        assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+        calls, content, finish = [], "", None
+        for chunk in client.chat.completions.create(stream=True, extra_body=extra, **kw):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+        assert content == "" and finish == "tool_calls"
+        assert [(c.function.name, c.function.arguments) for c in calls] == [("add", call.function.arguments)]
+        # an answer that is not a call is content, streamed as it comes
+        r = client.chat.completions.create(extra_body={"guided_regex": "It is 5\\."}, **kw)
+        assert r.choices[0].message.content == "It is 5." and r.choices[0].finish_reason == "stop"
