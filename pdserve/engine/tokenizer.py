@@ -151,12 +151,14 @@ class Tokenizer:
         template_args: dict | None = None,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """The conversation as the model's prompt. `continue_final_message`: the text ends
         with the last message's content, for the model to go on with it (no end-of-turn after
         it), as transformers and vLLM do. `template_args`: more variables for the template
         (vLLM's chat_template_kwargs); they never replace the ones set here, `tools` among them.
-        `chat_template`: another template than the model's (offline, as vLLM's LLM.chat takes)."""
+        `chat_template`: another template than the model's (offline, as vLLM's LLM.chat takes).
+        `documents`: for retrieval-augmented templates, as transformers passes them."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if chat_template is not None:
@@ -177,6 +179,8 @@ class Tokenizer:
         }
         if tools:
             fixed["tools"] = tools
+        if documents:
+            fixed["documents"] = documents
         text = template.render({**(template_args or {}), **fixed})
         if continue_final_message:
             last = messages[-1].get("content") if messages else None

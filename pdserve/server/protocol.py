@@ -56,9 +56,7 @@ _NOT_IMPLEMENTED = {
     "logprob_token_ids": None,
     "logits_processors": None,
     "spaces_between_special_tokens": True,
-    "truncation_side": "left",
     "chat_template": None,
-    "documents": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "repetition_detection": None,
@@ -151,6 +149,9 @@ class _SamplingFields(_Strict):
     priority: int = Field(0, ge=_PRIORITY_MIN, le=_PRIORITY_MAX)
 
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # which end truncate_prompt_tokens keeps: "left" cuts the start (the default, as vLLM),
+    # "right" the end
+    truncation_side: Literal["left", "right"] = "left"
 
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
@@ -276,6 +277,8 @@ class _SamplingFields(_Strict):
                 "truncate_prompt_tokens",
             )
         k = max_model_len - 1 if k == -1 else k
+        if self.truncation_side == "right":
+            return ids[:k]
         return ids[-k:] if k else []
 
 
@@ -336,6 +339,9 @@ class _ChatTemplateFields(_Strict):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None
+    # vLLM's: documents for a retrieval-augmented template, each a mapping of strings (a
+    # "title" and a "text", say); the template reads them as `documents`
+    documents: list[dict[str, str]] | None = None
 
     def check_template(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:  # named here; the tokenizer refuses it too
@@ -349,6 +355,7 @@ class _ChatTemplateFields(_Strict):
             "continue_final_message": self.continue_final_message,
             "template_args": self.chat_template_kwargs,
             "tools": self.tools,
+            "documents": self.documents,
         }
 
 

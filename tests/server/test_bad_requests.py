@@ -66,6 +66,8 @@ CASES = [
         400,
         "prompt_logprobs",
     ),
+    ("truncation_side", "POST", CMPL, body(prompt="hi", truncation_side="middle"), AUTH, 400, "truncation_side"),
+    ("documents_not_strings", "POST", CHAT, body(messages=USER, documents=[{"a": 1}]), AUTH, 400, "documents.0.a"),
     ("blank_bad_word", "POST", CMPL, body(prompt="hi", bad_words=["a", " "]), AUTH, 400, "bad_words"),
     ("empty_cache_salt", "POST", CMPL, body(prompt="hi", cache_salt=""), AUTH, 400, "cache_salt"),
     ("long_cache_salt", "POST", CHAT, body(messages=USER, cache_salt="s" * 1025), AUTH, 400, "cache_salt"),

@@ -62,6 +62,26 @@ def test_truncate_prompt_tokens_keeps_the_end_of_the_prompt(client, tiny_offline
     assert r.usage.prompt_tokens == 10 and r.choices[0].text == ref.outputs[0].text
 
 
+def test_truncation_side_right_keeps_the_start(client, tiny_offline):
+    ids = list(range(40, 90))
+    extra = {**EXTRA, "truncate_prompt_tokens": 10, "truncation_side": "right", "return_token_ids": True}
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, extra_body=extra)
+    ref = tiny_offline.generate([ids[:10]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert r.model_dump()["choices"][0]["prompt_token_ids"] == ids[:10]
+    assert r.choices[0].text == ref.outputs[0].text
+
+
+def test_documents_reach_the_chat_template(client, tiny_offline):
+    docs = [{"title": "Moon", "text": "The moon is made of rock."}]
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=2, extra_body={**EXTRA, "documents": docs}
+    )
+    assert r.usage.completion_tokens == 2  # the tiny model's template has no use for them
+    template = "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{{ messages[0].content }}"
+    text = tiny_offline.tokenizer.apply_chat_template(USER, chat_template=template, documents=docs)
+    assert text == "[Moon: The moon is made of rock.]what is 2 + 2?"
+
+
 def test_logit_bias_steers_sampling_and_leaves_logprobs_alone(client, tiny_offline):
     r = client.completions.create(
         model="tiny", prompt="hello", max_tokens=4, temperature=0, logit_bias={"70": 100}, logprobs=1, extra_body=EXTRA
