@@ -63,6 +63,11 @@ class FrontendConfig:
         "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral "
         "([TOOL_CALLS]...), pythonic ([f(a=1), ...]: Llama 3.2 and 4)",
     )
+    trust_request_chat_template: bool = setting(
+        False,
+        help="requests may bring their own chat_template (vLLM's flag); it runs in Jinja's sandbox, but "
+        "a template can still loop for as long as it likes: only for callers you trust",
+    )
     enable_prompt_tokens_details: bool = setting(
         False,
         help="usage reports prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache or "

@@ -7,6 +7,7 @@ which we build an equivalent `tokenizers` BPE tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -162,7 +163,7 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if chat_template is not None:
-            template = _compile_template(chat_template)
+            template = _compile_cached(chat_template)
         elif not self.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt")
         else:
@@ -207,6 +208,12 @@ class Tokenizer:
             cfg["chat_template"] = self.chat_template
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_cached(source: str):
+    """Templates given per call (offline, or a trusted request's): compiled once each."""
+    return _compile_template(source)
 
 
 def _compile_template(source: str):

@@ -46,6 +46,7 @@ class ServerSettings:
     metrics_require_key: bool = FrontendConfig.metrics_require_key  # /metrics behind api_key too
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (--enable-auto-tool-choice)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    trust_request_chat_template: bool = False  # requests may bring their own chat template
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -58,6 +59,7 @@ class ServerSettings:
             metrics_require_key=args.metrics_require_key,
             tool_call_parser=auto_tool_parser(args),
             prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+            trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         )
 
 
@@ -176,6 +178,12 @@ class _Api:
         return tok.encode(text)
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, **kw) -> str:
+        if kw.get("chat_template") is not None and not self.settings.trust_request_chat_template:
+            raise bad_request(
+                "a chat_template in the request needs a server started with --trust-request-chat-template "
+                "(a template is code the server runs)",
+                "chat_template",
+            )
         try:
             return self._core().tokenizer.apply_chat_template(messages, add_generation_prompt, **kw)
         except Exception as e:  # the template itself refuses (raise_exception) or fails to render

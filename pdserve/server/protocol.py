@@ -28,6 +28,7 @@ from pdserve.engine.sampling_params import (
 from pdserve.server.errors import APIError, bad_request, from_validation_errors
 
 MAX_N = 128
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024  # a request's own chat template (compiled, then cached)
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # an int64, wherever it travels
 
 
@@ -56,7 +57,6 @@ _NOT_IMPLEMENTED = {
     "logprob_token_ids": None,
     "logits_processors": None,
     "spaces_between_special_tokens": True,
-    "chat_template": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "repetition_detection": None,
@@ -342,6 +342,9 @@ class _ChatTemplateFields(_Strict):
     # vLLM's: documents for a retrieval-augmented template, each a mapping of strings (a
     # "title" and a "text", say); the template reads them as `documents`
     documents: list[dict[str, str]] | None = None
+    # vLLM's: a Jinja template to render this request with instead of the model's; refused
+    # unless the server trusts its callers with it (--trust-request-chat-template)
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_TEMPLATE_CHARS)
 
     def check_template(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:  # named here; the tokenizer refuses it too
@@ -356,6 +359,7 @@ class _ChatTemplateFields(_Strict):
             "template_args": self.chat_template_kwargs,
             "tools": self.tools,
             "documents": self.documents,
+            "chat_template": self.chat_template,
         }
 
 

@@ -4,7 +4,8 @@ server with the official `openai` client: what is done as vLLM does it, and what
 import pytest
 
 from pdserve import SamplingParams
-from tests.server.conftest import API_KEY, CONTEXT
+from tests.server.conftest import API_KEY, CONTEXT, TINY_ENGINE, engine_flags
+from tests.server.serverproc import ServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -280,3 +281,32 @@ def test_prompt_logprobs_as_vllm_gives_them(client, tiny_offline):
     ).model_dump()
     n = len(tiny_offline.tokenizer.encode(tiny_offline.tokenizer.apply_chat_template(USER)))
     assert len(chat["prompt_logprobs"]) == n and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_a_request_chat_template_needs_the_servers_trust(client, server_model_dir):
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=2, extra_body={"chat_template": template}
+        )
+    assert e.value.body["param"] == "chat_template" and "--trust-request-chat-template" in e.value.body["message"]
+    with ServerProcess(
+        "--model", server_model_dir, "--threads", "1", "--served-model-name", "tiny", "--trust-request-chat-template",
+        *engine_flags(**TINY_ENGINE),
+    ) as server:  # fmt: skip
+        import httpx
+
+        r = httpx.post(server.url + "/tokenize", json={"messages": USER, "chat_template": template})
+        assert r.status_code == 200, r.text
+        text = httpx.post(server.url + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+        assert text == "<user>what is 2 + 2?"
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as c:
+            out = c.chat.completions.create(
+                model="tiny", messages=USER, max_tokens=2, extra_body={**EXTRA, "chat_template": template}
+            )
+            assert out.usage.prompt_tokens == r.json()["count"]
+            with pytest.raises(openai.BadRequestError) as e:  # a template that does not compile: 400
+                c.chat.completions.create(
+                    model="tiny", messages=USER, max_tokens=2, extra_body={"chat_template": "{% if"}
+                )
+            assert e.value.body["param"] == "messages"
