@@ -368,6 +368,8 @@ class ChatFormatter(_Base):
             content, calls = tool_parsers.parse(text, self.tool_calls.parser)
             if not calls:
                 return {"role": "assistant", "content": text}, finish_reason
+            if not self.tool_calls.parallel:  # parallel_tool_calls false: the first call only
+                calls = calls[:1]
             reason = "tool_calls" if finish_reason == "stop" else finish_reason
             return {"role": "assistant", "content": content, "tool_calls": [self._call(n, a) for n, a in calls]}, reason
         if self.tool_calls.named is not None:
@@ -410,8 +412,10 @@ class ChatFormatter(_Base):
             more, last = reader.finish()
             content, calls = content + more, calls + last
         delta: dict = {"content": content} if content else {}
+        first = self._num_calls.get(index, 0)
+        if calls and not self.tool_calls.parallel:  # parallel_tool_calls false: the first call only
+            calls = calls[: max(0, 1 - first)]
         if calls:
-            first = self._num_calls.get(index, 0)
             self._num_calls[index] = first + len(calls)
             delta["tool_calls"] = [self._call(n, a, first + k) for k, (n, a) in enumerate(calls)]
         if not delta and not out.final and self.top_logprobs is None:

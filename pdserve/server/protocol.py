@@ -383,10 +383,11 @@ class ToolCalls:
     ("required"). The arguments are generated under a JSON schema built from the functions'
     `parameters`, so no tool-call parser is needed, as vLLM does for these two choices."""
 
-    def __init__(self, tools: list[Tool], named: str | None, parser: str | None = None):
+    def __init__(self, tools: list[Tool], named: str | None, parser: str | None = None, parallel: bool = True):
         # parser: tool_choice "auto": the output is free, and calls are read from it with the
-        # model's own syntax (server/tool_parsers.py)
-        self.tools, self.named, self.parser = tools, named, parser
+        # model's own syntax (server/tool_parsers.py); parallel: OpenAI's parallel_tool_calls,
+        # false: at most one call ("required": a list of one; "auto": the first call the model made)
+        self.tools, self.named, self.parser, self.parallel = tools, named, parser, parallel
 
     # between two JSON tokens of the arguments at most one space, as `json.dumps` writes them:
     # arguments are a string for a program to parse, and a small model given room for more
@@ -431,7 +432,15 @@ class ToolCalls:
                     "additionalProperties": False,
                 }
             )
-        return {"type": "array", "minItems": 1, "items": {"anyOf": one_call}, "x-guidance": self.WHITESPACE, **defs}
+        most = {} if self.parallel else {"maxItems": 1}
+        return {
+            "type": "array",
+            "minItems": 1,
+            **most,
+            "items": {"anyOf": one_call},
+            "x-guidance": self.WHITESPACE,
+            **defs,
+        }
 
 
 def _parameters(t: Tool) -> dict:
@@ -467,6 +476,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # OpenAI's: false allows one call at most
 
     def check(self) -> None:
         self.check_common()
@@ -501,9 +511,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                     "--enable-auto-tool-choice --tool-call-parser NAME; give 'required', a named function, or 'none'",
                     "tool_choice",
                 )
-            return ToolCalls(tools, None, self._auto_tool_parser)
+            return ToolCalls(tools, None, self._auto_tool_parser, self.parallel_tool_calls is not False)
         if choice == "required":
-            return ToolCalls(tools, None)
+            return ToolCalls(tools, None, parallel=self.parallel_tool_calls is not False)
         fn = choice.get("function") if isinstance(choice, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):

@@ -93,6 +93,19 @@ def test_auto_streamed(auto_client):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_without_parallel_calls_returns_the_first(auto_client, stream):
+    two = CALL_REGEX + r'\n<tool_call>\n\{"name": "get_weather", "arguments": \{\}\}\n</tool_call>'
+    kw = dict(model="tiny", messages=USER, tools=TOOLS, max_tokens=300, parallel_tool_calls=False)
+    r = auto_client.chat.completions.create(stream=stream, extra_body={"guided_regex": two}, **kw)
+    if not stream:
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["add"]
+        return
+    calls = [t for chunk in r for c in chunk.choices for t in c.delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["add"] and calls[0].index == 0
+
+
+@pytest.mark.integration
 def test_auto_without_a_call_is_an_answer(auto_client):
     r = auto_client.chat.completions.create(
         model="tiny", messages=USER, tools=TOOLS, max_tokens=20, extra_body={"guided_regex": "It is 5\\."}

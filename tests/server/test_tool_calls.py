@@ -77,6 +77,16 @@ def test_required_calls_at_least_one_tool(client):
         assert len({c.id for c in calls}) == len(calls)
 
 
+def test_required_without_parallel_calls_makes_one_call(client):
+    r = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=800, temperature=0.8, seed=2, n=3, tools=[WEATHER, ADD],
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    for choice in r.choices:
+        (call,) = choice.message.tool_calls
+        check_args(call.function.name, call.function.arguments)
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_tool_calls_assemble_into_valid_calls(client, choice):
     stream = client.chat.completions.create(
