@@ -297,6 +297,19 @@ def parse_event(line: str | bytes) -> WorkerEvent | None:
 # ---- router routes (workers and supervisors call them)
 
 
+# What a worker of this version does with a request that an older worker would silently drop
+# (params_from_json ignores fields it does not know): the router places a request that uses one
+# only on workers that say they have it, so a rolling upgrade never runs a salted request
+# unsalted (into another tenant's cache) or ignores its bad words.
+WORKER_FEATURES = ("cache_salt", "bad_words")
+
+
+def features_needed(params: dict | object) -> frozenset[str]:
+    """The WORKER_FEATURES a request's SamplingParams use."""
+    get = params.get if isinstance(params, dict) else lambda k: getattr(params, k, None)
+    return frozenset(f for f in WORKER_FEATURES if get(f))
+
+
 class RegisterRequest(_Message):
     worker_id: RegisteredText
     url: RegisteredText  # the worker's control API: http(s)://host:port
@@ -305,6 +318,7 @@ class RegisterRequest(_Message):
     kv_export_address: RegisteredText = ""  # where it serves KV pulls (prefill / both)
     host: RegisteredText = ""
     restarts: int = Field(0, ge=0, lt=1 << 31)  # how often its supervisor restarted it
+    features: list[RegisteredText] = Field(default_factory=list, max_length=64)  # of WORKER_FEATURES
 
     @field_validator("url")
     @classmethod

@@ -15,7 +15,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, bad_words_token_ids
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
 from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence, as_logprobs
@@ -68,7 +68,8 @@ class LLMEngine:
             self.block_manager.track_tiers = True
             self.scheduler.external = self.kv_store
         self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
-        self.sampler = Sampler(self.runner.device, self.structured, self.tokenizer)
+        self.sampler = Sampler(self.runner.device, self.structured, self.bad_words_ids)
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}  # bad_words -> token sequences
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
@@ -302,6 +303,29 @@ class LLMEngine:
             self.scheduler.add(seq)
         return first
 
+    def bad_words_ids(self, words: tuple[str, ...]) -> list[list[int]]:
+        """The token sequences of a request's bad_words (sampler.bad_words_token_ids), cached; a
+        word with no tokens, or a token the model cannot produce (a tokenizer's added token past
+        the model's vocabulary), is refused here, when the request comes, never in a step."""
+        found = self._bad_words.get(words)
+        if found is not None:
+            return found
+        vocab = self.model_config.vocab_size
+        found = []
+        for w in words:
+            seqs = bad_words_token_ids(self.tokenizer, [w])
+            if not seqs:
+                raise InvalidRequest(f"bad_words: {w[:40]!r} has no tokens", "bad_words")
+            if max(max(s) for s in seqs) >= vocab:
+                raise InvalidRequest(
+                    f"bad_words: {w[:40]!r} holds a token outside this model's vocabulary", "bad_words"
+                )
+            found += [s for s in seqs if s not in found]
+        if len(self._bad_words) >= 256:
+            self._bad_words.clear()
+        self._bad_words[words] = found
+        return found
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise InvalidRequest("the prompt is empty", "prompt")
@@ -312,6 +336,8 @@ class LLMEngine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise InvalidRequest(f"allowed token ids must be in [0, {vocab})", "allowed_token_ids")
+        if params.bad_words:
+            self.bad_words_ids(tuple(params.bad_words))  # tokenized and checked here, not in a step
         if params.structured_outputs is not None:  # a grammar that does not compile: 400 here
             self.structured.compile(params.structured_outputs)  # (cached: the servers compiled it already)
         if len(ids) >= self.max_model_len:

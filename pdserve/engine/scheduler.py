@@ -216,7 +216,9 @@ class Scheduler:
         into: a burst of transfers must not starve the work already here. Full
         blocks this worker caches are kept (seq.num_computed_tokens says how many
         tokens need not be sent)."""
-        cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.prompt_token_ids, seq.hash_root)
+        cached, num_cached = [], 0
+        if not seq.needs_prompt_logprobs:  # one that does computes its whole prompt, if the KV never comes
+            cached, num_cached = self.kv.find_cached_prefix(seq.seq_id, seq.prompt_token_ids, seq.hash_root)
         revived = sum(1 for b in cached if b.ref_cnt == 0)
         need = self.kv.blocks_needed(seq.num_tokens) - len(cached) + revived
         spare = self.kv.num_free_blocks - need - self._headroom_blocks() - self._blocks_waiting_needs()
@@ -354,7 +356,8 @@ class Scheduler:
             self.waiting.pop()
             seq.num_computed_tokens = computed
             if seq.num_cached_tokens is None:  # its first schedule: what the cache and tiers gave
-                seq.num_cached_tokens = computed
+                # (of the prompt: a resumed request's output is in the cache too)
+                seq.num_cached_tokens = min(computed, seq.num_prompt_tokens)
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pdserve.kv.hashing import ROOT_HASH, block_hashes, extend_block_hashes
+from pdserve.kv.hashing import block_hashes, extend_block_hashes
 
 
 @dataclass
@@ -98,12 +98,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache
-    def find_cached_prefix(self, seq_id: str, token_ids: list[int], root: int = ROOT_HASH) -> tuple[list[Block], int]:
+    def find_cached_prefix(self, seq_id: str, token_ids: list[int], root: int) -> tuple[list[Block], int]:
         """Longest run of cached full blocks at the start of `token_ids`.
 
         At least one token is always left to compute: the step that computes it
         produces the logits for the next token. `root`: where the sequence's hash chain
-        starts (`hashing.salt_root` of its cache salt), in this and the other hashing calls.
+        starts (`hashing.salt_root` of its cache salt; `Sequence.hash_root`), in this and the
+        other hashing calls; no default, so that no caller can lose a request's salt.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -120,7 +121,7 @@ class BlockManager:
         self.stats.hits_tokens += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
 
-    def first_uncached_hash(self, seq_id: str, token_ids: list[int], root: int = ROOT_HASH) -> int | None:
+    def first_uncached_hash(self, seq_id: str, token_ids: list[int], root: int) -> int | None:
         """Hash of the first full block of `token_ids` that the prefix cache lacks (the last
         token aside, as in `find_cached_prefix`); None when all are cached or prefix caching is
         off. Unlike `find_cached_prefix` it counts no query (the scheduler asks it of a request
@@ -166,9 +167,7 @@ class BlockManager:
         sb.blocks.extend(self._pop_free() for _ in range(need_new))
         return True
 
-    def cache_full_blocks(
-        self, seq_id: str, token_ids: list[int], num_computed_tokens: int, root: int = ROOT_HASH
-    ) -> None:
+    def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed_tokens: int, root: int) -> None:
         """Register blocks made full by the last step so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return

@@ -55,6 +55,7 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
             kv_export_address=b.kv_export_address,
             host=b.host,
             restarts=b.restarts,
+            features=frozenset(b.features),
         )
         unreachable = await engine.probe(info.url)
         if unreachable:
@@ -102,6 +103,7 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
                     "role": w.role,
                     "alive": w.alive,
                     "kv_address": w.kv_address,
+                    "features": sorted(w.features),  # control_api.WORKER_FEATURES it has
                     "stats": w.stats,
                 }
                 for w in registry.all()

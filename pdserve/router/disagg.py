@@ -47,6 +47,7 @@ from pdserve.control_api import (
     ReserveRequest,
     ReserveResponse,
     SavedEvent,
+    features_needed,
     logprobs_from_wire,
     params_to_json,
     parse_event,
@@ -91,6 +92,9 @@ class _Choice:
         self.group, self.index, self.rid = group, index, rid
         self.prompt, self.params = inp.prompt_token_ids, inp.params
         self.hash_root = salt_root(inp.params.cache_salt)  # its block hashes start here
+        # the workers that may run it: those with the features it needs (a rolling upgrade)
+        self.needs = features_needed(inp.params)
+        self.registry = group.engine.registry.having(self.needs)
         # resumed: what the choice streamed through a router that died (the front resumes it)
         self.resumed = bool(inp.resume_token_ids)
         self.token_ids: list[int] = list(inp.resume_token_ids or ())
@@ -476,9 +480,16 @@ class DisaggEngine:
             )
         return "no worker is alive"
 
-    def _no_worker(self) -> APIError:
-        """The 503 for a request no worker can take: not ready yet (none has registered), or
-        every worker it knew is gone."""
+    def _no_worker(self, c: _Choice | None = None) -> APIError:
+        """The 503 for a request no worker can take: not ready yet (none has registered), every
+        worker it knew is gone, or those alive are too old for what it asks."""
+        if c is not None and c.needs and self.registry.alive():
+            return APIError(
+                503,
+                f"no live worker supports {', '.join(sorted(c.needs))} (workers older than the router: upgrade them)",
+                code="no_workers",
+                headers={"Retry-After": "2"},
+            )
         if self.loading:
             return APIError(503, f"not ready: {self.loading}", code="loading", headers={"Retry-After": "2"})
         return APIError(503, "no worker is alive", code="no_workers", headers={"Retry-After": "2"})
@@ -514,7 +525,8 @@ class DisaggEngine:
                 continue  # admitted once already, by the router that died
             max_tokens = inp.params.max_output_tokens(len(inp.prompt_token_ids), self.engine.max_model_len)
             root = salt_root(inp.params.cache_salt)
-            d = self.admitter.check(self.registry, self.placer, inp.prompt_token_ids, max_tokens, root)
+            reg = self.registry.having(features_needed(inp.params))
+            d = self.admitter.check(reg, self.placer, inp.prompt_token_ids, max_tokens, root)
             if not d.admitted:
                 self.metrics.rejected.inc()
                 raise APIError(
@@ -545,7 +557,7 @@ class DisaggEngine:
             await self._run_whole(c, "resumed")
             return
         if self.max_local_prefill_length:
-            d = self.placer.pick_decode(self.registry)
+            d = self.placer.pick_decode(c.registry)
             # the prefix index is read only for a prompt that is too long without it; a prompt
             # whose logprobs are wanted is computed whole wherever it goes: its hits do not count
             whole = len(c.prompt) <= self.max_local_prefill_length or c.params.prompt_logprobs is not None
@@ -561,7 +573,7 @@ class DisaggEngine:
             request_id=c.rid, prompt_token_ids=c.prompt, params=params, deadline_s=self.kv_timeout_s
         )
         for attempt in range(3):
-            p, d = self.placer.pick(self.registry, c.prompt, c.hash_root)
+            p, d = self.placer.pick(c.registry, c.prompt, c.hash_root)
             if p is None or d is None:
                 await self._run_whole(c)
                 return
@@ -692,9 +704,9 @@ class DisaggEngine:
         worker, the chosen decode worker when the prompt is short enough to prefill there
         (`worker`), and a resumed choice (its prompt and the tokens it streamed; on a decode worker
         if one is alive)."""
-        w = worker or self.placer.pick_any(self.registry, exclude=set())
+        w = worker or self.placer.pick_any(c.registry, exclude=set())
         if w is None:
-            raise self._no_worker()
+            raise self._no_worker(c)
         c.group.acknowledge()
         c.workers = {w.worker_id}
         if worker is not None:  # counted in the decode worker's load, as a placed decode is
@@ -716,7 +728,7 @@ class DisaggEngine:
             if wid in c.remote_ids and self.registry.get(wid) is not None:
                 self._abort_later(self.registry.get(wid), c.remote_ids.pop(wid))
         for _ in range(3):
-            w = self.placer.pick_any(self.registry, exclude=failed)
+            w = self.placer.pick_any(c.registry, exclude=failed)
             if w is None:
                 break
             c.workers.add(w.worker_id)

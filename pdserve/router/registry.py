@@ -32,6 +32,7 @@ class WorkerInfo:
     alive: bool = True
     registered_s: float = field(default_factory=time.monotonic)
     restarts: int = 0  # how often its supervisor restarted it (reported at registration)
+    features: frozenset = frozenset()  # control_api.WORKER_FEATURES it said it has
 
     @property
     def draining(self) -> bool:
@@ -106,6 +107,24 @@ class Registry:
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
 
+    def having(self, features: frozenset) -> Registry | RegistryView:
+        """This registry as placement sees it for a request that needs `features`."""
+        return RegistryView(self, features) if features else self
+
     def all(self) -> list[WorkerInfo]:
         with self._lock:
             return list(self._workers.values())
+
+
+class RegistryView:
+    """A registry whose `alive` lists only the workers with some features (for a request that
+    needs them); everything else is the registry's own."""
+
+    def __init__(self, registry: Registry, features: frozenset):
+        self.registry, self.features = registry, features
+
+    def alive(self, role: str | None = None) -> list[WorkerInfo]:
+        return [w for w in self.registry.alive(role) if self.features <= w.features]
+
+    def __getattr__(self, name):
+        return getattr(self.registry, name)

@@ -185,7 +185,8 @@ class _Base:
         return out
 
     def _logprob_obj(self, token_id: int, lp: float, rank: int | None) -> dict:
-        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": self.label(token_id)}
+        # the token's text even with return_tokens_as_token_ids, as vLLM gives it here
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": self.token_text(token_id)}
 
     def label(self, token_id: int) -> str:
         """How logprobs name a token: its text, or "token_id:N" (return_tokens_as_token_ids)."""
@@ -492,8 +493,9 @@ class ChatFormatter(_Base):
             )
             for i in range(self.num_choices)
         ]
-        if self.prompt_ids is not None:  # return_token_ids: the prompt's, once, as vLLM
-            chunks[0]["prompt_token_ids"] = self.prompt_ids[0]
+        if self.prompt_ids is not None:  # return_token_ids: the prompt's, on each choice's first, as vLLM
+            for chunk in chunks:
+                chunk["prompt_token_ids"] = self.prompt_ids[0]
         return chunks
 
     def chunk(self, index: int, out: ChoiceOutput) -> dict | None:

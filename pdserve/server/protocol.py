@@ -187,7 +187,7 @@ class _SamplingFields(_Strict):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.prompt_logprobs is not None and self.stream:  # as vLLM: no field to stream them in
+        if self.prompt_logprobs and self.stream:  # as vLLM: no field to stream them in (0 is let through)
             raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             # choice j is seeded with seed + j, which must still be a valid seed
@@ -220,7 +220,7 @@ class _SamplingFields(_Strict):
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs,
+                prompt_logprobs=None if self.stream else self.prompt_logprobs,
                 logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=self.structured(),

@@ -27,6 +27,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.kv.block_manager import BlockManager, SeqBlocks
+from pdserve.kv.hashing import salt_root
 from pdserve.sim.events import EventLoop
 from pdserve.sim.latency import LatencyModel, StepShape
 
@@ -120,7 +121,7 @@ class SimInstance:
         """Decode role: blocks for a prompt whose KV another instance computes, keeping the
         prefix cached here (as LLMEngine.reserve_for_transfer). None when the pool is short."""
         self.bm.prime(rid, hashes)
-        cached, num_cached = self.bm.find_cached_prefix(rid, prompt)
+        cached, num_cached = self.bm.find_cached_prefix(rid, prompt, root=salt_root(params.cache_salt))
         if not self.bm.allocate(rid, len(prompt), cached):
             self.bm.free(rid)
             return None

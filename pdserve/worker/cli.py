@@ -226,7 +226,7 @@ async def _register_loop(
     from pydantic import ValidationError
 
     from pdserve import auth
-    from pdserve.control_api import HeartbeatRequest, HeartbeatResponse, KVEventsBody, RegisterRequest
+    from pdserve.control_api import WORKER_FEATURES, HeartbeatRequest, HeartbeatResponse, KVEventsBody, RegisterRequest
     from pdserve.server.errors import APIError
     from pdserve.server.launcher import RESTARTS_ENV
     from pdserve.worker.kv_publisher import KVEventPublisher
@@ -258,6 +258,7 @@ async def _register_loop(
                             kv_export_address=advertised(exporter.address, host) if exporter else "",
                             host=socket.gethostname(),
                             restarts=restarts,
+                            features=list(WORKER_FEATURES),
                         ).wire(),
                     )
                     registered = True

@@ -51,3 +51,24 @@ def test_bad_words_are_bounded():
             SamplingParams(bad_words=words)
     assert SamplingParams(bad_words=[]).bad_words is None
     assert SamplingParams(bad_words="Paris").bad_words == ["Paris"]  # one word, not five letters
+
+
+def test_a_word_outside_the_models_vocabulary_is_refused_when_added(tmp_path):
+    """A tokenizer's added token past the model's vocabulary: refused with the request (it used
+    to fail the engine step, and with it every request in flight)."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from pdserve import LLM
+    from tests.tiny import write_tiny_model
+
+    d = write_tiny_model(str(tmp_path))
+    tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    tok.add_special_tokens(["<extra_0>"])  # past the model's embedding
+    tok.save(os.path.join(d, "tokenizer.json"))
+    llm = LLM(d, dtype="float32", block_size=4, num_gpu_blocks=64)
+    with pytest.raises(InvalidRequest, match="outside this model's vocabulary") as e:
+        llm.generate("hi", SamplingParams(bad_words=["<extra_0>"], max_tokens=2))
+    assert e.value.param == "bad_words"
+    assert llm.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids  # still serving

@@ -62,3 +62,17 @@ def test_bad_salts_are_refused(tiny_llm, salt):
         tiny_llm.generate([{"prompt": "hi", "cache_salt": salt}])
     with pytest.raises(InvalidRequest, match="cache_salt"):
         SamplingParams(cache_salt=salt)
+
+
+def test_cached_tokens_of_a_resumed_request_count_its_prompt_only(tiny_llm):
+    """A request resumed elsewhere brings its output, which the cache may hold too: only the
+    prompt's cached tokens are reported, never more than the prompt."""
+    eng = tiny_llm.engine
+    prompt = PROMPT[:10]
+    out = tiny_llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    eng.add_request("resumed", prompt, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+                    resume_token_ids=out.outputs[0].token_ids)  # fmt: skip
+    final = None
+    while eng.has_unfinished_requests():
+        final = next((o for o in eng.step() if o.finished), final)
+    assert final.num_cached_tokens == 10  # all of the prompt (its output was cached after it: 20 were found)

@@ -121,3 +121,23 @@ def test_a_reservation_without_room_waits_in_line_and_gets_it(decode_engine):
     assert not engine.has_pending_reservations
     engine.cancel_reservation("t")
     assert engine.num_free_blocks == 40
+
+
+def test_prompt_logprobs_come_when_the_prefill_worker_fails_and_a_prefix_is_cached_here(decode_engine):
+    """A request that wants its prompt's logprobs keeps no cached prefix when it reserves: if
+    its KV never comes, it computes the whole prompt here and the logprobs are complete (with a
+    cached prefix kept, they were never emitted and the router answered 502)."""
+    eng, receiver = decode_engine
+    eng.logprob_objects = False
+    prompt = list(range(20, 41))
+    eng.add_request("warm", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0, prompt_logprobs=1)
+    dest = eng.reserve_for_transfer("t", prompt, params, receiver, deadline_s=30)
+    assert dest.start_token == 0  # nothing kept: the whole prompt is sent, or computed here
+    eng.activate_transferred("t", None, kv_complete=False)  # the prefill worker failed
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.request_id == "t"]
+    assert outs[-1].finished and len(outs[-1].prompt_logprobs) == len(prompt)

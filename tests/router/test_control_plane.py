@@ -255,3 +255,36 @@ def test_router_counts_clients_that_leave_mid_stream(tiny_model_dir):
         wait_for(lambda: aborted() - before >= 3, 10, "the router to count three aborts")
         states = c.wait_idle()
         assert all(s["num_free_blocks"] == s["num_blocks"] for s in states.values()), states
+
+
+def test_a_rolling_upgrade_never_runs_a_salted_request_on_a_worker_that_would_drop_the_salt(tiny_model_dir):
+    """A worker older than the router registers without `features` and would silently ignore a
+    request's cache_salt (its request parsing drops fields it does not know), reusing and
+    filling the unsalted cache. Such a request goes only to workers that say they have it, and
+    is a 503 that says why when none does; other requests still use every worker."""
+    with Cluster(tiny_model_dir, worker_args=ENGINE) as c:
+        model = httpx.get(c.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        workers = {w["worker_id"]: w for w in c.status()["workers"]}
+
+        def old(wid):  # the same worker, registering as a version without features would
+            w = workers[wid]
+            keys = ("worker_id", "url", "role", "kv_address", "kv_export_address")
+            r = c.http.post(c.url + "/internal/register", json={k: w[k] for k in keys if w.get(k)})
+            assert r.status_code == 200, r.text
+
+        def send(**extra):
+            body = {"model": model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            return httpx.post(c.url + "/v1/completions", json=body | extra, timeout=60)
+
+        assert workers["decode0"]["features"] == ["bad_words", "cache_salt"]
+        old("decode0")
+        before = c.status()["counters"]
+        assert send(cache_salt="tenant-a").status_code == 200  # on the prefill worker, whole
+        after = c.status()["counters"]
+        assert after["whole"] == before["whole"] + 1, (before, after)
+        assert send().status_code == 200 and c.status()["counters"]["whole"] == after["whole"]  # P -> D as usual
+        old("prefill0")
+        r = send(cache_salt="tenant-a")
+        assert r.status_code == 503 and "upgrade" in r.json()["error"]["message"], r.text
+        assert send(bad_words=["x"]).status_code == 503
+        assert send().status_code == 200

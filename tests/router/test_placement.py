@@ -5,7 +5,7 @@ import types
 import pytest
 
 from pdserve.kv.block_manager import BlockManager
-from pdserve.kv.hashing import block_hashes, salt_root
+from pdserve.kv.hashing import ROOT_HASH, block_hashes, salt_root
 from pdserve.router import policy
 from pdserve.router.app import _feed_index
 from pdserve.router.placement import Placer
@@ -111,7 +111,7 @@ def test_publisher_to_index_through_the_heartbeat_path():
 
     def run(seq_id, tokens):
         assert bm.allocate(seq_id, len(tokens))
-        bm.cache_full_blocks(seq_id, tokens, len(tokens))
+        bm.cache_full_blocks(seq_id, tokens, len(tokens), root=ROOT_HASH)
         bm.free(seq_id)
 
     a, b = list(range(8)), list(range(50, 62))

@@ -3,7 +3,7 @@
 import pytest
 
 from pdserve.kv.block_manager import BlockManager
-from pdserve.kv.hashing import block_hashes
+from pdserve.kv.hashing import ROOT_HASH, block_hashes
 from pdserve.router.prefix_index import PrefixIndex
 
 BS = 4
@@ -88,7 +88,7 @@ def test_index_follows_a_real_block_manager():
     def run(seq_id, tokens):
         nonlocal seq
         assert bm.allocate(seq_id, len(tokens))
-        bm.cache_full_blocks(seq_id, tokens, len(tokens))
+        bm.cache_full_blocks(seq_id, tokens, len(tokens), root=ROOT_HASH)
         bm.free(seq_id)
         evs = []
         for e in bm.drain_events():

@@ -61,7 +61,7 @@ CASES = [
         "prompt_logprobs_stream",
         "POST",
         CHAT,
-        body(messages=USER, prompt_logprobs=1, stream=True),
+        body(messages=USER, prompt_logprobs=2, stream=True),
         AUTH,
         400,
         "prompt_logprobs",

@@ -236,6 +236,14 @@ def test_return_token_ids_on_chat_whole_and_streamed(client, tiny_offline):
     ]
     assert chunks[0]["prompt_token_ids"] == ids and all(c.get("prompt_token_ids") is None for c in chunks[1:])
     assert sum((c["choices"][0].get("token_ids") or [] for c in chunks), []) == body["choices"][0]["token_ids"]
+    two = [
+        c.model_dump()
+        for c in client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=2, n=2, stream=True, extra_body=extra
+        )
+    ]
+    firsts = [c for c in two if c.get("prompt_token_ids") is not None]
+    assert sorted(c["choices"][0]["index"] for c in firsts) == [0, 1]  # each choice's first chunk, as vLLM
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
@@ -310,3 +318,19 @@ def test_a_request_chat_template_needs_the_servers_trust(client, server_model_di
                     model="tiny", messages=USER, max_tokens=2, extra_body={"chat_template": "{% if"}
                 )
             assert e.value.body["param"] == "messages"
+
+
+def test_prompt_logprobs_0_in_a_stream_and_with_token_ids(client, tiny_offline):
+    # as vLLM: 0 is let through in a stream (there is no field to send them in), more is a 400
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="hi", max_tokens=2, stream=True, extra_body={**EXTRA, "prompt_logprobs": 0}
+        )
+    )
+    assert chunks
+    # with return_tokens_as_token_ids, prompt logprobs still give each token's text
+    extra = {**EXTRA, "prompt_logprobs": 1, "return_tokens_as_token_ids": True}
+    r = client.completions.create(model="tiny", prompt="hi there", max_tokens=1, extra_body=extra).model_dump()
+    for entry in r["choices"][0]["prompt_logprobs"][1:]:
+        for t, v in entry.items():
+            assert v["decoded_token"] == tiny_offline.tokenizer.decode([int(t)], skip_special_tokens=False)

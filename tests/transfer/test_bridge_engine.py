@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.kv.hashing import ROOT_HASH
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer.bridge import PrefillBridge
 from pdserve.transfer.connector import KVTransferError
@@ -191,7 +192,7 @@ def test_receiver_converts_kv_dtype_and_block_size(tiny_model_dir, reference):
         dk = d.runner.kv_caches[layer][0].view(-1, *d.runner.kv_caches[layer][0].shape[-2:])[d_slots]
         assert dk.dtype == torch.bfloat16
         # P's own copy: recompute from P's prefix cache blocks (still cached after the request)
-        hit, n = p.block_manager.find_cached_prefix("probe", ids + [0])
+        hit, n = p.block_manager.find_cached_prefix("probe", ids + [0], root=ROOT_HASH)
         p_slots = slot_mapping([b.block_id for b in hit], 0, n, 4)
         pk = p.runner.kv_caches[layer][0].view(-1, *p.runner.kv_caches[layer][0].shape[-2:])[p_slots]
         torch.testing.assert_close(dk[:n], pk.to(torch.bfloat16))
