@@ -66,7 +66,7 @@ class FrontendConfig:
     trust_request_chat_template: bool = setting(
         False,
         help="requests may bring their own chat_template (vLLM's flag); it runs in Jinja's sandbox, but "
-        "a template can still loop for as long as it likes: only for callers you trust",
+        "a template can still loop for as long as it likes and build large strings: only for callers you trust",
     )
     enable_prompt_tokens_details: bool = setting(
         False,

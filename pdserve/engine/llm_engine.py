@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -69,7 +70,7 @@ class LLMEngine:
             self.scheduler.external = self.kv_store
         self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         self.sampler = Sampler(self.runner.device, self.structured, self.bad_words_ids)
-        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}  # bad_words -> token sequences
+        self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # LRU: words -> ids
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         # Prefill role: ships KV of requests that carry a destination (see transfer/bridge.py)
@@ -309,6 +310,7 @@ class LLMEngine:
         the model's vocabulary), is refused here, when the request comes, never in a step."""
         found = self._bad_words.get(words)
         if found is not None:
+            self._bad_words.move_to_end(words)
             return found
         vocab = self.model_config.vocab_size
         found = []
@@ -321,8 +323,8 @@ class LLMEngine:
                     f"bad_words: {w[:40]!r} holds a token outside this model's vocabulary", "bad_words"
                 )
             found += [s for s in seqs if s not in found]
-        if len(self._bad_words) >= 256:
-            self._bad_words.clear()
+        if len(self._bad_words) >= 1024:
+            self._bad_words.popitem(last=False)
         self._bad_words[words] = found
         return found
 

@@ -216,14 +216,36 @@ def _compile_cached(source: str):
     return _compile_template(source)
 
 
+# what one product in a template may make: chat templates multiply short separators, never more
+_TEMPLATE_MAX_PRODUCT = 1 << 20
+
+
 def _compile_template(source: str):
-    """A chat template, rendered in Jinja's sandbox (a template is code: it must reach nothing)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """A chat template, rendered in Jinja's sandbox (a template is code: it must reach nothing).
+    `"x" * n` and `a ** b` are bounded too: the sandbox caps `range`, not these, and one such
+    product in a template could ask for gigabytes (or a number of a million digits)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if (
+                        isinstance(seq, (str, list, tuple))
+                        and isinstance(n, int)
+                        and len(seq) * n > _TEMPLATE_MAX_PRODUCT
+                    ):
+                        raise SecurityError(f"the template makes a sequence of over {_TEMPLATE_MAX_PRODUCT} items")
+            if operator == "**" and isinstance(right, int) and isinstance(left, int) and abs(right) > 64:
+                raise SecurityError("the template raises to a power over 64")
+            return super().call_binop(context, operator, left, right)
 
     def raise_exception(msg):
         raise ValueError(msg)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(source)
 

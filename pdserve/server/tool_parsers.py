@@ -40,10 +40,29 @@ def _call(block: str) -> tuple[str, str] | None:
         obj = json.loads(block, parse_constant=_no_constant)
     except (ValueError, RecursionError):  # not JSON, NaN or Infinity, or nested past the parser
         return None
+    return _call_of(obj, needs_arguments=False)
+
+
+def _call_of(obj, needs_arguments: bool) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a parsed call object, or None if it is not one. Without
+    `arguments` (or `parameters`) it is a call only where the syntax marks it as one (hermes'
+    tags): a JSON answer with a "name" in it is not a call. Arguments that do not make valid
+    JSON (a number past float range reads as infinity) are not a call either."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
+    if needs_arguments and "arguments" not in obj and "parameters" not in obj:
+        return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):
+        return obj["name"], args
+    return _dumped(obj["name"], args)
+
+
+def _dumped(name: str, args) -> tuple[str, str] | None:
+    try:
+        return name, json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def _no_constant(name: str):
@@ -150,7 +169,7 @@ def _json_calls(text: str) -> list[tuple[str, str]] | None:
             obj, i = dec.raw_decode(text, i)
         except (ValueError, RecursionError):
             return None
-        call = _call(json.dumps(obj)) if isinstance(obj, dict) else None
+        call = _call_of(obj, needs_arguments=True)
         if call is None:
             return None
         calls.append(call)
@@ -170,53 +189,53 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
         return None
     calls = []
     for node in tree.body.elts:
-        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+        # a call of a plain name (as vLLM's parser reads them), keyword arguments only
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
             return None
-        name = ast.unparse(node.func)
         try:
             args = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
-            if len(args) != len(node.keywords):  # **kwargs
-                return None
-            calls.append((name, json.dumps(args, ensure_ascii=False)))
-        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, or not JSON-able
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal
             return None
+        call = _dumped(node.func.id, args) if len(args) == len(node.keywords) else None  # not **kwargs
+        if call is None:
+            return None
+        calls.append(call)
     return calls
 
 
 _MISTRAL = "[TOOL_CALLS]"
-_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+# one optional run of blanks on each side of [ARGS]: adjacent `\s*`s backtrack quadratically
+_MISTRAL_NAMED = re.compile(r"([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\]\s*)?(?=\{)")
 
 
 def _mistral_calls(text: str) -> list[tuple[str, str]] | None:
     """The text after the first [TOOL_CALLS]: a JSON list (or one object) of calls, or segments
     `name[ARGS]{...}` / `name{...}`, each after its own [TOOL_CALLS]."""
     calls = []
+    dec = json.JSONDecoder(parse_constant=_no_constant)
     for segment in text.split(_MISTRAL):
         segment = segment.strip()
-        if not segment:
-            continue
-        if segment[0] in "[{":
+        if segment[:1] in ("[", "{"):  # a list of calls (or one): what follows it is ignored, as vLLM
             try:
-                obj = json.loads(segment, parse_constant=_no_constant)
+                obj, _ = dec.raw_decode(segment)
             except (ValueError, RecursionError):
                 return None
-            found = [
-                _call(json.dumps(o)) if isinstance(o, dict) else None for o in (obj if isinstance(obj, list) else [obj])
-            ]
+            found = [_call_of(o, needs_arguments=True) for o in (obj if isinstance(obj, list) else [obj])]
             if not found or None in found:
                 return None
             calls += found
             continue
         m = _MISTRAL_NAMED.match(segment)
         if m is None:
-            return None
+            continue  # no call in it (vLLM skips such a segment too)
         try:
-            args = json.loads(segment[m.end() :], parse_constant=_no_constant)
+            args, _ = dec.raw_decode(segment, m.end())
         except (ValueError, RecursionError):
             return None
-        if not isinstance(args, dict):
+        call = _dumped(m.group(1), args) if isinstance(args, dict) else None
+        if call is None:
             return None
-        calls.append((m.group(1), json.dumps(args, ensure_ascii=False)))
+        calls.append(call)
     return calls or None
 
 
@@ -269,9 +288,12 @@ class WholeStream:
         if self.state != "calls":
             return held, []
         body = held[len(self.marker) :] if self.marker else held.strip()
-        for tag in self.strip:
-            body = body.replace(tag, "")
-        calls = self.read(body)
+        for tag in self.strip:  # a wrapper at either end, not the same text inside a value
+            body = body.strip().removeprefix(tag).removesuffix(tag)
+        try:
+            calls = self.read(body)
+        except (RecursionError, ValueError, TypeError, MemoryError):  # whatever a parser missed: text
+            calls = None
         if not calls:
             return held, []  # not calls after all: the model's text as it wrote it
         self.seen_call = True

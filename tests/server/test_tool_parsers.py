@@ -83,3 +83,40 @@ def test_a_long_call_in_many_pieces():
     for i in range(0, len(text), 3):
         calls += rd.feed(text[i : i + 3])[1]
     assert calls + rd.finish()[1] == [("f", json.dumps(args))]
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("pythonic", "[" + "a." * 400 + "f(x=1)]"),  # a dotted name deep enough to exhaust a printer
+        ("pythonic", "[f().g(a=1)]"),  # not a plain name
+        ("llama3_json", '{"name": "f", "parameters": ' + "[" * 990 + "]" * 990 + "}"),
+        ("llama3_json", '{"name": "Alice", "city": "Paris", "age": 31}'),  # a JSON answer, no arguments
+        ("pythonic", "[f(a=1e999)]"),  # infinity is not JSON
+        ("mistral", '[TOOL_CALLS]f{"a": 1e999}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1e999}}</tool_call>'),
+    ],
+)
+def test_what_only_looks_like_calls_is_text_and_never_an_error(parser, text):
+    assert parse(text, parser) == (text, [])
+    rd = reader(parser)
+    got = rd.feed(text)[0] + rd.finish()[0]
+    assert got == text
+
+
+def test_mistral_reads_in_linear_time_and_as_vllm_does():
+    import time
+
+    blank = "[TOOL_CALLS]a" + " " * 40_000 + "x"
+    t0 = time.perf_counter()
+    assert parse(blank, "mistral") == (blank, [])
+    assert time.perf_counter() - t0 < 0.5  # was 5 s: two adjacent \s* in the name pattern
+    # text after a list of calls is ignored, segments without a call are skipped
+    assert parse('[TOOL_CALLS][{"name": "f", "arguments": {}}] trailing', "mistral") == (None, [("f", "{}")])
+    assert parse('a[TOOL_CALLS] b [TOOL_CALLS]f [ARGS] {"a": 1}', "mistral") == ("a", [("f", '{"a": 1}')])
+
+
+def test_wrapper_tags_go_only_from_the_ends():
+    text = '<|python_tag|>{"name": "f", "parameters": {"s": "x<|python_tag|>y"}}'
+    assert parse(text, "llama3_json") == (None, [("f", '{"s": "x<|python_tag|>y"}')])
+    assert parse('[f(x="<|python_end|>")]', "pythonic") == (None, [("f", '{"x": "<|python_end|>"}')])

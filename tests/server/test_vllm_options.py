@@ -291,6 +291,16 @@ def test_prompt_logprobs_as_vllm_gives_them(client, tiny_offline):
     assert len(chat["prompt_logprobs"]) == n and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
 
 
+def test_a_template_cannot_ask_for_gigabytes(tiny_offline):
+    """Jinja's sandbox caps range() but not products: a (trusted) request's template asking for
+    "x" * 10**10 must fail, not allocate."""
+    tok = tiny_offline.tokenizer
+    for template in ('{{ "x" * 10**10 }}', "{{ [0] * 10**9 }}", "{{ 10 ** 100000 }}"):
+        with pytest.raises(Exception, match="template"):
+            tok.apply_chat_template(USER, chat_template=template)
+    assert tok.apply_chat_template(USER, chat_template='{{ "-" * 3 }}{{ 2 ** 8 }}') == "---256"
+
+
 def test_a_request_chat_template_needs_the_servers_trust(client, server_model_dir):
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     with pytest.raises(openai.BadRequestError) as e:
