@@ -59,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {port}: a port is 0-65535")
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call syntax)")
+    if hasattr(args, "generation_config"):  # a file or override no request could use: now, not in a child
+        from pdserve.config import ConfigError
+        from pdserve.engine.generation_config import sampling_defaults
+
+        try:
+            sampling_defaults(getattr(args, "model", None), args.generation_config, args.override_generation_config)
+        except ConfigError as e:
+            parser.error(str(e))
     if getattr(args, "internal_aliases", None):
         from pdserve import auth
 

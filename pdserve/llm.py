@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 from pdserve.config import EngineConfig
+from pdserve.engine.generation_config import sampling_defaults
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import RequestOutput
@@ -54,11 +55,26 @@ class LLM:
     `max_num_batched_tokens`, `enable_chunked_prefill`, `dtype`, ...).
     """
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(
+        self,
+        model: str | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
+        **engine_args,
+    ):
+        """`generation_config`, `override_generation_config`: where the default sampling
+        parameters come from, as vLLM's arguments of those names (engine/generation_config.py):
+        by default the model directory's generation_config.json."""
+        self._defaults = sampling_defaults(model, generation_config, override_generation_config)
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self.engine.logprob_objects = True  # {token id: Logprob}, as vLLM's LLM gives them
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling parameters: SamplingParams() with the
+        model's generation config applied (vLLM's method of this name)."""
+        return SamplingParams(**self._defaults)
 
     def close(self) -> None:
         """Stop background work (the KV store's threads); the object is unusable after."""
@@ -84,7 +100,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or _is_ids(prompts) and len(prompts) > 0:
             prompts = [prompts]
         prompts = [_prompt(p) for p in prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")

@@ -63,6 +63,17 @@ class FrontendConfig:
         "(<tool_call>{...}</tool_call>: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral "
         "([TOOL_CALLS]...), pythonic ([f(a=1), ...]: Llama 3.2 and 4)",
     )
+    generation_config: str = setting(
+        "auto",
+        help="default sampling parameters of requests that leave them out (vLLM's flag): 'auto' takes the "
+        "model directory's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; "
+        "max_new_tokens caps max_tokens), 'vllm' ignores it, or a directory with such a file",
+    )
+    override_generation_config: str | None = setting(
+        None,
+        metavar="JSON",
+        help="""values that replace the generation config's, by its names: '{"temperature": 0.5}' (vLLM's flag)""",
+    )
     trust_request_chat_template: bool = setting(
         False,
         help="requests may bring their own chat_template (vLLM's flag); it runs in Jinja's sandbox, but "

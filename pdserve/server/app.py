@@ -47,6 +47,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (--enable-auto-tool-choice)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     trust_request_chat_template: bool = False  # requests may bring their own chat template
+    # what a request's sampling fields default to: the model's generation config (vLLM's)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def from_args(cls, args) -> ServerSettings:
@@ -60,7 +62,23 @@ class ServerSettings:
             tool_call_parser=auto_tool_parser(args),
             prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
             trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+            sampling_defaults=model_sampling_defaults(args),
         )
+
+
+def model_sampling_defaults(args) -> dict:
+    """The generation config's defaults for this server's requests (engine/generation_config.py),
+    said once in the log, as vLLM says it."""
+    from pdserve.engine.generation_config import sampling_defaults
+
+    out = sampling_defaults(
+        getattr(args, "model", None),
+        getattr(args, "generation_config", "auto"),
+        getattr(args, "override_generation_config", None),
+    )
+    if out:
+        log.info("requests' default sampling parameters come from the model's generation config: %s", out)
+    return out
 
 
 def auto_tool_parser(args) -> str | None:
@@ -239,7 +257,7 @@ class _Api:
         # OpenAI's legacy API and vLLM do for scoring a text; the engine still samples one
         # token (its step computes the prompt), which the reply leaves out
         echo_only = req.echo and req.max_tokens == 0
-        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs)
+        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, self.settings.sampling_defaults)
         echo = None
         if req.echo:
             echo = [
@@ -271,7 +289,7 @@ class _Api:
         self._check_request(req, [text])
         prompt = req.truncate(await self._encode(text), self._core().max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, req.engine_logprobs())
+        params = req.sampling_params(max_tokens, req.engine_logprobs(), self.settings.sampling_defaults)
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,

@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from pdserve.engine.generation_config import with_defaults
 from pdserve.engine.sampling_params import (
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
@@ -193,8 +194,11 @@ class _SamplingFields(_Strict):
             # choice j is seeded with seed + j, which must still be a valid seed
             raise bad_request(f"seed + n - 1 must be at most {SEED_MAX}", "seed")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; n is handled by the caller (one engine request per choice)."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; n is handled by the caller (one engine request per choice).
+        `defaults`: what the fields the request leaves out take (the model's generation config)."""
         given = {
             k: getattr(self, k)
             for k in (
@@ -208,6 +212,8 @@ class _SamplingFields(_Strict):
             )
             if getattr(self, k) is not None
         }
+        if defaults:
+            given, max_tokens = with_defaults(given, defaults, max_tokens)
         try:
             return SamplingParams(
                 n=1,
@@ -541,8 +547,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             self._tools = tools
         return self._tools
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs)
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, defaults)
         calls = self.tool_calls()
         if calls is not None and calls.parser is not None:
             # a model's call tags may be special tokens: the parser must see them (as vLLM does)
