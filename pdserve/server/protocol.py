@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from pdserve.engine.generation_config import with_defaults
 from pdserve.engine.sampling_params import (
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
     MAX_CACHE_SALT_CHARS,
     MAX_LOGPROBS,
     SEED_MAX,
@@ -165,13 +167,17 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     # vLLM's: this request reuses only KV cached for requests with the same salt (one per
     # tenant or user keeps their prompts from hitting, or timing, each other's cache)
-    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's: the prompt's token ids and each choice's generated ones in the response (what
     # an RL trainer needs, without tokenizing the text again)
     return_token_ids: bool = False
     # vLLM's: logprobs name tokens "token_id:N" instead of by their (possibly partial) text
     return_tokens_as_token_ids: bool = False
-    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    # vLLM's: words the output must not contain (the bounds are SamplingParams'; said here too,
+    # so that the API's schema describes what is accepted)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS, pattern=r"\S")]] | None = Field(
+        None, max_length=MAX_BAD_WORDS
+    )
     # vLLM's: each prompt token's logprob (rank, text) and this many top alternatives; the
     # prompt is then computed whole, never taken from a cache (-1, the whole vocabulary: 400)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -68,7 +68,7 @@ CASES = [
     ),
     ("truncation_side", "POST", CMPL, body(prompt="hi", truncation_side="middle"), AUTH, 400, "truncation_side"),
     ("documents_not_strings", "POST", CHAT, body(messages=USER, documents=[{"a": 1}]), AUTH, 400, "documents.0.a"),
-    ("blank_bad_word", "POST", CMPL, body(prompt="hi", bad_words=["a", " "]), AUTH, 400, "bad_words"),
+    ("blank_bad_word", "POST", CMPL, body(prompt="hi", bad_words=["a", " "]), AUTH, 400, "bad_words.1"),
     ("empty_cache_salt", "POST", CMPL, body(prompt="hi", cache_salt=""), AUTH, 400, "cache_salt"),
     ("long_cache_salt", "POST", CHAT, body(messages=USER, cache_salt="s" * 1025), AUTH, 400, "cache_salt"),
     ("chat_echo", "POST", CHAT, body(messages=USER, echo=True), AUTH, 400, "echo"),
