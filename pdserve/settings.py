@@ -79,6 +79,13 @@ class FrontendConfig:
         help="requests may bring their own chat_template (vLLM's flag); it runs in Jinja's sandbox, but "
         "a template can still loop for as long as it likes and build large strings: only for callers you trust",
     )
+    reasoning_parser: str | None = setting(
+        None,
+        choices=("deepseek_r1", "qwen3"),
+        help="return a reasoning model's <think>...</think> apart from its answer, in the chat reply's "
+        "reasoning (and reasoning_content) field (vLLM's flag): deepseek_r1 (DeepSeek-R1 and its distills, "
+        "QwQ), qwen3",
+    )
     enable_prompt_tokens_details: bool = setting(
         False,
         help="usage reports prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache or "

@@ -47,6 +47,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with it (--enable-auto-tool-choice)
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     trust_request_chat_template: bool = False  # requests may bring their own chat template
+    reasoning_parser: str | None = None  # --reasoning-parser: the thinking apart from the answer
     # what a request's sampling fields default to: the model's generation config (vLLM's)
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -62,6 +63,7 @@ class ServerSettings:
             tool_call_parser=auto_tool_parser(args),
             prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
             trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
             sampling_defaults=model_sampling_defaults(args),
         )
 
@@ -298,6 +300,9 @@ class _Api:
             req.n,
             req.engine_logprobs(),
             tool_calls=req.tool_calls(),
+            reasoning=self.settings.reasoning_parser,
+            constrained=params.structured_outputs is not None,  # thinking only where the grammar opens it
+            include_reasoning=req.include_reasoning,
             prompt_ids=[prompt] if req.return_token_ids else None,
             tokens_as_ids=req.return_tokens_as_token_ids,
             prompt_logprobs=req.prompt_logprobs,

@@ -8,6 +8,7 @@ per-choice state a stream needs (text offsets, whether the role was sent).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -15,6 +16,7 @@ import uuid
 from pdserve.server import tool_parsers
 from pdserve.server.engine_client import ChoiceOutput, Completion
 from pdserve.server.errors import APIError
+from pdserve.server.reasoning import ReasoningStream, split
 
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -336,11 +338,25 @@ class ChatFormatter(_Base):
     _delta_key = '"delta":{"content":'
     _delta_end = "}"
 
-    def __init__(self, *args, tool_calls=None, **kw):
+    def __init__(
+        self,
+        *args,
+        tool_calls=None,
+        reasoning: str | None = None,
+        include_reasoning: bool = True,
+        constrained: bool = False,
+        **kw,
+    ):
         super().__init__(*args, **kw)
         # protocol.ToolCalls: the output is the arguments of a named function, or a JSON list
         # of calls ("required"); it is returned as `tool_calls`, not as content
         self.tool_calls = tool_calls
+        # the reasoning parser (server/reasoning.py): the thinking goes in `reasoning` (and
+        # `reasoning_content`), the rest is the answer (and what a tool parser reads)
+        self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
+        self.constrained = constrained  # the output is held to a grammar (reasoning.py)
+        self._thinkers: dict[int, ReasoningStream] = {}
         self._streamed: dict[int, list[str]] = {}  # per choice: the pieces of text so far ("required")
         self._headed: set[int] = set()  # choices whose named call's head went out
         self._readers: dict[int, object] = {}  # per choice, tool_choice "auto": tool_parsers.reader
@@ -387,7 +403,15 @@ class ChatFormatter(_Base):
         # a resumed stream already sent the named call's head (its arguments went out as deltas);
         # a "required" list is sent whole at the end, so the text it had is needed again; an
         # "auto" reader is brought to where the stream was (what it sent is not sent again)
-        if self.tool_calls is None or not token_ids:
+        if not token_ids:
+            return
+        if self.reasoning is not None:  # the splitter, and a tool reader, go on from the answer so far
+            auto = self.tool_calls is not None and self.tool_calls.parser is not None
+            _, answer = self._thinker(index).feed(self.token_text.decode(token_ids, skip_special_tokens=not auto))
+            if auto:
+                self._num_calls[index] = len(self._reader(index).feed(answer)[1])
+            return
+        if self.tool_calls is None:
             return
         if self.tool_calls.named is not None:
             self._headed.add(index)
@@ -430,7 +454,7 @@ class ChatFormatter(_Base):
         return self._envelope(self.chunk_object_name, [choice])
 
     def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
-        if self.tool_calls is None:
+        if self.tool_calls is None and self.reasoning is None:
             return super().chunk_json(index, out, include_usage, usage_now)
         chunk = self.chunk_with_ids(index, out)
         if chunk is None:
@@ -498,7 +522,28 @@ class ChatFormatter(_Base):
                 chunk["prompt_token_ids"] = self.prompt_ids[0]
         return chunks
 
+    def _thinker(self, index: int) -> ReasoningStream:
+        t = self._thinkers.get(index)
+        if t is None:
+            t = self._thinkers[index] = ReasoningStream(self.reasoning, self.constrained)
+        return t
+
     def chunk(self, index: int, out: ChoiceOutput) -> dict | None:
+        if self.reasoning is None:
+            return self._answer_chunk(index, out)
+        thinker = self._thinker(index)
+        thought, answer = thinker.feed(out.new_text)
+        if out.final:
+            more, rest = thinker.finish()
+            thought, answer = thought + more, answer + rest
+        chunk = self._answer_chunk(index, dataclasses.replace(out, new_text=answer))
+        if thought and self.include_reasoning:
+            if chunk is None:
+                chunk = self._envelope(self.chunk_object_name, [self._empty_choice(index)])
+            chunk["choices"][0]["delta"] |= {"reasoning": thought, "reasoning_content": thought}
+        return chunk
+
+    def _answer_chunk(self, index: int, out: ChoiceOutput) -> dict | None:
         if self.tool_calls is not None:
             return self._tool_chunk(index, out)
         if not out.new_text and not out.finished and self.top_logprobs is None:
@@ -516,9 +561,14 @@ class ChatFormatter(_Base):
     def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
         choices = []
         for i, c in enumerate(out.final for out in finals):
-            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            text, thought = c.text, None
+            if self.reasoning is not None:
+                thought, text = split(c.text, self.reasoning, self.constrained)
+            message, reason = {"role": "assistant", "content": text}, c.finish_reason
             if self.tool_calls is not None:
-                message, reason = self._tool_message(c.text, c.finish_reason)
+                message, reason = self._tool_message(text or "", c.finish_reason)
+            if thought is not None and self.include_reasoning:
+                message |= {"reasoning": thought, "reasoning_content": thought}
             choices.append(
                 {
                     "index": i,

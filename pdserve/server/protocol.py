@@ -337,6 +337,10 @@ class ChatMessage(_Strict):
     # an assistant's earlier calls and a tool's answer to one: passed to the chat template
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    # an assistant's earlier thinking, as a reasoning parser returned it (either name): templates
+    # that show it (Qwen3's, for the turns after the last question) read `reasoning_content`
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -489,6 +493,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     echo: bool = False
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # OpenAI's: false allows one call at most
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's thinking out
 
     def check(self) -> None:
         self.check_common()
@@ -585,6 +590,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                 d["tool_calls"] = _template_calls(m.tool_calls)
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
+            thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if thought is not None:
+                d["reasoning_content"] = thought
             out.append(d)
         return out
 

@@ -1,0 +1,118 @@
+"""--reasoning-parser (server/reasoning.py): a reasoning model's <think>...</think> returned apart
+from its answer, whole and streamed in any split; then a real server, the tiny model held by a
+regex to such text, with the openai client, alone and with tool_choice auto."""
+
+import json
+import random
+
+import pytest
+
+from pdserve.server.reasoning import PARSERS, ReasoningStream, split
+from pdserve.settings import FrontendConfig
+from tests.server.conftest import TINY_ENGINE, engine_flags
+from tests.server.serverproc import ServerProcess
+
+CASES = [
+    # parser, output, thinking, answer
+    ("deepseek_r1", "Let me add.</think>\n\nIt is 4.", "Let me add.", "\n\nIt is 4."),
+    ("deepseek_r1", "<think>Let me add.</think>It is 4.", "Let me add.", "It is 4."),
+    ("deepseek_r1", "still thinking when max_tokens came", "still thinking when max_tokens came", None),
+    ("qwen3", "<think>\nLet me add.\n</think>\n\nIt is 4.", "\nLet me add.\n", "\n\nIt is 4."),
+    ("qwen3", "It is 4.", None, "It is 4."),  # thinking switched off: all answer
+    ("qwen3", "  <thin", None, "  <thin"),  # not a tag after all
+    ("qwen3", "<think>cut short", "cut short", None),
+]
+CONSTRAINED = [  # held to a grammar: thinking only after an opening tag, whatever the parser
+    ("deepseek_r1", '{"a": 1}', None, '{"a": 1}'),
+    ("deepseek_r1", "<think>first</think>{}", "first", "{}"),
+]
+
+
+@pytest.mark.parametrize("parser, text, thought, answer", CONSTRAINED)
+def test_constrained_outputs(parser, text, thought, answer):
+    assert split(text, parser, constrained=True) == (thought, answer)
+
+
+def test_every_parser_is_a_choice_of_the_flag():
+    from pdserve.flags import Section, settings
+
+    (flag,) = [s for s in settings(Section(FrontendConfig)) if s.name == "reasoning_parser"]
+    assert flag.meta["choices"] == PARSERS
+
+
+@pytest.mark.parametrize("parser, text, thought, answer", CASES)
+def test_whole(parser, text, thought, answer):
+    assert split(text, parser) == (thought, answer)
+
+
+@pytest.mark.parametrize("parser, text, thought, answer", CASES)
+@pytest.mark.parametrize("seed", range(10))
+def test_streamed_in_any_split_gives_the_same(parser, text, thought, answer, seed):
+    r = random.Random(seed)
+    cuts = sorted(r.sample(range(1, len(text)), min(len(text) - 1, r.randint(1, 20))))
+    s, got_t, got_a, prev = ReasoningStream(parser), "", "", 0
+    for cut in [*cuts, len(text)]:
+        t, a = s.feed(text[prev:cut])
+        got_t, got_a, prev = got_t + t, got_a + a, cut
+        assert "<think>" not in t + a and "</think>" not in t + a
+    t, a = s.finish()
+    assert (got_t + t or None, got_a + a or None) == (thought, answer)
+
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+USER = [{"role": "user", "content": "2 + 2?"}]
+THINK = r"<think>I add two and two\.</think>It is 4\."
+
+
+@pytest.fixture(scope="module")
+def r1_client(server_model_dir):
+    with ServerProcess(
+        "--model", server_model_dir, "--threads", "1", "--served-model-name", "tiny",
+        "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        *engine_flags(**TINY_ENGINE),
+    ) as server:  # fmt: skip
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+            yield c
+
+
+@pytest.mark.integration
+def test_the_thinking_comes_apart_whole_and_streamed(r1_client):
+    kw = dict(model="tiny", messages=USER, max_tokens=80, extra_body={"guided_regex": THINK})
+    m = r1_client.chat.completions.create(**kw).choices[0].message.model_dump()
+    assert (m["reasoning"], m["reasoning_content"], m["content"]) == ("I add two and two.",) * 2 + ("It is 4.",)
+    thought, answer = "", ""
+    for chunk in r1_client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            d = c.delta.model_dump()
+            thought += d.get("reasoning") or ""
+            answer += d.get("content") or ""
+    assert (thought, answer) == ("I add two and two.", "It is 4.")
+    # vLLM's include_reasoning: false leaves it out
+    kw["extra_body"] = {"guided_regex": THINK, "include_reasoning": False}
+    m = r1_client.chat.completions.create(**kw).choices[0].message.model_dump()
+    assert m.get("reasoning") is None and m["content"] == "It is 4."
+    # the earlier thinking sent back is accepted (and reaches templates as reasoning_content)
+    history = USER + [{"role": "assistant", "content": "It is 4.", "reasoning_content": "I add."}]
+    r = r1_client.chat.completions.create(
+        model="tiny", messages=history + USER, max_tokens=2, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 2
+
+
+@pytest.mark.integration
+def test_a_tool_call_after_the_thinking(r1_client):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    regex = r'<think>I need the tool\.</think><tool_call>\n\{"name": "add", "arguments": \{"a": 2\}\}\n</tool_call>'
+    r = r1_client.chat.completions.create(
+        model="tiny", messages=USER, tools=tools, max_tokens=120, extra_body={"guided_regex": regex}
+    )
+    m = r.choices[0].message
+    assert m.model_dump()["reasoning"] == "I need the tool." and r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("add", {"a": 2})]
+    # a named tool is a constrained output: no thinking in it, nothing is split off
+    r = r1_client.chat.completions.create(
+        model="tiny", messages=USER, tools=tools, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+    )  # fmt: skip
+    assert r.choices[0].message.tool_calls and r.choices[0].message.model_dump().get("reasoning") is None
