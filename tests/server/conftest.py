@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 from tests.server.serverproc import ServerProcess
@@ -54,3 +56,16 @@ def client(tiny_server):
 @pytest.fixture
 def model_id(client):
     return client.models.list().data[0].id
+
+
+@contextlib.contextmanager
+def tiny_openai(model_dir: str, *flags: str):
+    """A server of the tiny model started with `flags` (no API key), and an openai client of it."""
+    openai = pytest.importorskip("openai")
+    with (
+        ServerProcess(
+            "--model", model_dir, "--threads", "1", "--served-model-name", "tiny", *flags, *engine_flags(**TINY_ENGINE)
+        ) as server,
+        openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as client,
+    ):
+        yield client

@@ -9,8 +9,7 @@ import random
 import pytest
 
 from pdserve.server.tool_parsers import HermesStream, parse
-from tests.server.conftest import TINY_ENGINE, engine_flags
-from tests.server.serverproc import ServerProcess
+from tests.server.conftest import tiny_openai
 
 TEXT = (
     "Let me check.\n<tool_call>\n"
@@ -56,12 +55,8 @@ CALL_REGEX = r'Let me see\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": [
 
 @pytest.fixture(scope="module")
 def auto_client(server_model_dir):
-    with ServerProcess(
-        "--model", server_model_dir, "--threads", "1", "--served-model-name", "tiny",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *engine_flags(**TINY_ENGINE),
-    ) as server:  # fmt: skip
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-            yield c
+    with tiny_openai(server_model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as client:
+        yield client
 
 
 @pytest.mark.integration
@@ -142,10 +137,7 @@ def test_a_long_call_in_many_pieces():
 @pytest.mark.integration
 def test_auto_with_the_pythonic_parser_whole_and_streamed(server_model_dir):
     """Another syntax through the same server path: `--tool-call-parser pythonic`."""
-    with ServerProcess(
-        "--model", server_model_dir, "--threads", "1", "--served-model-name", "tiny",
-        "--enable-auto-tool-choice", "--tool-call-parser", "pythonic", *engine_flags(**TINY_ENGINE),
-    ) as server, openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:  # fmt: skip
+    with tiny_openai(server_model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "pythonic") as client:
         kw = dict(model="tiny", messages=USER, tools=TOOLS, max_tokens=60)
         extra = {"guided_regex": r"\[add\(a=[0-9], b=[0-9]\)\]"}
         r = client.chat.completions.create(extra_body=extra, **kw)

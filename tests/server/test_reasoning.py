@@ -9,8 +9,7 @@ import pytest
 
 from pdserve.server.reasoning import PARSERS, ReasoningStream, split
 from pdserve.settings import FrontendConfig
-from tests.server.conftest import TINY_ENGINE, engine_flags
-from tests.server.serverproc import ServerProcess
+from tests.server.conftest import tiny_openai
 
 CASES = [
     # parser, output, thinking, answer
@@ -67,13 +66,9 @@ THINK = r"<think>I add two and two\.</think>It is 4\."
 
 @pytest.fixture(scope="module")
 def r1_client(server_model_dir):
-    with ServerProcess(
-        "--model", server_model_dir, "--threads", "1", "--served-model-name", "tiny",
-        "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        *engine_flags(**TINY_ENGINE),
-    ) as server:  # fmt: skip
-        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-            yield c
+    flags = ("--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with tiny_openai(server_model_dir, *flags) as client:
+        yield client
 
 
 @pytest.mark.integration
