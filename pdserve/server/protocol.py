@@ -59,7 +59,6 @@ _NOT_IMPLEMENTED = {
     "length_penalty": 1.0,
     "logprob_token_ids": None,
     "logits_processors": None,
-    "spaces_between_special_tokens": True,
     "kv_transfer_params": None,
     "vllm_xargs": None,
     "repetition_detection": None,
@@ -145,6 +144,9 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's; it changes nothing with a fast tokenizer (tokenizer.json: every model pdserve
+    # loads), in vLLM as here, so false is accepted
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
