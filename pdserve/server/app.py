@@ -28,6 +28,7 @@ from pdserve.server.engine_client import EngineClient, EngineInput
 from pdserve.server.errors import APIError, bad_request, install_handlers
 from pdserve.server.format import ChatFormatter, CompletionFormatter, TokenText, cached_prompt_tokens, usage
 from pdserve.server.metrics import CONTENT_TYPE
+from pdserve.server.responses import ResponsesFormatter, ResponsesRequest
 from pdserve.server.streaming import collect, read_body, sse_events
 from pdserve.settings import FrontendConfig
 
@@ -107,6 +108,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_api_route(
         "/v1/chat/completions", api.chat, methods=["POST"], openapi_extra=_json_body(P.ChatCompletionRequest)
     )
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"], openapi_extra=_json_body(ResponsesRequest))
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"], openapi_extra=_json_body(P.TokenizeRequest))
@@ -121,7 +123,13 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
 # Handlers read their bodies by hand (size limit first, then strict parsing), so
 # FastAPI cannot see them: the schema names the pydantic models they parse into.
-_BODY_MODELS = (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest)
+_BODY_MODELS = (
+    P.CompletionRequest,
+    P.ChatCompletionRequest,
+    ResponsesRequest,
+    P.TokenizeRequest,
+    P.DetokenizeRequest,
+)
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
@@ -243,6 +251,27 @@ class _Api:
 
     async def chat(self, request: Request):
         return await self._chat(request)
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API for text (server/responses.py): the chat completion the
+        request amounts to, returned as a response object or its stream of events."""
+        r = await self._parse(request, ResponsesRequest)
+        req = r.chat_request()
+        text = self._chat_prompt(req.conversation(), True, **req.template_kw())
+        self._check_request(req, [text])
+        prompt = req.truncate(await self._encode(text), self._core().max_model_len)
+        params = req.sampling_params(req.max_tokens, None, self.settings.sampling_defaults)
+        rid = f"resp_{uuid.uuid4().hex}"
+        fmt = ResponsesFormatter(
+            rid,
+            self.served_names()[0],
+            self._text(),
+            r,
+            len(prompt),
+            reasoning=self.settings.reasoning_parser,
+            constrained=params.structured_outputs is not None,
+        )
+        return await self._generate(request, req, rid, [prompt], params, fmt, None)
 
     async def resume(self, request: Request, b: ResumeRequest, path: str):
         """A stream the front resumes after its router died: the same request, the same id, only the

@@ -86,7 +86,9 @@ async def sse_events(
                     now = usage(choice_prompt_tokens[index], per_choice[index])
                 chunk = fmt.chunk_json(index, out, include_usage, now)
                 tag = tokens_comment(index, out.new_token_ids, out.finished) if tag_tokens else ""
-                if chunk is not None:
+                if isinstance(chunk, list):  # several events (the Responses API's)
+                    parts.append(tag + "".join(f"data: {c}\n\n" for c in chunk))
+                elif chunk is not None:
                     parts.append(f"{tag}data: {chunk}\n\n")
                 elif tag:
                     parts.append(f"{tag}\n")

@@ -24,6 +24,7 @@ POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 OPERATIONS = [
     ("/v1/completions", "POST", (POSITIVE, NEGATIVE)),
     ("/v1/chat/completions", "POST", (POSITIVE, NEGATIVE)),
+    ("/v1/responses", "POST", (POSITIVE, NEGATIVE)),
     ("/tokenize", "POST", (POSITIVE, NEGATIVE)),
     ("/v1/models", "GET", (POSITIVE,)),
     ("/v1/models/{model_id}", "GET", (POSITIVE,)),

@@ -3,6 +3,7 @@
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.sampler import bad_words_token_ids
 from tests.transfer.cluster import Cluster
 
 pytestmark = pytest.mark.integration
@@ -70,6 +71,18 @@ def test_sampling_options_travel_to_the_workers(cluster, tiny_model_dir):
     )
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
     assert len(ref.token_ids) == free.token_ids.index(stop) + 1
+    # bad_words: the first token (the prefill worker's) and the rest (the decode worker's)
+    # avoid the words as collocated does; the words are single tokens of the free output
+    tok = llm.tokenizer
+    words = sorted({w for w in map(tok.decode, ([t] for t in free.token_ids)) if w.strip()})
+    words = [w for w in words if len(bad_words_token_ids(tok, [w])[0]) == 1]
+    assert words
+    ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=words))[0]
+    r = client.completions.create(
+        model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "bad_words": words, "return_token_ids": True},
+    ).model_dump()  # fmt: skip
+    assert r["choices"][0]["token_ids"] == ref.outputs[0].token_ids != free.token_ids
 
 
 @pytest.mark.parametrize(

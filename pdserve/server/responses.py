@@ -1,0 +1,317 @@
+"""OpenAI's Responses API (`POST /v1/responses`), for text: what clients built on it send.
+
+A request is read as the chat completion it amounts to (`instructions` as the system message,
+`input` as the conversation, `max_output_tokens`, `text.format` as the response format) and runs
+on the same path; only the reply's shape differs: a response object whose `output` holds a
+message item (and, with a reasoning parser, a reasoning item before it), or, streamed, the
+typed events OpenAI sends (`response.created`, `response.output_text.delta`, ...,
+`response.completed`). Not served, and refused with a 400 naming the field: tools and the items
+of earlier calls, `previous_response_id` (responses are not stored), background responses,
+inputs other than text.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import Field
+
+from pdserve.engine.sampling_params import MAX_CACHE_SALT_CHARS
+from pdserve.server import protocol as P
+from pdserve.server.engine_client import ChoiceOutput
+from pdserve.server.errors import bad_request
+from pdserve.server.format import TokenText, dumps
+from pdserve.server.reasoning import ReasoningStream, split
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+class TextFormat(P._Strict):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str = Field("", max_length=256)
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(P._Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(P._Strict):
+    model: str | None = None
+    input: str | list[dict] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool = False  # accepted; nothing is stored (previous_response_id is refused)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    truncation: Literal["disabled"] = "disabled"
+    # vLLM's extensions, as on chat
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(None, ge=P.SEED_MIN, le=P.SEED_MAX)
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    def check(self) -> None:
+        for name, why in (
+            ("tools", "tools are served on /v1/chat/completions"),
+            ("previous_response_id", "responses are not stored: send the conversation in input"),
+        ):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported on /v1/responses by this server ({why})", name)
+        if self.background:
+            raise bad_request("background responses are not supported by this server", "background")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools, which /v1/responses does not serve here", "tool_choice")
+
+    def messages(self) -> list[dict]:
+        """The conversation as chat messages: the instructions, then the input's items."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            role = _ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
+            if kind != "message" or role is None:
+                raise bad_request(
+                    f"input[{i}]: only message items with a role of user, assistant, system or developer are "
+                    f"served here (got type {kind!r})",
+                    "input",
+                )
+            content = item.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+                        raise bad_request(f"input[{i}]: only text content parts are served here", "input")
+                    if not isinstance(part.get("text"), str):
+                        raise bad_request(f"input[{i}]: a text part's text is a string", "input")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            if not isinstance(content, str):
+                raise bad_request(f"input[{i}]: content is a string or a list of text parts", "input")
+            out.append({"role": role, "content": content})
+        return out
+
+    def chat_request(self) -> P.ChatCompletionRequest:
+        """The chat completion this response amounts to (validated as one)."""
+        body: dict = {"messages": self.messages(), "stream": self.stream, "priority": self.priority}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "cache_salt", "user"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
+        if self.max_output_tokens is not None:
+            body["max_tokens"] = self.max_output_tokens
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict},
+            }
+        return P.parse_body(dumps(body).encode(), P.ChatCompletionRequest)
+
+    def echo(self) -> dict:
+        """The request's settings as a response object repeats them."""
+        fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat()
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "metadata": self.metadata or {},
+            "user": self.user,
+            "store": False,
+            "tools": [],
+            "tool_choice": "auto",
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "truncation": "disabled",
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
+            "reasoning": None,
+            "error": None,
+            "incomplete_details": None,
+        }
+
+
+class ResponsesFormatter:
+    """A response object and its stream events from one choice's outputs (n is 1 here). It
+    stands where format.ChatFormatter stands for the chat route (server/streaming.py drives it)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        token_text: TokenText,
+        req: ResponsesRequest,
+        prompt_tokens: int,
+        reasoning: str | None = None,
+        constrained: bool = False,
+    ):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.req = req
+        self.prompt_tokens = prompt_tokens
+        self.reasoning = reasoning
+        self._thinker = ReasoningStream(reasoning, constrained) if reasoning else None
+        self.constrained = constrained
+        self._seq = 0  # events' sequence_number
+        self._items: list[dict] = []  # output items opened so far, in order
+        self._open: dict | None = None  # the item text goes into now
+        self._texts: dict[str, list[str]] = {}  # item id -> its text so far
+        self._tokens = 0
+
+    # ---- the response object
+    def _response(self, status: str, output: list[dict], usage: dict | None, reason: str | None = None) -> dict:
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
+            "output": output,
+            "usage": usage,
+            **self.req.echo(),
+        }
+        if reason == "length":
+            out["status"] = "incomplete"
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        return out
+
+    def _usage(self, output_tokens: int) -> dict:
+        return {
+            "input_tokens": self.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + output_tokens,
+        }
+
+    @staticmethod
+    def _message(item_id: str, text: str, status: str = "completed") -> dict:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+    @staticmethod
+    def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+        return {
+            "id": item_id,
+            "type": "reasoning",
+            "status": status,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
+        c = finals[0].final
+        thought, text = split(c.text, self.reasoning, self.constrained) if self.reasoning else (None, c.text)
+        output = []
+        if thought is not None:
+            output.append(self._reasoning_item(f"rs_{uuid.uuid4().hex}", thought))
+        output.append(self._message(f"msg_{uuid.uuid4().hex}", text or ""))
+        return self._response("completed", output, self._usage(u["completion_tokens"]), c.finish_reason)
+
+    # ---- the stream (server/streaming.py: preamble, chunk_json per output, nothing at the end)
+    def _event(self, kind: str, **fields) -> str:
+        self._seq += 1
+        return dumps({"type": kind, "sequence_number": self._seq - 1, **fields})
+
+    def preamble(self) -> list[dict]:
+        events = []
+        for kind in ("response.created", "response.in_progress"):
+            self._seq += 1
+            events.append(
+                {"type": kind, "sequence_number": self._seq - 1, "response": self._response("in_progress", [], None)}
+            )
+        return events
+
+    def _open_item(self, kind: str) -> list[str]:
+        out = self._close_item()
+        prefix = "rs" if kind == "reasoning" else "msg"
+        item_id = f"{prefix}_{uuid.uuid4().hex}"
+        item = (self._reasoning_item if kind == "reasoning" else self._message)(item_id, "", "in_progress")
+        self._items.append(item)
+        self._open = item
+        self._texts[item_id] = []
+        index = len(self._items) - 1
+        out.append(self._event("response.output_item.added", output_index=index, item=item))
+        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else item["content"][0]
+        out.append(
+            self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0, part=part)
+        )
+        return out
+
+    def _close_item(self) -> list[str]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self._items.index(item)
+        text = "".join(self._texts[item["id"]])
+        done = (self._reasoning_item if item["type"] == "reasoning" else self._message)(item["id"], text)
+        self._items[index] = done
+        where = dict(item_id=item["id"], output_index=index, content_index=0)
+        kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+        return [
+            self._event(f"response.{kind}.done", text=text, **where),
+            self._event("response.content_part.done", part=done["content"][0], **where),
+            self._event("response.output_item.done", output_index=index, item=done),
+        ]
+
+    def _delta(self, kind: str, text: str) -> list[str]:
+        out = [] if self._open is not None and self._open["type"] == kind else self._open_item(kind)
+        item = self._open
+        self._texts[item["id"]].append(text)
+        event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        out.append(
+            self._event(
+                event, item_id=item["id"], output_index=len(self._items) - 1, content_index=0, delta=text, **extra
+            )
+        )
+        return out
+
+    def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
+        """The events this output makes: a list of JSON texts (each one server-sent event)."""
+        self._tokens += len(out.new_token_ids)
+        thought, text = "", out.new_text
+        if self._thinker is not None:
+            thought, text = self._thinker.feed(out.new_text)
+            if out.final:
+                more, rest = self._thinker.finish()
+                thought, text = thought + more, text + rest
+        events: list[str] = []
+        if thought:
+            events += self._delta("reasoning", thought)
+        if text:
+            events += self._delta("message", text)
+        if out.final:
+            if not any(i["type"] == "message" for i in self._items):
+                events += self._open_item("message")  # an empty answer is still a message
+            events += self._close_item()
+            reason = out.final.finish_reason
+            final = self._response("completed", list(self._items), self._usage(self._tokens), reason)
+            kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+            events.append(self._event(kind, response=final))
+        return events or None
+
+    def usage_chunk(self, u: dict) -> dict:  # never asked for: the completed event carries usage
+        raise NotImplementedError
+
+    def resume(self, index: int, token_ids: list[int]) -> None:
+        raise NotImplementedError  # the front resumes chat and completions streams only

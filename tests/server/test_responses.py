@@ -1,0 +1,114 @@
+"""OpenAI's Responses API for text (/v1/responses) with the real openai client: the same text as
+the chat route, whole and streamed as typed events, JSON schema output, and what is refused."""
+
+import json
+
+import pytest
+
+from pdserve.server.engine_client import ChoiceOutput, Completion
+from pdserve.server.responses import ResponsesFormatter, ResponsesRequest
+
+openai = pytest.importorskip("openai")
+USER = [{"role": "user", "content": "what is 2 + 2?"}]
+
+
+def test_the_same_text_as_chat_whole_and_streamed(client):
+    chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=6, temperature=0)
+    r = client.responses.create(model="tiny", input="what is 2 + 2?", max_output_tokens=6, temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(client.responses.create(model="tiny", input=USER, max_output_tokens=6, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text == events[-1].response.output_text
+
+
+def test_instructions_and_text_parts_make_the_chat_prompt(client):
+    a = client.responses.create(
+        model="tiny",
+        instructions="be brief",
+        input=[
+            {"role": "developer", "content": "x"},
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        max_output_tokens=3,
+        temperature=0,
+    )
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "system", "content": "x"},
+            {"role": "user", "content": "hi"},
+        ],
+        max_tokens=3,
+        temperature=0,
+    )
+    assert a.output_text == chat.choices[0].message.content and a.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_json_schema_output(client):
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model="tiny",
+        input="a number as JSON",
+        max_output_tokens=400,
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}},
+    )
+    assert isinstance(json.loads(r.output_text)["n"], int)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"background": True}, "background"),
+    ],
+)
+def test_what_is_not_served_is_a_400_naming_it(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**{"model": "tiny", "input": "hi", **body})
+    assert e.value.body["param"] == param
+
+
+def test_a_reasoning_item_before_the_message():
+    """With a reasoning parser the thinking is an output item of its own, whole and streamed."""
+    req = ResponsesRequest.model_validate({"input": "hi"})
+    pieces = ["<think>I th", "ink</th", "ink>It is", " 4."]
+    text = "".join(pieces)
+
+    def fmt():
+        return ResponsesFormatter("resp_x", "tiny", None, req, prompt_tokens=3, reasoning="qwen3")
+
+    whole = fmt().full(
+        [ChoiceOutput([], "", final=Completion(text, [1, 2, 3, 4], None, "stop"))], {"completion_tokens": 4}
+    )
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"][0]["text"] == "I think"
+    assert whole["output"][1]["content"][0]["text"] == "It is 4."
+    f, events = fmt(), []
+    for k, p in enumerate(pieces):
+        last = k == len(pieces) - 1
+        out = ChoiceOutput([k], p, final=Completion(text, [0, 1, 2, 3], None, "stop") if last else None)
+        events += [json.loads(e) for e in f.chunk_json(0, out, False) or []]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thought, answer) == ("I think", "It is 4.")
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["output"] == [
+        {**whole["output"][0], "id": events[-1]["response"]["output"][0]["id"]},
+        {**whole["output"][1], "id": events[-1]["response"]["output"][1]["id"]},
+    ]
