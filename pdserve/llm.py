@@ -74,7 +74,10 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling parameters: SamplingParams() with the
         model's generation config applied (vLLM's method of this name)."""
-        return SamplingParams(**self._defaults)
+        d = self._defaults
+        if d.get("max_tokens") is not None:  # at most the context: a default must not be refused
+            d = {**d, "max_tokens": min(d["max_tokens"], self.engine.max_model_len)}
+        return SamplingParams(**d)
 
     def close(self) -> None:
         """Stop background work (the KV store's threads); the object is unusable after."""

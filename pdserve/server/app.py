@@ -133,9 +133,20 @@ _BODY_MODELS = (
 _SCHEMA_REF = "#/components/schemas/{model}"
 
 
+# a small request each route serves, shown in the OpenAPI document (clients' docs, fuzzers' first case)
+_EXAMPLES = {
+    "CompletionRequest": {"prompt": "Hello, my name is", "max_tokens": 8},
+    "ChatCompletionRequest": {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+    "ResponsesRequest": {"input": "Hello!", "max_output_tokens": 8},
+    "TokenizeRequest": {"prompt": "Hello!"},
+    "DetokenizeRequest": {"tokens": [1, 2, 3]},
+}
+
+
 def _json_body(model) -> dict:
     ref = _SCHEMA_REF.format(model=model.__name__)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}}
+    body = {"schema": {"$ref": ref}, "example": _EXAMPLES[model.__name__]}
+    return {"requestBody": {"required": True, "content": {"application/json": body}}}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -217,6 +228,14 @@ class _Api:
         except Exception as e:  # the template itself refuses (raise_exception) or fails to render
             raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
 
+    def _sampling_defaults(self) -> dict:
+        """The generation config's defaults, its max_new_tokens at most the context (a default
+        past it must not make a 400 of a request that set no max_tokens)."""
+        d = self.settings.sampling_defaults
+        if d.get("max_tokens") is not None and d["max_tokens"] > self._core().max_model_len:
+            d = {**d, "max_tokens": self._core().max_model_len}
+        return d
+
     def _text(self):
         if self._token_text is None:
             self._token_text = TokenText(self._core().tokenizer)
@@ -260,7 +279,7 @@ class _Api:
         text = self._chat_prompt(req.conversation(), True, **req.template_kw())
         self._check_request(req, [text])
         prompt = req.truncate(await self._encode(text), self._core().max_model_len)
-        params = req.sampling_params(req.max_tokens, None, self.settings.sampling_defaults)
+        params = req.sampling_params(req.max_tokens, None, self._sampling_defaults())
         rid = f"resp_{uuid.uuid4().hex}"
         fmt = ResponsesFormatter(
             rid,
@@ -288,7 +307,7 @@ class _Api:
         # OpenAI's legacy API and vLLM do for scoring a text; the engine still samples one
         # token (its step computes the prompt), which the reply leaves out
         echo_only = req.echo and req.max_tokens == 0
-        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, self.settings.sampling_defaults)
+        params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, self._sampling_defaults())
         echo = None
         if req.echo:
             echo = [
@@ -320,7 +339,7 @@ class _Api:
         self._check_request(req, [text])
         prompt = req.truncate(await self._encode(text), self._core().max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, req.engine_logprobs(), self.settings.sampling_defaults)
+        params = req.sampling_params(max_tokens, req.engine_logprobs(), self._sampling_defaults())
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,

@@ -405,20 +405,19 @@ class ChatFormatter(_Base):
         # "auto" reader is brought to where the stream was (what it sent is not sent again)
         if not token_ids:
             return
-        if self.reasoning is not None:  # the splitter, and a tool reader, go on from the answer so far
-            auto = self.tool_calls is not None and self.tool_calls.parser is not None
-            _, answer = self._thinker(index).feed(self.token_text.decode(token_ids, skip_special_tokens=not auto))
-            if auto:
-                self._num_calls[index] = len(self._reader(index).feed(answer)[1])
-            return
+        auto = self.tool_calls is not None and self.tool_calls.parser is not None
+        # "auto" reads the text with special tokens kept (a call's tags may be some)
+        answer = self.token_text.decode(token_ids, skip_special_tokens=not auto)
+        if self.reasoning is not None:  # the splitter goes on from where it was; tools read the answer
+            answer = self._thinker(index).feed(answer)[1]
         if self.tool_calls is None:
             return
         if self.tool_calls.named is not None:
-            self._headed.add(index)
+            self._headed.add(index)  # the head went out with the first chunk
         elif self.tool_calls.parser is None:
-            self._streamed[index] = [self.token_text.decode(token_ids)]
-        else:  # "auto" reads the text with special tokens kept (a call's tags may be some)
-            _, calls = self._reader(index).feed(self.token_text.decode(token_ids, skip_special_tokens=False))
+            self._streamed[index] = [answer]
+        else:
+            _, calls = self._reader(index).feed(answer)
             self._num_calls[index] = len(calls)
 
     def _reader(self, index: int):

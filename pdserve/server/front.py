@@ -49,7 +49,9 @@ from pdserve.server.streaming import wait_disconnect
 
 log = logging.getLogger("pdserve.front")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+RESUMABLE_PATHS = ("/v1/completions", "/v1/chat/completions")  # a stream cut mid-way goes on
+# relayed as they come, counted in flight, refused while draining; retried before any answer
+GENERATION_PATHS = (*RESUMABLE_PATHS, "/v1/responses")
 INTERNAL_PREFIX = "/internal/"  # the router guards these (auth.InternalAuth): so does the front
 # hop-by-hop headers, and those the front sets itself
 _DROPPED = {
@@ -308,7 +310,8 @@ class Front:
             finally:
                 await resp.aclose()
             deadline = time.monotonic() + self.retry_window_s
-            if self.draining or not await self._wait_again(deadline, why, resume=stream is not None):
+            cut = stream is not None and path not in RESUMABLE_PATHS  # begun, and cannot go on elsewhere
+            if cut or self.draining or not await self._wait_again(deadline, why, resume=stream is not None):
                 return await self._give_up(send, stream, why)
 
     async def _wait_again(self, deadline: float, why: Exception, resume: bool = False) -> bool:

@@ -464,7 +464,7 @@ class ToolCalls:
 def _parameters(t: Tool) -> dict:
     """A tool's parameters' schema; none or {} is an object with no properties (as vLLM reads
     them: many clients send {} for a function without arguments)."""
-    return t.function.parameters or {"type": "object", "properties": {}}
+    return t.function.parameters or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _template_calls(calls: list) -> list:

@@ -19,7 +19,7 @@ is all answer, whatever the parser.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PARSERS = ("deepseek_r1", "qwen3")
 _START, _END = "<think>", "</think>"
@@ -38,22 +38,32 @@ class ReasoningStream:
     constrained: bool = False  # the output is held to a grammar: thinking only after <think>
     state: str = "start"  # start (before the first characters decide) | think | answer
     held: str = ""  # text that may be the start of a tag
+    blank: list = field(default_factory=list)  # at the start: the blank text so far, in pieces
 
     def __post_init__(self):
         if self.parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {self.parser!r}; known: {', '.join(PARSERS)}")
 
     def feed(self, new_text: str) -> tuple[str, str]:
-        text, self.held = self.held + new_text, ""
         if self.state == "start":
-            head = text.lstrip()
+            if not self.held:  # blank so far: only the new text is looked at (no quadratic rescans)
+                head = new_text.lstrip()
+                self.blank.append(new_text[: len(new_text) - len(head)])
+            else:
+                head = self.held + new_text
+            self.held = ""
             if head.startswith(_START):
-                self.state, text = "think", head[len(_START) :]
+                self.state, self.blank, text = "think", [], head[len(_START) :]
             elif _START.startswith(head):  # blank, or the opening tag in pieces: wait
-                self.held = text
+                self.held = head
                 return "", ""
             else:
                 self.state = "think" if self._opens_thinking else "answer"
+                text, self.blank = "".join(self.blank) + head, []
+        else:
+            text, self.held = self.held + new_text, ""
+        if self.state == "start":
+            return "", ""
         if self.state == "answer":
             return "", text
         i = text.find(_END)
@@ -68,6 +78,7 @@ class ReasoningStream:
         """What is held at the end: part of a tag that never completed, as text of its side."""
         held, self.held = self.held, ""
         if self.state == "start":  # only blank text, or a tag's first characters
+            held, self.blank = "".join(self.blank) + held, []
             return (held, "") if self._opens_thinking else ("", held)
         return (held, "") if self.state == "think" else ("", held)
 

@@ -83,8 +83,14 @@ class ResponsesRequest(P._Strict):
         out = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return [*out, {"role": "user", "content": self.input}]
+        thought = None  # a reasoning item's text, for the assistant message after it
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if kind == "reasoning":  # an earlier response's output sent back with the conversation
+                parts = item.get("content") or item.get("summary") or []
+                texts = [p.get("text") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+                thought = "\n".join(texts) or None
+                continue
             role = _ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
             if kind != "message" or role is None:
                 raise bad_request(
@@ -104,7 +110,11 @@ class ResponsesRequest(P._Strict):
                 content = "\n".join(texts)
             if not isinstance(content, str):
                 raise bad_request(f"input[{i}]: content is a string or a list of text parts", "input")
-            out.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            if role == "assistant" and thought is not None:
+                message["reasoning_content"] = thought  # templates that show earlier thinking read it
+            thought = None
+            out.append(message)
         return out
 
     def chat_request(self) -> P.ChatCompletionRequest:
@@ -194,38 +204,36 @@ class ResponsesFormatter:
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         return out
 
-    def _usage(self, output_tokens: int) -> dict:
+    def _usage(self, output_tokens: int, cached: int | None = None) -> dict:
         return {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.prompt_tokens + output_tokens,
         }
 
     @staticmethod
-    def _message(item_id: str, text: str, status: str = "completed") -> dict:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
+    def _message(item_id: str, text: str | None, status: str = "completed") -> dict:
+        """A message item; `text` None: as it is announced, before its part is added."""
+        parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": parts}
 
     @staticmethod
-    def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
-        return {
-            "id": item_id,
-            "type": "reasoning",
-            "status": status,
-            "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}],
-        }
+    def _reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+        parts = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": parts}
 
     def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
         c = finals[0].final
         thought, text = split(c.text, self.reasoning, self.constrained) if self.reasoning else (None, c.text)
+        status = "incomplete" if c.finish_reason == "length" else "completed"
         output = []
         if thought is not None:
-            output.append(self._reasoning_item(f"rs_{uuid.uuid4().hex}", thought))
-        output.append(self._message(f"msg_{uuid.uuid4().hex}", text or ""))
-        return self._response("completed", output, self._usage(u["completion_tokens"]), c.finish_reason)
+            output.append(self._reasoning_item(f"rs_{uuid.uuid4().hex}", thought, status))
+        output.append(self._message(f"msg_{uuid.uuid4().hex}", text or "", status))
+        usage = self._usage(u["completion_tokens"], c.num_cached_tokens)
+        return self._response("completed", output, usage, c.finish_reason)
 
     # ---- the stream (server/streaming.py: preamble, chunk_json per output, nothing at the end)
     def _event(self, kind: str, **fields) -> str:
@@ -245,30 +253,31 @@ class ResponsesFormatter:
         out = self._close_item()
         prefix = "rs" if kind == "reasoning" else "msg"
         item_id = f"{prefix}_{uuid.uuid4().hex}"
-        item = (self._reasoning_item if kind == "reasoning" else self._message)(item_id, "", "in_progress")
+        item = (self._reasoning_item if kind == "reasoning" else self._message)(item_id, None, "in_progress")
         self._items.append(item)
         self._open = item
         self._texts[item_id] = []
         index = len(self._items) - 1
         out.append(self._event("response.output_item.added", output_index=index, item=item))
-        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else item["content"][0]
+        part = (self._reasoning_item if kind == "reasoning" else self._message)(item_id, "")["content"][0]
         out.append(
             self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0, part=part)
         )
         return out
 
-    def _close_item(self) -> list[str]:
+    def _close_item(self, status: str = "completed") -> list[str]:
         item, self._open = self._open, None
         if item is None:
             return []
         index = self._items.index(item)
         text = "".join(self._texts[item["id"]])
-        done = (self._reasoning_item if item["type"] == "reasoning" else self._message)(item["id"], text)
+        done = (self._reasoning_item if item["type"] == "reasoning" else self._message)(item["id"], text, status)
         self._items[index] = done
         where = dict(item_id=item["id"], output_index=index, content_index=0)
         kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
         return [
-            self._event(f"response.{kind}.done", text=text, **where),
+            self._event(f"response.{kind}.done", text=text, **where, **extra),
             self._event("response.content_part.done", part=done["content"][0], **where),
             self._event("response.output_item.done", output_index=index, item=done),
         ]
@@ -303,9 +312,10 @@ class ResponsesFormatter:
         if out.final:
             if not any(i["type"] == "message" for i in self._items):
                 events += self._open_item("message")  # an empty answer is still a message
-            events += self._close_item()
             reason = out.final.finish_reason
-            final = self._response("completed", list(self._items), self._usage(self._tokens), reason)
+            events += self._close_item("incomplete" if reason == "length" else "completed")
+            usage = self._usage(self._tokens, out.final.num_cached_tokens)
+            final = self._response("completed", list(self._items), usage, reason)
             kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             events.append(self._event(kind, response=final))
         return events or None

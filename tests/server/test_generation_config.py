@@ -50,6 +50,10 @@ def test_offline_defaults(gen_model):
     assert out.token_ids == greedy.token_ids
     plain = LLM(gen_model, generation_config="vllm", **TINY_ENGINE)
     assert plain.get_default_sampling_params() == SamplingParams()
+    # a max_new_tokens past the context is the context, not a refusal of every request
+    big = LLM(gen_model, override_generation_config={"max_new_tokens": 10**6}, **TINY_ENGINE)
+    assert big.get_default_sampling_params().max_tokens == big.engine.max_model_len
+    assert big.generate([[5, 6, 7]], SamplingParams(**{**big._defaults, "max_tokens": 3}))[0].outputs[0].token_ids
 
 
 @pytest.mark.integration
@@ -69,3 +73,10 @@ def test_the_server_applies_them(gen_model):
         r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, temperature=1.0, seed=3)
         assert r.usage.completion_tokens == 2  # what the request sets wins
         assert "generation config" in server.log()
+    flags = ("--override-generation-config", '{"max_new_tokens": 1000000}', *engine_flags(**TINY_ENGINE))
+    with (
+        ServerProcess("--model", gen_model, "--served-model-name", "tiny", *flags) as server,
+        openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        r = client.completions.create(model="tiny", prompt="hi", extra_body={"max_tokens": None})
+        assert r.usage.completion_tokens >= 1  # served up to the context, not refused

@@ -112,3 +112,47 @@ def test_a_reasoning_item_before_the_message():
         {**whole["output"][0], "id": events[-1]["response"]["output"][0]["id"]},
         {**whole["output"][1], "id": events[-1]["response"]["output"][1]["id"]},
     ]
+
+
+@pytest.mark.integration
+def test_through_a_disaggregated_deployment(tiny_model_dir):
+    """`pdserve serve`: the front relays the events as they come (as chat streams), the router
+    runs the request on the prefill and decode workers."""
+    from tests.server.deployment import Deployment
+
+    dep = Deployment(tiny_model_dir, "--served-model-name", "tiny")
+    try:
+        with openai.OpenAI(base_url=dep.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+            whole = c.responses.create(model="tiny", input="hello", max_output_tokens=8, temperature=0)
+            events = list(
+                c.responses.create(model="tiny", input="hello", max_output_tokens=8, temperature=0, stream=True)
+            )
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    finally:
+        assert dep.stop() == 0
+
+
+def test_an_earlier_response_sent_back_with_its_reasoning():
+    """Clients send the next turn as the history plus the last response's output items: the
+    reasoning item is read into the assistant message after it (templates read it there)."""
+    req = ResponsesRequest.model_validate(
+        {
+            "input": [
+                {"role": "user", "content": "2 + 2?"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "add"}],
+                },
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+                {"role": "user", "content": "and 3 + 3?"},
+            ]
+        }
+    )
+    assert req.messages() == [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "add"},
+        {"role": "user", "content": "and 3 + 3?"},
+    ]

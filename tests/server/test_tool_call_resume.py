@@ -19,12 +19,20 @@ def tok(tiny_model_dir):
     return Tokenizer.from_hf_dir(tiny_model_dir)
 
 
-def formatter(tok, tool_choice, parser=None):
+def formatter(tok, tool_choice, parser=None, reasoning=None):
     req = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": tool_choice}
     )
     req._auto_tool_parser = parser
-    return ChatFormatter("id", "tiny", TokenText(tok), 1, None, tool_calls=req.tool_calls())
+    calls = req.tool_calls()
+    constrained = calls.parser is None  # named and required calls are generated under a grammar
+    return ChatFormatter(
+        "id", "tiny", TokenText(tok), 1, None, tool_calls=calls, reasoning=reasoning, constrained=constrained
+    )
+
+
+# a server with a reasoning parser resumes the same way (the calls are its answer)
+REASONING = pytest.mark.parametrize("reasoning", [None, "deepseek_r1"])
 
 
 def resumed(tok, fmt, before: str, after: str) -> list[dict]:
@@ -39,22 +47,29 @@ def resumed(tok, fmt, before: str, after: str) -> list[dict]:
     return [c["choices"][0] for c in chunks if c is not None]
 
 
-def test_a_named_call_resumed_sends_no_second_head(tok):
-    out = resumed(tok, formatter(tok, {"type": "function", "function": {"name": "add"}}), '{"a": ', "1}")
+@REASONING
+def test_a_named_call_resumed_sends_no_second_head(tok, reasoning):
+    named = {"type": "function", "function": {"name": "add"}}
+    out = resumed(tok, formatter(tok, named, reasoning=reasoning), '{"a": ', "1}")
     args = "".join(d["delta"]["tool_calls"][0]["function"]["arguments"] for d in out if d["delta"])
     assert args == "1}" and all("id" not in d["delta"].get("tool_calls", [{}])[0] for d in out)
 
 
-def test_a_required_list_resumed_is_parsed_whole(tok):
-    out = resumed(tok, formatter(tok, "required"), '[{"name": "add", ', '"parameters": {"a": 1}}]')
+@REASONING
+def test_a_required_list_resumed_is_parsed_whole(tok, reasoning):
+    out = resumed(tok, formatter(tok, "required", reasoning=reasoning), '[{"name": "add", ', '"parameters": {"a": 1}}]')
     (call,) = out[-1]["delta"]["tool_calls"]
     assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 1}
     assert out[-1]["finish_reason"] == "tool_calls"
 
 
-def test_an_auto_stream_resumed_inside_a_call(tok):
+@pytest.mark.parametrize("reasoning, before", [(None, "Hi"), ("deepseek_r1", "Hm.</think>Hi")])
+def test_an_auto_stream_resumed_inside_a_call(tok, reasoning, before):
     out = resumed(
-        tok, formatter(tok, "auto", "hermes"), 'Hi<tool_call>{"name": "add", ', '"arguments": {}}</tool_call>'
+        tok,
+        formatter(tok, "auto", "hermes", reasoning=reasoning),
+        before + '<tool_call>{"name": "add", ',
+        '"arguments": {}}</tool_call>',
     )
     deltas = [d["delta"] for d in out]
     assert not any(d.get("content") for d in deltas)  # "Hi" had gone out; nothing of the tags does

@@ -126,6 +126,7 @@ def test_continuous_usage_stats_on_every_chunk(client):
             model="tiny",
             messages=USER,
             max_tokens=5,
+            temperature=0,  # the same tokens every run (sampled ones may all be pieces of characters)
             stream=True,
             stream_options={"include_usage": True, "continuous_usage_stats": True},
             extra_body=EXTRA,
