@@ -276,6 +276,7 @@ class _Api:
         request amounts to, returned as a response object or its stream of events."""
         r = await self._parse(request, ResponsesRequest)
         req = r.chat_request()
+        req._auto_tool_parser = self.settings.tool_call_parser
         text = self._chat_prompt(req.conversation(), True, **req.template_kw())
         self._check_request(req, [text])
         prompt = req.truncate(await self._encode(text), self._core().max_model_len)
@@ -289,6 +290,7 @@ class _Api:
             len(prompt),
             reasoning=self.settings.reasoning_parser,
             constrained=params.structured_outputs is not None,
+            tool_calls=req.tool_calls(),
         )
         return await self._generate(request, req, rid, [prompt], params, fmt, None)
 

@@ -5,9 +5,11 @@ A request is read as the chat completion it amounts to (`instructions` as the sy
 on the same path; only the reply's shape differs: a response object whose `output` holds a
 message item (and, with a reasoning parser, a reasoning item before it), or, streamed, the
 typed events OpenAI sends (`response.created`, `response.output_text.delta`, ...,
-`response.completed`). Not served, and refused with a 400 naming the field: tools and the items
-of earlier calls, `previous_response_id` (responses are not stored), background responses,
-inputs other than text.
+`response.completed`). Function tools work as on chat (named, required, or auto with a
+tool-call parser), their calls returned as `function_call` items; earlier calls and their
+outputs in `input` become the assistant's tool calls and the tool's messages. Not served, and
+refused with a 400 naming the field: other tools, `previous_response_id` and item references
+(responses are not stored), background responses, inputs other than text.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pdserve.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from pdserve.server import protocol as P
 from pdserve.server.engine_client import ChoiceOutput
 from pdserve.server.errors import bad_request
-from pdserve.server.format import TokenText, dumps
+from pdserve.server.format import ChatFormatter, TokenText, dumps
 from pdserve.server.reasoning import ReasoningStream, split
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -53,8 +55,9 @@ class ResponsesRequest(P._Strict):
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool = False  # accepted; nothing is stored (previous_response_id is refused)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # function tools (as on chat: named, required, or auto with a parser)
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     background: bool = False
     truncation: Literal["disabled"] = "disabled"
@@ -67,16 +70,32 @@ class ResponsesRequest(P._Strict):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     def check(self) -> None:
-        for name, why in (
-            ("tools", "tools are served on /v1/chat/completions"),
-            ("previous_response_id", "responses are not stored: send the conversation in input"),
-        ):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported on /v1/responses by this server ({why})", name)
+        if self.previous_response_id:
+            raise bad_request(
+                "previous_response_id is not supported by this server (responses are not stored: send the "
+                "conversation in input)",
+                "previous_response_id",
+            )
         if self.background:
             raise bad_request("background responses are not supported by this server", "background")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice needs tools, which /v1/responses does not serve here", "tool_choice")
+        for i, t in enumerate(self.tools or ()):
+            if t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise bad_request(
+                    f"tools[{i}]: only function tools ({{type: function, name, ...}}) are served", "tools"
+                )
+
+    def chat_tools(self) -> list[dict] | None:
+        """The tools as chat takes them ({type, function: {name, description, parameters}})."""
+        if not self.tools:
+            return None
+        keys = ("name", "description", "parameters", "strict")
+        return [{"type": "function", "function": {k: t[k] for k in keys if t.get(k) is not None}} for t in self.tools]
+
+    def chat_tool_choice(self):
+        c = self.tool_choice
+        if isinstance(c, dict) and c.get("type") == "function" and "name" in c:  # Responses' named form
+            return {"type": "function", "function": {"name": c["name"]}}
+        return c
 
     def messages(self) -> list[dict]:
         """The conversation as chat messages: the instructions, then the input's items."""
@@ -86,6 +105,10 @@ class ResponsesRequest(P._Strict):
         thought = None  # a reasoning item's text, for the assistant message after it
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if kind in ("function_call", "function_call_output"):
+                out.append(_call_message(i, item, out, thought))
+                thought = None
+                continue
             if kind == "reasoning":  # an earlier response's output sent back with the conversation
                 parts = item.get("content") or item.get("summary") or []
                 texts = [p.get("text") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
@@ -125,6 +148,12 @@ class ResponsesRequest(P._Strict):
                 body[name] = getattr(self, name)
         if self.max_output_tokens is not None:
             body["max_tokens"] = self.max_output_tokens
+        if self.tools:
+            body |= {"tools": self.chat_tools(), "tool_choice": self.chat_tool_choice()}
+            if self.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = self.parallel_tool_calls
+        elif self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
@@ -146,9 +175,9 @@ class ResponsesRequest(P._Strict):
             "metadata": self.metadata or {},
             "user": self.user,
             "store": False,
-            "tools": [],
-            "tool_choice": "auto",
-            "parallel_tool_calls": True,
+            "tools": self.tools or [],
+            "tool_choice": self.tool_choice or "auto",
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": None,
             "truncation": "disabled",
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
@@ -156,6 +185,30 @@ class ResponsesRequest(P._Strict):
             "error": None,
             "incomplete_details": None,
         }
+
+
+def _call_message(i: int, item: dict, out: list[dict], thought: str | None) -> dict:
+    """A function_call item (an earlier call of the model) as the assistant message holding it,
+    or a function_call_output item as the tool's message; consecutive calls share a message."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise bad_request(f"input[{i}]: a {item.get('type')} item needs its call_id", "input")
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise bad_request(f"input[{i}]: a function_call_output's output is a string", "input")
+        return {"role": "tool", "tool_call_id": call_id, "content": output}
+    name, arguments = item.get("name"), item.get("arguments")
+    if not isinstance(name, str) or not isinstance(arguments, str):
+        raise bad_request(f"input[{i}]: a function_call has a name and its arguments as a JSON string", "input")
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and thought is None:
+        out[-1]["tool_calls"].append(call)  # the same turn's next call
+        return out.pop()
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    if thought is not None:
+        message["reasoning_content"] = thought
+    return message
 
 
 class ResponsesFormatter:
@@ -171,7 +224,10 @@ class ResponsesFormatter:
         prompt_tokens: int,
         reasoning: str | None = None,
         constrained: bool = False,
+        tool_calls=None,
     ):
+        """`tool_calls`: protocol.ToolCalls of a request with tools: the output is read for calls
+        as on chat (format.ChatFormatter's reading), and streamed whole at its end."""
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -186,6 +242,10 @@ class ResponsesFormatter:
         self._open: dict | None = None  # the item text goes into now
         self._texts: dict[str, list[str]] = {}  # item id -> its text so far
         self._tokens = 0
+        self._calls = (
+            ChatFormatter(request_id, model, token_text, 1, None, tool_calls=tool_calls) if tool_calls else None
+        )
+        self._held: list[str] = []  # with tools: the output, read for calls at its end
 
     # ---- the response object
     def _response(self, status: str, output: list[dict], usage: dict | None, reason: str | None = None) -> dict:
@@ -226,14 +286,35 @@ class ResponsesFormatter:
 
     def full(self, finals: list[ChoiceOutput], u: dict) -> dict:
         c = finals[0].final
-        thought, text = split(c.text, self.reasoning, self.constrained) if self.reasoning else (None, c.text)
-        status = "incomplete" if c.finish_reason == "length" else "completed"
+        output = self._output(c.text, c.finish_reason)
+        usage = self._usage(u["completion_tokens"], c.num_cached_tokens)
+        return self._response("completed", output, usage, c.finish_reason)
+
+    def _output(self, whole: str, reason: str | None) -> list[dict]:
+        """A whole output's items: its thinking, its answer, the calls read from the answer."""
+        thought, text = split(whole, self.reasoning, self.constrained) if self.reasoning else (None, whole)
+        status = "incomplete" if reason == "length" else "completed"
+        calls: list[dict] = []
+        if self._calls is not None:
+            message, _ = self._calls._tool_message(text or "", reason)
+            text, calls = message.get("content"), message.get("tool_calls") or []
         output = []
         if thought is not None:
             output.append(self._reasoning_item(f"rs_{uuid.uuid4().hex}", thought, status))
-        output.append(self._message(f"msg_{uuid.uuid4().hex}", text or "", status))
-        usage = self._usage(u["completion_tokens"], c.num_cached_tokens)
-        return self._response("completed", output, usage, c.finish_reason)
+        if text or not calls:
+            output.append(self._message(f"msg_{uuid.uuid4().hex}", text or "", status))
+        for call in calls:
+            output.append(
+                {
+                    "id": f"fc_{uuid.uuid4().hex}",
+                    "type": "function_call",
+                    "status": "completed",
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": call["function"]["arguments"],
+                }
+            )
+        return output
 
     # ---- the stream (server/streaming.py: preamble, chunk_json per output, nothing at the end)
     def _event(self, kind: str, **fields) -> str:
@@ -298,6 +379,8 @@ class ResponsesFormatter:
     def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
         """The events this output makes: a list of JSON texts (each one server-sent event)."""
         self._tokens += len(out.new_token_ids)
+        if self._calls is not None:
+            return self._held_events(out)
         thought, text = "", out.new_text
         if self._thinker is not None:
             thought, text = self._thinker.feed(out.new_text)
@@ -319,6 +402,43 @@ class ResponsesFormatter:
             kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             events.append(self._event(kind, response=final))
         return events or None
+
+    def _held_events(self, out: ChoiceOutput) -> list[str] | None:
+        """With tools: nothing until the output ends (whether it is calls is known only then),
+        then every item's events, as OpenAI sends them, and the completed response."""
+        self._held.append(out.new_text)
+        if not out.final:
+            return None
+        reason = out.final.finish_reason
+        events: list[str] = []
+        for index, item in enumerate(self._output("".join(self._held), reason)):
+            self._items.append(item)
+            if item["type"] == "function_call":
+                announced = {**item, "arguments": "", "status": "in_progress"}
+                events.append(self._event("response.output_item.added", output_index=index, item=announced))
+                where = dict(item_id=item["id"], output_index=index)
+                events.append(self._event("response.function_call_arguments.delta", delta=item["arguments"], **where))
+                events.append(
+                    self._event("response.function_call_arguments.done", arguments=item["arguments"], **where)
+                )
+            else:
+                announced = {**item, "content": [], "status": "in_progress"}
+                events.append(self._event("response.output_item.added", output_index=index, item=announced))
+                part = item["content"][0]
+                where = dict(item_id=item["id"], output_index=index, content_index=0)
+                events.append(self._event("response.content_part.added", part={**part, "text": ""}, **where))
+                kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
+                extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+                events.append(self._event(f"response.{kind}.delta", delta=part["text"], **where, **extra))
+                events.append(self._event(f"response.{kind}.done", text=part["text"], **where, **extra))
+                events.append(self._event("response.content_part.done", part=part, **where))
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        final = self._response(
+            "completed", list(self._items), self._usage(self._tokens, out.final.num_cached_tokens), reason
+        )
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        events.append(self._event(kind, response=final))
+        return events
 
     def usage_chunk(self, u: dict) -> dict:  # never asked for: the completed event carries usage
         raise NotImplementedError

@@ -72,9 +72,11 @@ def test_json_schema_output(client):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),  # function tools only
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # "auto" needs a tool-call parser
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),  # no call_id
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),  # nothing is stored
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"background": True}, "background"),
     ],
@@ -156,3 +158,58 @@ def test_an_earlier_response_sent_back_with_its_reasoning():
         {"role": "assistant", "content": "4", "reasoning_content": "add"},
         {"role": "user", "content": "and 3 + 3?"},
     ]
+
+
+ADD = {
+    "type": "function",
+    "name": "add",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_tools_named_and_required(client, stream):
+    for choice in ({"type": "function", "name": "add"}, "required"):
+        kw = dict(model="tiny", input="add one", tools=[ADD], tool_choice=choice, max_output_tokens=200)
+        if stream:
+            events = list(client.responses.create(stream=True, **kw))
+            assert any(e.type == "response.function_call_arguments.done" for e in events)
+            r = events[-1].response
+        else:
+            r = client.responses.create(**kw)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert calls and all(c.name == "add" and isinstance(json.loads(c.arguments)["a"], int) for c in calls)
+        assert len({c.call_id for c in calls}) == len(calls)
+
+
+def test_the_calls_and_their_outputs_go_back_in_input(client):
+    r = client.responses.create(
+        model="tiny",
+        tools=[ADD],
+        tool_choice="none",
+        max_output_tokens=3,
+        input=[
+            {"role": "user", "content": "add one"},
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+            {"type": "function_call", "call_id": "c2", "name": "add", "arguments": '{"a": 2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "2"},
+            {"type": "function_call_output", "call_id": "c2", "output": "3"},
+        ],
+    )
+    assert r.output[0].type == "message"
+    req = ResponsesRequest.model_validate(
+        {"input": [{"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+                   {"type": "function_call", "call_id": "c2", "name": "add", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c1", "output": "2"}]}
+    )  # fmt: skip
+    (assistant, tool) = req.messages()
+    assert [c["id"] for c in assistant["tool_calls"]] == ["c1", "c2"] and tool == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "2",
+    }
