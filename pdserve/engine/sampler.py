@@ -62,6 +62,7 @@ class Sampler:
         # bad_words (a tuple) -> their token sequences: the engine's, which checked them when the
         # request came (every id in the vocabulary) and keeps them cached
         self.bad_words_ids = bad_words_ids
+        self._bad_words: dict[str, list[list[int]]] = {}  # per sequence: its bad words' token ids
         # structured_outputs.StructuredOutputs: the masks of constrained sequences
         self.structured = structured
 
@@ -69,6 +70,7 @@ class Sampler:
         self._generators.pop(seq_id, None)
         self._seen.pop(seq_id, None)
         self._allowed.pop(seq_id, None)
+        self._bad_words.pop(seq_id, None)
         if self.structured is not None:
             self.structured.forget(seq_id)
 
@@ -113,7 +115,7 @@ class Sampler:
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:
         """allowed_token_ids, bad_words, logit_bias and the penalties, on row i."""
         if p.bad_words:
-            self._ban_bad_words(logits, i, p, history[i][1])
+            self._ban_bad_words(logits, i, p, seq_ids[i], history[i][1])
         if p.allowed_token_ids is not None:
             allowed = self._allowed.get(seq_ids[i])
             if allowed is None:  # made once a sequence, not once a step
@@ -140,8 +142,10 @@ class Sampler:
             counts = seen.counts
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
-    def _ban_bad_words(self, logits, i, p, output: list[int]) -> None:
-        words = self.bad_words_ids(tuple(p.bad_words))
+    def _ban_bad_words(self, logits, i, p, seq_id: str, output: list[int]) -> None:
+        words = self._bad_words.get(seq_id)
+        if words is None:  # looked up once a sequence, not once a step
+            words = self._bad_words[seq_id] = self.bad_words_ids(tuple(p.bad_words))
         banned = [w[-1] for w in words if len(w) == 1 or (len(output) >= len(w) - 1 and output[1 - len(w) :] == w[:-1])]
         if banned:
             logits[i, banned] = float("-inf")

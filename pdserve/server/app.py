@@ -164,6 +164,7 @@ class _Api:
         self.engine = engine
         self.settings = settings
         self._token_text: TokenText | None = None
+        self._defaults: dict | None = None  # the generation config's, capped at the context (_sampling_defaults)
         self.created = int(time.time())  # the model cards' "created": when this server started
 
     # ---- helpers
@@ -231,10 +232,12 @@ class _Api:
     def _sampling_defaults(self) -> dict:
         """The generation config's defaults, its max_new_tokens at most the context (a default
         past it must not make a 400 of a request that set no max_tokens)."""
-        d = self.settings.sampling_defaults
-        if d.get("max_tokens") is not None and d["max_tokens"] > self._core().max_model_len:
-            d = {**d, "max_tokens": self._core().max_model_len}
-        return d
+        if self._defaults is None:  # once: the context is known once the model is
+            d = self.settings.sampling_defaults
+            if d.get("max_tokens") is not None and d["max_tokens"] > self._core().max_model_len:
+                d = {**d, "max_tokens": self._core().max_model_len}
+            self._defaults = d
+        return self._defaults
 
     def _text(self):
         if self._token_text is None:

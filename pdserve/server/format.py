@@ -447,10 +447,7 @@ class ChatFormatter(_Base):
         reason = out.final.finish_reason if out.final else None
         if reason == "stop" and reader.seen_call:
             reason = "tool_calls"
-        choice = {"index": index, "delta": delta, "logprobs": self._chunk_logprobs(out), "finish_reason": reason}
-        if out.final:
-            choice["stop_reason"] = out.final.stop_reason
-        return self._envelope(self.chunk_object_name, [choice])
+        return self._delta_chunk(index, out, delta, reason)
 
     def chunk_json(self, index: int, out: ChoiceOutput, include_usage: bool, usage_now: dict | None = None):
         if self.tool_calls is None and self.reasoning is None:
@@ -483,10 +480,7 @@ class ChatFormatter(_Base):
                     delta = {"content": message["content"]}
         if not delta and not out.final and self.top_logprobs is None:
             return None
-        choice = {"index": index, "delta": delta, "logprobs": self._chunk_logprobs(out), "finish_reason": reason}
-        if out.final:
-            choice["stop_reason"] = out.final.stop_reason
-        return self._envelope(self.chunk_object_name, [choice])
+        return self._delta_chunk(index, out, delta, reason)
 
     def _logprobs(self, token_ids: list[int], entries: list[dict]) -> dict | None:
         if self.top_logprobs is None:
@@ -547,12 +541,13 @@ class ChatFormatter(_Base):
             return self._tool_chunk(index, out)
         if not out.new_text and not out.finished and self.top_logprobs is None:
             return None
-        choice = {
-            "index": index,
-            "delta": {"content": out.new_text} if out.new_text else {},
-            "logprobs": self._logprobs(out.new_token_ids, out.new_logprobs or []),
-            "finish_reason": out.final.finish_reason if out.final else None,
-        }
+        delta = {"content": out.new_text} if out.new_text else {}
+        return self._delta_chunk(index, out, delta, out.final.finish_reason if out.final else None)
+
+    def _delta_chunk(self, index: int, out: ChoiceOutput, delta: dict, reason: str | None) -> dict:
+        """A streamed chunk of one choice: its delta, the new tokens' logprobs, and at the end
+        the finish and stop reasons."""
+        choice = {"index": index, "delta": delta, "logprobs": self._chunk_logprobs(out), "finish_reason": reason}
         if out.final:
             choice["stop_reason"] = out.final.stop_reason
         return self._envelope(self.chunk_object_name, [choice])

@@ -395,13 +395,18 @@ class ResponsesFormatter:
         if out.final:
             if not any(i["type"] == "message" for i in self._items):
                 events += self._open_item("message")  # an empty answer is still a message
-            reason = out.final.finish_reason
-            events += self._close_item("incomplete" if reason == "length" else "completed")
-            usage = self._usage(self._tokens, out.final.num_cached_tokens)
-            final = self._response("completed", list(self._items), usage, reason)
-            kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-            events.append(self._event(kind, response=final))
+            events += self._finished(out.final)
         return events or None
+
+    def _finished(self, final) -> list[str]:
+        """The end: the open item closed, then the whole response in a completed event."""
+        reason = final.finish_reason
+        events = self._close_item("incomplete" if reason == "length" else "completed")
+        response = self._response(
+            "completed", list(self._items), self._usage(self._tokens, final.num_cached_tokens), reason
+        )
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=response)]
 
     def _held_events(self, out: ChoiceOutput) -> list[str] | None:
         """With tools: nothing until the output ends (whether it is calls is known only then),
@@ -409,36 +414,24 @@ class ResponsesFormatter:
         self._held.append(out.new_text)
         if not out.final:
             return None
-        reason = out.final.finish_reason
         events: list[str] = []
-        for index, item in enumerate(self._output("".join(self._held), reason)):
+        for item in self._output("".join(self._held), out.final.finish_reason):
+            if item["type"] != "function_call":  # thinking or answer: as a stream would have sent it
+                text = item["content"][0]["text"]
+                events += self._delta(item["type"], text) if text else self._open_item(item["type"])
+                continue
+            events += self._close_item()
+            index = len(self._items)
             self._items.append(item)
-            if item["type"] == "function_call":
-                announced = {**item, "arguments": "", "status": "in_progress"}
-                events.append(self._event("response.output_item.added", output_index=index, item=announced))
-                where = dict(item_id=item["id"], output_index=index)
-                events.append(self._event("response.function_call_arguments.delta", delta=item["arguments"], **where))
-                events.append(
-                    self._event("response.function_call_arguments.done", arguments=item["arguments"], **where)
-                )
-            else:
-                announced = {**item, "content": [], "status": "in_progress"}
-                events.append(self._event("response.output_item.added", output_index=index, item=announced))
-                part = item["content"][0]
-                where = dict(item_id=item["id"], output_index=index, content_index=0)
-                events.append(self._event("response.content_part.added", part={**part, "text": ""}, **where))
-                kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
-                extra = {} if item["type"] == "reasoning" else {"logprobs": []}
-                events.append(self._event(f"response.{kind}.delta", delta=part["text"], **where, **extra))
-                events.append(self._event(f"response.{kind}.done", text=part["text"], **where, **extra))
-                events.append(self._event("response.content_part.done", part=part, **where))
-            events.append(self._event("response.output_item.done", output_index=index, item=item))
-        final = self._response(
-            "completed", list(self._items), self._usage(self._tokens, out.final.num_cached_tokens), reason
-        )
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        events.append(self._event(kind, response=final))
-        return events
+            where = dict(item_id=item["id"], output_index=index)
+            announced = {**item, "arguments": "", "status": "in_progress"}
+            events += [
+                self._event("response.output_item.added", output_index=index, item=announced),
+                self._event("response.function_call_arguments.delta", delta=item["arguments"], **where),
+                self._event("response.function_call_arguments.done", arguments=item["arguments"], **where),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
+        return events + self._finished(out.final)
 
     def usage_chunk(self, u: dict) -> dict:  # never asked for: the completed event carries usage
         raise NotImplementedError
