@@ -269,6 +269,79 @@ class DeviceConfig:
         return getattr(torch, self.dtype)
 
 
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # drafts a sequence may carry into one step
+MAX_PROMPT_LOOKUP = 64  # longest n-gram looked for
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, by vLLM's `--speculative-config` keys.
+
+    "ngram" (prompt lookup): no draft model; a sequence's next tokens are guessed by
+    finding its last n tokens earlier in its own prompt and output and proposing what
+    followed them there. It pays off where outputs copy their input (editing, extraction,
+    summaries that quote, code) and costs a little where they do not (each step computes
+    the drafts whether or not they are kept)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5  # vLLM's defaults; one given alone sets both
+    prompt_lookup_min: int = 5
+    # no drafts in a step that runs this many sequences or more (None: always): a large
+    # batch already fills the matrix units, and rejected drafts there are pure cost
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(
+                f"speculative method {self.method!r} is not supported: only 'ngram' (prompt lookup); draft "
+                "models, EAGLE and MTP need a second model or heads pdserve does not load"
+            )
+        for name, value, lo, hi in (
+            ("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS),
+            ("prompt_lookup_max", self.prompt_lookup_max, 1, MAX_PROMPT_LOOKUP),
+            ("prompt_lookup_min", self.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ConfigError(f"speculative {name} must be an integer within {lo}..{hi}, not {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ConfigError(f"speculative disable_by_batch_size must be an integer >= 1, not {d!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict) -> SpeculativeConfig:
+        """From the flag's JSON or a dict (`LLM(speculative_config={...})`)."""
+        import json
+
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(
+                'speculative_config must be a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}'
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        kw = dict(value)
+        if "prompt_lookup_max" in kw and "prompt_lookup_min" not in kw:
+            kw["prompt_lookup_min"] = kw["prompt_lookup_max"]
+        elif "prompt_lookup_min" in kw and "prompt_lookup_max" not in kw:
+            kw["prompt_lookup_max"] = kw["prompt_lookup_min"]
+        return cls(**kw)
+
+
 @dataclass
 class EngineConfig:
     """The model and the engine.
@@ -299,6 +372,16 @@ class EngineConfig:
         "token-identical to exact fp32 (agreement: docs/performance.md). Default: on under --dtype auto "
         "where it resolves to float32 on an AVX2 CPU, else off",
     )
+    speculative_config: str | None = setting(
+        None,
+        metavar="JSON",
+        help="""speculative decoding (vLLM's flag): '{"method": "ngram", "num_speculative_tokens": 4}' drafts
+        tokens by finding the sequence's last few tokens earlier in it (prompt lookup) and checks them all in
+        one forward pass; output is unchanged (greedy) or identically distributed (sampling). Keys:
+        prompt_lookup_max/prompt_lookup_min (longest/shortest n-gram matched, default 5; one alone sets both),
+        disable_by_batch_size (no drafts while this many sequences run)""",
+    )
+    speculative: SpeculativeConfig | None = internal(None, why="parsed from speculative_config")
     cache: CacheConfig = internal(default_factory=CacheConfig, why="a section of its own")
     scheduler: SchedulerConfig = internal(default_factory=SchedulerConfig, why="a section of its own")
     device: DeviceConfig = internal(default_factory=DeviceConfig, why="a section of its own")
@@ -313,6 +396,8 @@ class EngineConfig:
                 self.device.dtype_reason += f"; {why}"
         if self.tiers.enabled and not self.cache.enable_prefix_caching:
             raise ConfigError("KV tiers find blocks by their prefix hash: they need prefix caching on")
+        if self.speculative is None and self.speculative_config is not None:
+            self.speculative = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

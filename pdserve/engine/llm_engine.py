@@ -20,6 +20,7 @@ from pdserve.engine.sampler import Sampler, bad_words_token_ids
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler
 from pdserve.engine.sequence import PENDING, CompletionOutput, FinishReason, RequestOutput, Sequence, as_logprobs
+from pdserve.engine.spec_decode import NgramProposer, SpecStats, verify
 from pdserve.engine.step_trace import StepRecord, step_rows
 from pdserve.engine.structured_outputs import StructuredOutputs
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -70,6 +71,10 @@ class LLMEngine:
             self.scheduler.external = self.kv_store
         self.structured = StructuredOutputs(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         self.sampler = Sampler(self.runner.device, self.structured, self.bad_words_ids)
+        self.drafter = None  # speculative decoding (spec_decode.py)
+        self.spec_stats = SpecStats()
+        if config.speculative is not None:
+            self.drafter = self.scheduler.drafter = NgramProposer(config.speculative)
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # LRU: words -> ids
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -475,7 +480,7 @@ class LLMEngine:
                 self.kv_store.wait_for_loads(0.005)  # nothing to run until a load lands
             return []
         hook = self.bridge.layer_hook(sched.scheduled, self.runner, self.block_manager) if self.bridge else None
-        logits, rows, prompt_logits = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
+        logits, rows, prompt_logits, spec = self.runner.execute(sched, self.block_manager, on_layer_done=hook)
         for seq, first_pos, lg in prompt_logits:
             record_prompt_logprobs(seq, first_pos, lg)
         if self.bridge is not None:
@@ -490,14 +495,33 @@ class LLMEngine:
                 [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
             )
             sampled = [SampledToken(seq, tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)]
+        had = None
+        if spec is not None:
+            sampled += self._verify(*spec)
+            had = {id(x.seq): (x.seq, len(x.seq.output_token_ids)) for x in sampled}
         upd = self.scheduler.update_from_output(sched, sampled, time.monotonic(), self._detokenize)
         self.num_prompt_tokens_computed += upd.num_prompt_tokens
         for seq in upd.finished:
             self._forget(seq)
-        outputs = [self._output(x.seq, [x.token]) for x in sampled]
+        if spec is None:
+            outputs = [self._output(x.seq, [x.token]) for x in sampled]
+        else:  # a verified sequence got several tokens (up to one that ended it): one output
+            outputs = [self._output(seq, seq.output_token_ids[n:]) for seq, n in had.values()]
         if self._pending_reserve:  # finished sequences may have made room
             self.retry_reservations()
         return outputs
+
+    def _verify(self, logits: torch.Tensor, spec_rows: list) -> list[SampledToken]:
+        """The tokens the drafts of a step's spec rows come to (spec_decode.verify); each row
+        learns how many of its drafts were refused, for the scheduler's bookkeeping."""
+        seqs = [r.seq for r in spec_rows]
+        results = verify(self.sampler, logits, seqs, [r.spec_token_ids for r in spec_rows])
+        sampled = []
+        for r, v in zip(spec_rows, results):
+            r.num_rejected = len(r.spec_token_ids) - v.num_accepted
+            self.spec_stats.record(len(r.spec_token_ids), v.num_accepted)
+            sampled.extend(SampledToken(r.seq, tok, lp) for tok, lp in zip(v.tokens, v.logprobs))
+        return sampled
 
     def _detokenize(self, seq: Sequence, token: int) -> str:
         return self._detok[seq.seq_id].step([token])
@@ -509,6 +533,8 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         """Drop the engine's own state of a finished sequence (the scheduler has let it go)."""
         self.sampler.forget(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
         self._receivers.pop(seq.seq_id, None)
         # keep finished sequences out of the table so ids can be reused and memory stays flat
@@ -595,6 +621,7 @@ class LLMEngine:
             "prefix_cache_hits_tokens": bm.stats.hits_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
+            **(self.spec_stats.as_dict() if self.drafter is not None else {}),
             **({"kv_store": self.kv_store.stats()} if self.kv_store is not None else {}),
         }
 

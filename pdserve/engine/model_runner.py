@@ -176,17 +176,20 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, kv: BlockManager):
         """Flatten the step: decode tokens first, then prefill spans.
 
-        Returns (input_ids, positions, metadata, logits_indices, sampling rows, prompt rows),
-        where a sampling row is a scheduled entry that reached the end of its tokens and
-        therefore samples a new one. A prompt row (seq, first position, count) asks for the
-        logits of `count` prompt positions from `first position` on (prompt logprobs); their
-        indices follow the sampling rows' in `logits_indices`.
+        Returns (input_ids, positions, metadata, logits_indices, sampling rows, prompt rows,
+        spec rows), where a sampling row is a scheduled entry that reached the end of its tokens
+        and therefore samples a new one. A spec row is a decoding entry that brought drafted
+        tokens (speculative decoding): it wants the logits of all its positions, the last
+        real token's and each draft's; their indices follow the sampling rows'. A prompt row
+        (seq, first position, count) asks for the logits of `count` prompt positions from
+        `first position` on (prompt logprobs); their indices come last in `logits_indices`.
         """
         bs = self.block_size
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         ids, pos, slots = [], [], []
         logits_idx, rows = [], []
+        spec_idx, spec_rows = [], []
         prompt_idx, prompt_rows = [], []
         dec_tables, dec_lens = [], []
         spans: list[tuple] = []
@@ -194,9 +197,14 @@ class ModelRunner:
             for s in group:
                 seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
                 table = kv.block_table(seq.seq_id)
-                tokens = seq.all_token_ids[start : start + n]
                 first = len(ids)
-                ids.extend(tokens)
+                if s.spec_token_ids:
+                    ids.extend(seq.all_token_ids[start : start + n - len(s.spec_token_ids)])
+                    ids.extend(s.spec_token_ids)
+                    spec_idx.extend(range(first, first + n))
+                    spec_rows.append(s)
+                else:
+                    ids.extend(seq.all_token_ids[start : start + n])
                 pos.extend(range(start, start + n))
                 slots.extend(slot_list(table, start, start + n, bs))
                 if start + n == seq.num_tokens:
@@ -235,8 +243,8 @@ class ModelRunner:
             meta.prefills = [self._torch_span(*s) for s in spans]
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        logits_idx = torch.tensor(logits_idx + prompt_idx, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, logits_idx, rows, prompt_rows
+        logits_idx = torch.tensor(logits_idx + spec_idx + prompt_idx, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, logits_idx, rows, prompt_rows, spec_rows
 
     def _torch_span(self, first: int, end: int, ctx: int, table: list[int]) -> PrefillSpan:
         """A span for torch's SDPA: its own K/V when it starts at position 0, else the
@@ -265,21 +273,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: BlockManager, on_layer_done=None):
-        """Run the step; returns (logits for the sampling rows, those rows, prompt logits), the
-        last a list of (seq, first position, logits of that and the following positions)."""
-        input_ids, positions, meta, logits_idx, rows, prompt_rows = self.prepare(out, kv)
+        """Run the step; returns (logits for the sampling rows, those rows, prompt logits, spec
+        logits): the third a list of (seq, first position, logits of that and the following
+        positions), the last (logits of every position of the spec rows, one row after another,
+        those rows) or None when the step has no drafts."""
+        input_ids, positions, meta, logits_idx, rows, prompt_rows, spec_rows = self.prepare(out, kv)
         if (
             not prompt_rows
+            and not spec_rows
             and self.graphs is not None
             and self.graphs.can_run(meta.num_decodes, input_ids.shape[0], on_layer_done)
         ):
-            return self.graphs.run(input_ids, positions, meta, logits_idx), rows, []
+            return self.graphs.run(input_ids, positions, meta, logits_idx), rows, [], None
         meta.on_layer_done = on_layer_done
         logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
-        if not prompt_rows:
-            return logits, rows, []
-        prompt_logits, at = [], len(rows)
+        at = len(rows)
+        spec = None
+        if spec_rows:
+            n = sum(s.num_new_tokens for s in spec_rows)
+            spec = (logits[at : at + n], spec_rows)
+            at += n
+        prompt_logits = []
         for seq, first_pos, count in prompt_rows:
             prompt_logits.append((seq, first_pos, logits[at : at + count]))
             at += count
-        return logits[: len(rows)], rows, prompt_logits
+        return logits[: len(rows)], rows, prompt_logits, spec

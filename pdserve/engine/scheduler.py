@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.sequence import FinishReason, Sequence, Status
+from pdserve.engine.sequence import FinishReason, Sequence, Status, TokenIds
 from pdserve.kv.block_manager import BlockManager
 
 # waiting prompts one step may pass over, held back by max_num_partial_prefills, to reach
@@ -48,6 +48,11 @@ PROMPT_LOGPROBS_CHUNK = 512
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # speculative decoding: the drafted tokens computed after the sequence's last one
+    # (num_new_tokens counts them), and how many of them verification refused (set after
+    # the step; their KV is left in the blocks, past the sequence's end, to be overwritten)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_rejected: int = 0
 
 
 @dataclass
@@ -186,6 +191,9 @@ class Scheduler:
         self.remote: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by id
         self.loading: set[str] = set()  # of those, the ones loading from a tier (this worker copies)
         self._abandoned: set[str] = set()  # aborted while loading: blocks freed when the copy ends
+        # speculative decoding: anything with `propose(seq, k) -> list[int]` (up to k drafted
+        # tokens), `num_speculative_tokens` and `disable_by_batch_size` (spec_decode.NgramProposer)
+        self.drafter = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -283,6 +291,12 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts(seq, budget) if n == 1 and self.drafter is not None else []
+            if drafts and self.kv.allocate(seq.seq_id, seq.num_computed_tokens + 1 + len(drafts)):
+                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), drafts))
+                budget -= 1 + len(drafts)
+                i += 1
+                continue
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -370,6 +384,21 @@ class Scheduler:
             self.waiting.restore(entry)
         return out
 
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Drafted tokens for a decoding sequence this step (speculative decoding), within the
+        step's budget, the context and max_tokens: a step keeps at most drafts + 1 tokens."""
+        d = self.drafter
+        if not seq.output_token_ids or (
+            d.disable_by_batch_size is not None and len(self.running) >= d.disable_by_batch_size
+        ):
+            return []
+        k = min(d.num_speculative_tokens, budget - 1)
+        if self.max_model_len is not None:
+            k = min(k, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        return d.propose(seq, k) if k > 0 else []
+
     def _fits_this_step(self, seq: Sequence, budget: int) -> bool:
         """Whether the rest of a waiting prompt, less the prefix the cache holds, fits one step."""
         if seq.num_computed_tokens or self.kv.owns_blocks(seq.seq_id):
@@ -440,8 +469,14 @@ class Scheduler:
                 continue
             start = seq.num_computed_tokens
             upd.num_prompt_tokens += max(0, min(start + s.num_new_tokens, seq.num_prompt_tokens) - start)
-            seq.num_computed_tokens = start + s.num_new_tokens
-            if self.cache_generated_blocks:
+            seq.num_computed_tokens = start + s.num_new_tokens - s.num_rejected
+            if s.spec_token_ids:
+                # the accepted drafts' KV is in place: their blocks may be full (the drafts are
+                # appended below, as the sampled tokens they turned out to be)
+                accepted = s.spec_token_ids[: len(s.spec_token_ids) - s.num_rejected]
+                tokens = TokenIds(seq.prompt_token_ids, seq.output_token_ids + accepted)
+                self.kv.cache_full_blocks(seq.seq_id, tokens, seq.num_computed_tokens, seq.hash_root)
+            elif self.cache_generated_blocks:
                 self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.hash_root)
             elif start < seq.num_prompt_tokens:
                 self.kv.cache_full_blocks(
@@ -451,9 +486,13 @@ class Scheduler:
                     seq.hash_root,
                 )
         now = time.monotonic() if now is None else now
+        ended: set[int] = set()  # a verified sequence's later tokens after one that ended it
         for x in sampled:
+            if ended and id(x.seq) in ended:
+                continue
             if self.append_token(x.seq, x.token, x.logprobs, now, detokenize):
                 upd.finished.append(x.seq)
+                ended.add(id(x.seq))
         return upd
 
     def append_token(

@@ -44,7 +44,8 @@ def step_rows(sched) -> list[list[int]]:
     rows = []
     for s in sched.scheduled:
         n = s.num_new_tokens
-        done = s.seq.num_computed_tokens - n
+        # a row with drafts (speculative decoding) advanced by its accepted tokens only
+        done = s.seq.num_computed_tokens - (n - s.num_rejected)
         rows.append([done, n, int(n == 1 and done >= s.seq.num_prompt_tokens)])
     return rows
 

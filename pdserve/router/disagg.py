@@ -420,6 +420,9 @@ class DisaggEngine:
         "prefix_cache_hits_tokens",
         "num_preemptions",
         "prompt_tokens_computed",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
     )
 
     def _worker_counters(self) -> dict[str, float]:
@@ -435,8 +438,10 @@ class DisaggEngine:
                 if v < last:
                     self._counter_base[key] = self._counter_base.get(key, 0) + last
                 self._counter_last[(w.worker_id, key)] = v
-        totals = dict.fromkeys(self.WORKER_COUNTERS, 0)
+        # speculative decoding's, only once a worker has them (workers without it report none)
+        totals = {k: 0 for k in self.WORKER_COUNTERS if not k.startswith("spec_decode_")}
         for (_, key), v in self._counter_last.items():
+            totals.setdefault(key, 0)
             totals[key] += v
         return {k: v + self._counter_base.get(k, 0) for k, v in totals.items()}
 

@@ -50,6 +50,14 @@ def run(args) -> int:
         if args.prefill < 1 or args.decode < 1:
             print("pdserve serve: --prefill and --decode must be at least 1", file=sys.stderr)
             return 2
+        if args.speculative_config is not None:  # refused here, not by each worker once started
+            from pdserve.config import ConfigError, SpeculativeConfig
+
+            try:
+                SpeculativeConfig.parse(args.speculative_config)
+            except ConfigError as e:
+                print(f"pdserve serve: {e}", file=sys.stderr)
+                return 2
         if args.ray:
             if not args.ray_address and not os.environ.get("RAY_AUTH_MODE"):
                 # a local Ray we start keeps its token auth on (read when ray is imported)

@@ -91,6 +91,10 @@ VLLM_NAMES = frozenset(
         "prefix_cache_queries",
         "prefix_cache_hits",
         "num_preemptions",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
     }
 )
 
@@ -245,8 +249,29 @@ class _Collector:
             name,
             s.get("prompt_tokens_computed", 0),
         )
+        if "spec_decode_num_drafts" in s:
+            yield from _spec_decode(s, name)
         if s.get("kv_store"):
             yield from _kv_tiers(s["kv_store"], name)
+
+
+def _spec_decode(s: dict, name: str):
+    """Speculative decoding's counters, as vLLM's: acceptance rate = accepted / draft tokens,
+    mean tokens per drafted step = 1 + accepted / drafts."""
+    for key, doc in (
+        ("num_drafts", "Steps in which a sequence brought drafted tokens."),
+        ("num_draft_tokens", "Drafted tokens computed."),
+        ("num_accepted_tokens", "Drafted tokens accepted."),
+    ):
+        yield _counter(f"pdserve:spec_decode_{key}", doc, name, s[f"spec_decode_{key}"])
+    per_pos = CounterMetricFamily(
+        "pdserve:spec_decode_num_accepted_tokens_per_pos",
+        "Drafted tokens accepted, by position in the draft (0: the first).",
+        labels=["model_name", "position"],
+    )
+    for pos, value in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+        per_pos.add_metric([name, str(pos)], value)
+    yield per_pos
 
 
 _TIER_COUNTERS = (

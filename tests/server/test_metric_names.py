@@ -14,6 +14,11 @@ STATS = {
     "prefix_cache_hits_tokens": 40,
     "num_preemptions": 1,
     "prompt_tokens_computed": 60,
+    # an engine with speculative decoding on
+    "spec_decode_num_drafts": 5,
+    "spec_decode_num_draft_tokens": 20,
+    "spec_decode_num_accepted_tokens": 9,
+    "spec_decode_num_accepted_tokens_per_pos": [5, 3, 1, 0],
 }
 
 

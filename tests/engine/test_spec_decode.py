@@ -1,0 +1,200 @@
+"""Speculative decoding by prompt lookup: drafts change how fast tokens come, never which.
+
+The tiny random model repeats itself within a few dozen tokens, so its own history
+predicts it well: the drafts are really accepted (each test checks the counters), and
+each test compares with the same engine without drafts."""
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ConfigError, EngineConfig, SpeculativeConfig
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.spec_decode import _rejection_sample, find_ngram_continuation
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPTS = [
+    "hello world hello world hello",
+    "a much longer prompt that spans several kv blocks of four tokens",
+    "x",
+    "the quick brown fox jumps over the lazy dog " * 3,
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+ENGINE = dict(dtype="float32", block_size=4, num_gpu_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return LLM(tiny_model_dir, **ENGINE)
+
+
+@pytest.fixture
+def spec(tiny_model_dir):
+    return LLM(tiny_model_dir, speculative_config=SPEC, **ENGINE)
+
+
+def ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def accepted(llm) -> int:
+    return llm.engine.stats()["spec_decode_num_accepted_tokens"]
+
+
+def assert_idle(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_lookup_takes_the_longest_then_the_latest_match():
+    t = np.array([1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3])
+    # suffix [1, 2, 3] occurs at 0 (followed by 9...); [2, 3] also at 4 (followed by 8): longest wins
+    assert find_ngram_continuation(t, 1, 3, 2).tolist() == [9, 2]
+    # only 2-grams: the latest [2, 3] is at 4
+    assert find_ngram_continuation(t, 1, 2, 3).tolist() == [8, 7, 1]
+    assert find_ngram_continuation(np.array([5, 6, 7]), 1, 3, 4).tolist() == []  # nothing repeats
+    assert find_ngram_continuation(np.array([4, 4, 4, 4]), 1, 2, 5).tolist() == [4]  # ends at the end
+    assert find_ngram_continuation(np.array([4]), 1, 2, 5).tolist() == []
+
+
+def test_config_is_checked():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_min == 5
+    one = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (2, 2)
+    for bad, words in (
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'ngram'"),
+        ('{"method": "ngram"}', "needs"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "1..16"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "exceeds"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', ">= 1"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig.from_kwargs(device="cpu", speculative_config=bad)
+
+
+def test_greedy_output_is_unchanged_and_drafts_are_kept(plain, spec):
+    ref = ids(plain.generate(PROMPTS, GREEDY))
+    assert ids(spec.generate(PROMPTS, GREEDY)) == ref
+    s = spec.engine.stats()
+    assert (
+        s["spec_decode_num_accepted_tokens"] > 20 and s["spec_decode_num_draft_tokens"] >= s["spec_decode_num_drafts"]
+    )
+    assert sum(s["spec_decode_num_accepted_tokens_per_pos"]) == s["spec_decode_num_accepted_tokens"]
+    assert_idle(spec)
+    # one at a time too (the batch above mixed drafted and plain rows)
+    assert [ids(spec.generate(p, GREEDY))[0] for p in PROMPTS] == ref
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 23])
+def test_stops_where_it_would_have(plain, spec, max_tokens):
+    """max_tokens, a stop token and a stop string met inside an accepted draft end the
+    sequence there: nothing past them is kept."""
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref = plain.generate(PROMPTS, p)
+    got = spec.generate(PROMPTS, p)
+    assert ids(got) == ids(ref) and all(len(t) == max_tokens for t in ids(got))
+    long = ids(plain.generate(PROMPTS[0], GREEDY))[0]
+    stop_id = long[17]  # a token of the repeating part: met inside a draft
+    by_id = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id], ignore_eos=True)
+    a, b = plain.generate(PROMPTS[0], by_id)[0].outputs[0], spec.generate(PROMPTS[0], by_id)[0].outputs[0]
+    assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (a.token_ids, a.text, "stop", stop_id)
+    text = plain.generate(PROMPTS[0], GREEDY)[0].outputs[0].text
+    by_text = SamplingParams(temperature=0, max_tokens=40, stop=[text[20:24]], ignore_eos=True)
+    a, b = plain.generate(PROMPTS[0], by_text)[0].outputs[0], spec.generate(PROMPTS[0], by_text)[0].outputs[0]
+    assert (b.text, b.finish_reason) == (a.text, "stop") and b.token_ids == a.token_ids
+    assert accepted(spec) > 0
+    assert_idle(spec)
+
+
+def test_context_limit_and_logprobs(tiny_model_dir, plain):
+    """Drafts never reach past max_model_len; logprobs of every kept token are the model's."""
+    limit = dict(ENGINE, max_model_len=60)
+    a = LLM(tiny_model_dir, **limit)
+    b = LLM(tiny_model_dir, speculative_config=SPEC, **limit)
+    p = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=2)
+    ra, rb = a.generate(PROMPTS[0], p)[0].outputs[0], b.generate(PROMPTS[0], p)[0].outputs[0]
+    assert rb.token_ids == ra.token_ids and rb.finish_reason == "length"
+    assert accepted(b) > 0
+    for x, y in zip(ra.logprobs, rb.logprobs):
+        assert list(x) == list(y)  # the chosen token, then the top 2, in order
+        for tok in x:
+            assert y[tok].logprob == pytest.approx(x[tok].logprob, abs=1e-4) and y[tok].rank == x[tok].rank
+    assert rb.cumulative_logprob == pytest.approx(ra.cumulative_logprob, abs=1e-3)
+
+
+def test_preemption_and_prefix_cache(tiny_model_dir, plain):
+    """A pool too small for the batch preempts drafted sequences like any other; blocks filled by
+    accepted drafts enter the prefix cache under the tokens they hold."""
+    ref = ids(plain.generate(PROMPTS, GREEDY))
+    small = LLM(
+        tiny_model_dir, speculative_config=SPEC, dtype="float32", block_size=4, num_gpu_blocks=48,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    assert ids(small.generate(PROMPTS, GREEDY)) == ref
+    assert small.engine.scheduler.num_preemptions > 0 and accepted(small) > 0
+    assert_idle(small)
+    spec = LLM(tiny_model_dir, speculative_config=SPEC, **ENGINE)
+    first = spec.generate(PROMPTS[0], GREEDY)[0]
+    longer = first.prompt_token_ids + first.outputs[0].token_ids[:30]
+    again = spec.generate([longer], GREEDY)[0]
+    assert again.num_cached_tokens >= 28  # the output's blocks were cached...
+    assert again.outputs[0].token_ids == plain.generate([longer], GREEDY)[0].outputs[0].token_ids  # ...rightly
+
+
+def test_requests_it_cannot_draft_for_decode_as_before(tiny_model_dir, plain):
+    """Penalties read every earlier token: such requests get no drafts, in the same batches."""
+    spec = LLM(tiny_model_dir, speculative_config=SPEC, **ENGINE)
+    pen = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3)
+    assert ids(spec.generate(PROMPTS, pen)) == ids(plain.generate(PROMPTS, pen))
+    assert spec.engine.stats()["spec_decode_num_drafts"] == 0
+    mixed = [pen, GREEDY, pen, GREEDY]
+    assert ids(spec.generate(PROMPTS, mixed)) == ids(plain.generate(PROMPTS, mixed))
+    assert accepted(spec) > 0
+
+
+def test_disable_by_batch_size(tiny_model_dir, plain):
+    cfg = dict(SPEC, disable_by_batch_size=2)
+    spec = LLM(tiny_model_dir, speculative_config=cfg, **ENGINE)
+    assert ids(spec.generate(PROMPTS, GREEDY)) == ids(plain.generate(PROMPTS, GREEDY))
+    assert spec.engine.stats()["spec_decode_num_drafts"] == 0  # four ran together throughout
+    spec.generate(PROMPTS[0], GREEDY)
+    assert accepted(spec) > 0
+
+
+def test_seeded_sampling_repeats(spec):
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=7)
+    assert ids(spec.generate(PROMPTS, p)) == ids(spec.generate(PROMPTS, p))
+    assert spec.engine.stats()["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("draft", [0, 2, 4])
+def test_rejection_sampling_keeps_the_distribution(draft):
+    """A token from `_rejection_sample` is distributed as the model's own distribution, whether
+    the draft is likely, unlikely or impossible under it; so is the one after an accepted draft."""
+    probs = torch.tensor(
+        [[0.5, 0.2, 0.0, 0.25, 0.05], [0.1, 0.6, 0.1, 0.1, 0.1]], dtype=torch.float32
+    )  # position 0, then after the draft
+    sampler = Sampler(torch.device("cpu"))
+    seq = type("S", (), {})()
+    seq.params, seq.seq_id = SamplingParams(temperature=1.0), "r"
+    n = 20000
+    first = np.zeros(5)
+    after = np.zeros(5)
+    torch.manual_seed(0)
+    for _ in range(n):
+        toks = _rejection_sample(sampler, probs, [draft], seq)
+        first[toks[0]] += 1
+        if len(toks) == 2:
+            after[toks[1]] += 1
+    p0 = probs[0].numpy()
+    sigma = np.sqrt(p0 * (1 - p0) / n)
+    assert np.all(np.abs(first / n - p0) <= 5 * sigma + 1e-9), (first / n, p0)
+    if after.sum():
+        p1 = probs[1].numpy()
+        m = after.sum()
+        assert np.all(np.abs(after / m - p1) <= 5 * np.sqrt(p1 * (1 - p1) / m) + 1e-9)
+    assert first[2] == 0  # never a token the model gives no mass
