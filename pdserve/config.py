@@ -377,7 +377,8 @@ class EngineConfig:
         metavar="JSON",
         help="""speculative decoding (vLLM's flag): '{"method": "ngram", "num_speculative_tokens": 4}' drafts
         tokens by finding the sequence's last few tokens earlier in it (prompt lookup) and checks them all in
-        one forward pass; output is unchanged (greedy) or identically distributed (sampling). Keys:
+        one forward pass; each token is the one the model samples without drafts (token-identical greedy or
+        seeded in float32; in bfloat16 up to near ties). Keys:
         prompt_lookup_max/prompt_lookup_min (longest/shortest n-gram matched, default 5; one alone sets both),
         disable_by_batch_size (no drafts while this many sequences run)""",
     )

@@ -53,10 +53,30 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a 64-bit value whose every bit depends on every bit of `x`."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws output token `position` of a request with `seed`.
+
+    A function of the two alone, not the next number of a per-request stream: a token is the
+    same whichever worker samples it (the prefill worker samples the first, a decode worker
+    the rest), however many tokens a step makes of it (speculative decoding), and whatever
+    else ran in its batches."""
+    return (_mix64(_mix64(seed & _MASK64) ^ position) >> 11) * (1.0 / (1 << 53))
+
+
 class Sampler:
     def __init__(self, device: torch.device, structured=None, bad_words_ids=None):
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
         self._seen: dict[str, _Seen] = {}
         self._allowed: dict[str, torch.Tensor] = {}  # per sequence: its allowed_token_ids as a mask
         # bad_words (a tuple) -> their token sequences: the engine's, which checked them when the
@@ -67,20 +87,11 @@ class Sampler:
         self.structured = structured
 
     def forget(self, seq_id: str) -> None:
-        self._generators.pop(seq_id, None)
         self._seen.pop(seq_id, None)
         self._allowed.pop(seq_id, None)
         self._bad_words.pop(seq_id, None)
         if self.structured is not None:
             self.structured.forget(seq_id)
-
-    def _generator(self, seq_id: str, seed: int) -> torch.Generator:
-        g = self._generators.get(seq_id)
-        if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            self._generators[seq_id] = g
-        return g
 
     def __call__(
         self,
@@ -88,15 +99,19 @@ class Sampler:
         params: list[SamplingParams],
         seq_ids: list[str],
         token_history: list[tuple[list[int], list[int]]],
+        positions: list[int] | None = None,
     ) -> SampleResult:
-        """logits [N, V] fp32; token_history[i] = (prompt ids, output ids) of row i."""
+        """logits [N, V] fp32; token_history[i] = (prompt ids, output ids) of row i; positions[i]:
+        the output position row i samples (default: len of its output ids; a seed draws from it)."""
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(p.greedy and not p.needs_penalties for p in params):
             tokens = logits.argmax(dim=-1)
         else:
             logits = self._apply_penalties(logits.clone(), params, seq_ids, token_history)
-            tokens = self._sample(logits, params, seq_ids)
+            if positions is None:
+                positions = [len(h[1]) for h in token_history]
+            tokens = self._sample(logits, params, positions)
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, params))
 
@@ -150,14 +165,14 @@ class Sampler:
         if banned:
             logits[i, banned] = float("-inf")
 
-    def _sample(self, logits, params, seq_ids) -> torch.Tensor:
+    def _sample(self, logits, params, positions) -> torch.Tensor:
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device).unsqueeze(1)
         logits = logits / temps
         logits = _top_k_top_p_min_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
-        # Inverse CDF: one uniform number per row (from the row's own generator when it
+        # Inverse CDF: one uniform number per row (`seeded_uniform` of its position when it
         # has a seed), located in the row's cumulative distribution. An exponential
         # race over the vocabulary drew 49,152 random numbers per row: 1.3 ms a row on
         # this CPU, more than a decode step's share of the matrix products at batch 8.
@@ -165,10 +180,11 @@ class Sampler:
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=logits.device)
-        for i, p in enumerate(params):
-            if p.seed is not None:
-                g = self._generator(seq_ids[i], p.seed)
-                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=logits.device)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            u[seeded] = torch.tensor(
+                [[seeded_uniform(params[i].seed, positions[i])] for i in seeded], dtype=torch.float64, device=u.device
+            )
         cdf = probs.double().cumsum(dim=-1)  # fp64: a 49K-term fp32 sum drifts at the tail
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
         # rounding can only land past the last token with mass; never on one without

@@ -291,12 +291,6 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            drafts = self._drafts(seq, budget) if n == 1 and self.drafter is not None else []
-            if drafts and self.kv.allocate(seq.seq_id, seq.num_computed_tokens + 1 + len(drafts)):
-                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), drafts))
-                budget -= 1 + len(drafts)
-                i += 1
-                continue
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -382,22 +376,43 @@ class Scheduler:
             inflight.update(self.kv.pending_hashes(seq.seq_id))
         for entry in held:
             self.waiting.restore(entry)
+        # 3. Speculative decoding: drafts take what the step has left, after every running
+        # sequence has its token and the waiting ones their chunks; they never preempt.
+        if self.drafter is not None and budget > 0:
+            self._add_drafts(out, budget)
         return out
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafted tokens for a decoding sequence this step (speculative decoding), within the
-        step's budget, the context and max_tokens: a step keeps at most drafts + 1 tokens."""
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give decoding entries of `out` drafted tokens, within `budget`, the context, max_tokens
+        and the free blocks (a step keeps at most drafts + 1 tokens of a sequence)."""
         d = self.drafter
-        if not seq.output_token_ids or (
-            d.disable_by_batch_size is not None and len(self.running) >= d.disable_by_batch_size
-        ):
-            return []
-        k = min(d.num_speculative_tokens, budget - 1)
-        if self.max_model_len is not None:
-            k = min(k, self.max_model_len - seq.num_tokens)
-        if seq.params.max_tokens is not None:
-            k = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-        return d.propose(seq, k) if k > 0 else []
+        if d.disable_by_batch_size is not None and len(self.running) >= d.disable_by_batch_size:
+            return
+        bs = self.kv.block_size
+        for s in out.scheduled:
+            if budget <= 0:
+                break
+            seq = s.seq
+            # a decode: its one token is its last (not a prompt, nor a context being recomputed)
+            if s.num_new_tokens != 1 or not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue
+            k = min(d.num_speculative_tokens, budget)
+            if self.max_model_len is not None:
+                k = min(k, self.max_model_len - seq.num_tokens)
+            if seq.params.max_tokens is not None:
+                k = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            drafts = d.propose(seq, k) if k > 0 else []
+            if not drafts:
+                continue
+            if not self.kv.allocate(seq.seq_id, seq.num_tokens + len(drafts)):
+                # no free block for them: only as many as the blocks it owns hold
+                room = len(self.kv.seqs[seq.seq_id].blocks) * bs - seq.num_tokens
+                drafts = drafts[: max(0, room)]
+                if not drafts:
+                    continue
+            s.spec_token_ids = drafts
+            s.num_new_tokens = 1 + len(drafts)
+            budget -= len(drafts)
 
     def _fits_this_step(self, seq: Sequence, budget: int) -> bool:
         """Whether the rest of a waiting prompt, less the prefix the cache holds, fits one step."""
@@ -471,11 +486,14 @@ class Scheduler:
             upd.num_prompt_tokens += max(0, min(start + s.num_new_tokens, seq.num_prompt_tokens) - start)
             seq.num_computed_tokens = start + s.num_new_tokens - s.num_rejected
             if s.spec_token_ids:
-                # the accepted drafts' KV is in place: their blocks may be full (the drafts are
-                # appended below, as the sampled tokens they turned out to be)
-                accepted = s.spec_token_ids[: len(s.spec_token_ids) - s.num_rejected]
-                tokens = TokenIds(seq.prompt_token_ids, seq.output_token_ids + accepted)
-                self.kv.cache_full_blocks(seq.seq_id, tokens, seq.num_computed_tokens, seq.hash_root)
+                # the accepted drafts' KV is in place and may have filled blocks (the drafts are
+                # appended below, as the sampled tokens they turned out to be); the token list is
+                # copied only when a block did fill
+                bs = self.kv.block_size
+                if seq.num_computed_tokens // bs > start // bs:
+                    accepted = s.spec_token_ids[: len(s.spec_token_ids) - s.num_rejected]
+                    tokens = TokenIds(seq.prompt_token_ids, seq.output_token_ids + accepted)
+                    self.kv.cache_full_blocks(seq.seq_id, tokens, seq.num_computed_tokens, seq.hash_root)
             elif self.cache_generated_blocks:
                 self.kv.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.hash_root)
             elif start < seq.num_prompt_tokens:

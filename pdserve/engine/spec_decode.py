@@ -13,13 +13,16 @@ longest n within the configured range wins, then the most recent place). Outputs
 copy their input (editing, extraction, quoting, code) are guessed well; others are not,
 and then a step computes the drafts for nothing.
 
-Verification (`verify`) keeps what the model would have produced without drafts: greedy
-takes a draft only where it is the argmax; sampling takes draft d at a position with
-probability p(d), the model's probability after temperature and top-k/top-p/min-p, and at
-the first refusal samples from p with d removed. As drafts are certain guesses (their
-proposal puts all its mass on d), this is the standard speculative-sampling rule, and
-each token is distributed exactly as p (the proof: P(token = x) = p(d) [x = d] + (1 -
-p(d)) p(x) / (1 - p(d)) [x != d] = p(x)).
+Verification (`verify`) keeps what the model would have produced without drafts: each
+position is sampled exactly as without drafts (greedy: the argmax; sampling: temperature,
+top-k/top-p/min-p and one uniform number, which for a seeded request is a function of the
+seed and the output position), and the drafts are kept while each equals its position's
+token, then that token. For drafts that are certain guesses (their proposal puts all its
+mass on one token), this is speculative sampling's rule itself: a draft d stands with
+probability p(d), and when it does not, the token comes from p without d, renormalised. So
+every token is distributed as without drafts, and a seeded request's tokens are the very
+same (up to the last bits of the logits: a pass over several positions may run other
+kernels than a one-token decode).
 
 Requests whose logits depend on the tokens before them in ways a batch of positions
 cannot see (repetition, presence and frequency penalties, bad_words, structured outputs)
@@ -52,20 +55,25 @@ def spec_eligible(params: SamplingParams) -> bool:
 
 def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of
-    `tokens` of length `min_n`..`max_n` (empty when no such suffix occurs earlier)."""
+    `tokens` of length `min_n`..`max_n` (empty when no such suffix occurs earlier).
+
+    One pass over the history finds where its last token occurs before the end; those places
+    are then narrowed token by token backwards, so the cost is one scan plus the matches."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        # starts i with i + n <= length - 1: the match is followed by at least one token
-        cand = np.flatnonzero(tokens[: length - n] == suffix[0])
-        for j in range(1, n):
-            if not len(cand):
-                break
-            cand = cand[tokens[cand + j] == suffix[j]]
-        if len(cand):
-            start = int(cand[-1]) + n
-            return tokens[start : start + k]
-    return tokens[:0]
+    if length < 2:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # a match ending there
+    best = int(ends[-1]) if len(ends) and min_n <= 1 else -1
+    n = 1
+    while len(ends) and n < max_n:
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[length - 1 - n]]
+        n += 1
+        if len(ends) and n >= min_n:
+            best = int(ends[-1])
+    if best < 0:
+        return tokens[:0]
+    return tokens[best + 1 : best + 1 + k]
 
 
 class _History:
@@ -153,84 +161,28 @@ class Verified:
 
 
 def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> list[Verified]:
-    """Check each sequence's drafts against the logits of its len(drafts) + 1 positions
-    (rows of `logits`, sequence after sequence, in the order given)."""
-    counts = [len(d) + 1 for d in drafts]
+    """Check each sequence's drafts against the logits of its len(drafts) + 1 positions (rows of
+    `logits`, sequence after sequence, in the order given): every row is sampled as the sampler
+    samples any (the same processing, the same seeded number for the same output position),
+    and a sequence keeps its drafts while each equals its row's token, then that row's token."""
     params: list[SamplingParams] = []
-    row_seq: list[int] = []
-    for i, c in enumerate(counts):
-        params.extend([seqs[i].params] * c)
-        row_seq.extend([i] * c)
-    row_ids = [seqs[i].seq_id for i in row_seq]
-    want_logprobs = any(s.params.logprobs is not None for s in seqs)
-    raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    if any(not p.greedy or p.logit_bias or p.allowed_token_ids is not None for p in params):
-        logits = logits.clone()
-        history = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in row_seq]
-        for r, p in enumerate(params):  # position-independent processors only (spec_eligible)
-            sampler._apply_row(logits, r, p, row_ids, history)
-    greedy_tokens = logits.argmax(dim=-1).tolist()
-    sampling = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    probs = None
-    if sampling:
-        rows = torch.tensor([r for r, i in enumerate(row_seq) if not seqs[i].params.greedy], device=logits.device)
-        sub = [params[r] for r in rows.tolist()]
-        temps = torch.tensor([p.temperature for p in sub], device=logits.device).unsqueeze(1)
-        from pdserve.engine.sampler import _top_k_top_p_min_p
-
-        probs = torch.zeros_like(logits)
-        probs[rows] = torch.softmax(_top_k_top_p_min_p(logits[rows] / temps, sub), dim=-1)
+    ids: list[str] = []
+    history: list[tuple[list[int], list[int]]] = []
+    positions: list[int] = []
+    for seq, d in zip(seqs, drafts):
+        n = len(seq.output_token_ids)
+        params.extend([seq.params] * (len(d) + 1))
+        ids.extend([seq.seq_id] * (len(d) + 1))
+        history.extend([(seq.prompt_token_ids, seq.output_token_ids)] * (len(d) + 1))
+        positions.extend(range(n, n + len(d) + 1))
+    result = sampler(logits, params, ids, history, positions)
     out: list[Verified] = []
     first = 0
-    for i, seq in enumerate(seqs):
-        d, c = drafts[i], counts[i]
-        if seq.params.greedy:
-            target = greedy_tokens[first : first + c]
-            a = 0
-            while a < len(d) and d[a] == target[a]:
-                a += 1
-            tokens = d[:a] + [target[a]]
-        else:
-            tokens = _rejection_sample(sampler, probs[first : first + c], d, seq)
-            a = len(tokens) - 1
-        lps = [None] * len(tokens)
-        if seq.params.logprobs is not None:
-            lps = sampler._logprobs(raw[first : first + len(tokens)], tokens, [seq.params] * len(tokens))
-        out.append(Verified(tokens, lps, a))
-        first += c
+    for d in drafts:
+        target = result.token_ids[first : first + len(d) + 1]
+        a = 0
+        while a < len(d) and d[a] == target[a]:
+            a += 1
+        out.append(Verified(d[:a] + [target[a]], result.logprobs[first : first + a + 1], a))
+        first += len(d) + 1
     return out
-
-
-def _rejection_sample(sampler, probs: torch.Tensor, drafts: list[int], seq: Sequence) -> list[int]:
-    """Speculative sampling against certain drafts: rows of `probs` are the model's
-    distributions at the draft positions and after the last."""
-    p = seq.params
-    gen = sampler._generator(seq.seq_id, p.seed) if p.seed is not None else None
-    u = torch.rand(len(drafts) + 1, dtype=torch.float64, generator=gen, device=probs.device).tolist()
-    if drafts:
-        own = probs[torch.arange(len(drafts), device=probs.device), torch.tensor(drafts, device=probs.device)]
-        own = own.tolist()
-    tokens: list[int] = []
-    for j, d in enumerate(drafts):
-        if u[j] < own[j]:
-            tokens.append(d)
-            continue
-        residual = probs[j].clone()
-        residual[d] = 0.0
-        tokens.append(_inverse_cdf(residual, u[-1]))
-        return tokens
-    tokens.append(_inverse_cdf(probs[len(drafts)], u[-1]))
-    return tokens
-
-
-def _inverse_cdf(dist: torch.Tensor, u: float) -> int:
-    """A token drawn from the (unnormalised) distribution `dist` with the uniform number `u`."""
-    cdf = dist.double().cumsum(0)
-    total = float(cdf[-1])
-    if total <= 0.0:  # nothing left (rounding): the most likely token
-        return int(dist.argmax())
-    i = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64, device=dist.device), right=True))
-    i = min(i, dist.shape[0] - 1)
-    if dist[i] == 0:  # rounding landed past the last token with mass
-        return int(dist.argmax())
-    return i

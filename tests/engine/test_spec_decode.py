@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import ConfigError, EngineConfig, SpeculativeConfig
-from pdserve.engine.sampler import Sampler
-from pdserve.engine.spec_decode import _rejection_sample, find_ngram_continuation
+from pdserve.config import ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.sampler import Sampler, _top_k_top_p_min_p
+from pdserve.engine.scheduler import SampledToken, Scheduler
+from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import find_ngram_continuation, verify
+from pdserve.kv.block_manager import BlockManager
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PROMPTS = [
@@ -154,6 +157,13 @@ def test_requests_it_cannot_draft_for_decode_as_before(tiny_model_dir, plain):
     mixed = [pen, GREEDY, pen, GREEDY]
     assert ids(spec.generate(PROMPTS, mixed)) == ids(plain.generate(PROMPTS, mixed))
     assert accepted(spec) > 0
+    # logit_bias and allowed_token_ids are the same at every position: drafted, and applied to each
+    before = accepted(spec)
+    bias = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={101: 3.0, 32: -2.0})
+    allowed = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, allowed_token_ids=list(range(64, 128)))
+    for p in (bias, allowed):
+        assert ids(spec.generate(PROMPTS, p)) == ids(plain.generate(PROMPTS, p))
+    assert accepted(spec) > before
 
 
 def test_disable_by_batch_size(tiny_model_dir, plain):
@@ -165,36 +175,97 @@ def test_disable_by_batch_size(tiny_model_dir, plain):
     assert accepted(spec) > 0
 
 
-def test_seeded_sampling_repeats(spec):
-    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=7)
-    assert ids(spec.generate(PROMPTS, p)) == ids(spec.generate(PROMPTS, p))
-    assert spec.engine.stats()["spec_decode_num_drafts"] > 0
-
-
 @pytest.mark.parametrize("draft", [0, 2, 4])
-def test_rejection_sampling_keeps_the_distribution(draft):
-    """A token from `_rejection_sample` is distributed as the model's own distribution, whether
-    the draft is likely, unlikely or impossible under it; so is the one after an accepted draft."""
-    probs = torch.tensor(
-        [[0.5, 0.2, 0.0, 0.25, 0.05], [0.1, 0.6, 0.1, 0.1, 0.1]], dtype=torch.float32
-    )  # position 0, then after the draft
+def test_verification_keeps_the_distribution(draft):
+    """The token kept at a drafted position is distributed as the model's own distribution,
+    whether the draft is likely, unlikely or impossible under it; so is the one after an
+    accepted draft (top-k and temperature applied as the sampler applies them)."""
+    logits = torch.tensor([[2.0, 1.1, -9.0, 1.6, 0.0, -30.0], [0.1, 1.9, 0.1, 0.1, 0.1, 0.0]])
+    params = SamplingParams(temperature=0.8, top_k=5, max_tokens=10)
+    probs = torch.softmax(_top_k_top_p_min_p(logits / 0.8, [params] * 2), dim=-1).numpy()
     sampler = Sampler(torch.device("cpu"))
-    seq = type("S", (), {})()
-    seq.params, seq.seq_id = SamplingParams(temperature=1.0), "r"
-    n = 20000
-    first = np.zeros(5)
-    after = np.zeros(5)
+    seq = Sequence("r", [1, 2, 3], params, output_token_ids=[4])
+    n = 4000
+    first, after = np.zeros(6), np.zeros(6)
     torch.manual_seed(0)
     for _ in range(n):
-        toks = _rejection_sample(sampler, probs, [draft], seq)
-        first[toks[0]] += 1
-        if len(toks) == 2:
-            after[toks[1]] += 1
-    p0 = probs[0].numpy()
-    sigma = np.sqrt(p0 * (1 - p0) / n)
-    assert np.all(np.abs(first / n - p0) <= 5 * sigma + 1e-9), (first / n, p0)
+        (v,) = verify(sampler, logits, [seq], [[draft]])
+        first[v.tokens[0]] += 1
+        if v.num_accepted:
+            after[v.tokens[1]] += 1
+    sigma = np.sqrt(probs[0] * (1 - probs[0]) / n)
+    assert np.all(np.abs(first / n - probs[0]) <= 5 * sigma + 1e-9), (first / n, probs[0])
     if after.sum():
-        p1 = probs[1].numpy()
         m = after.sum()
-        assert np.all(np.abs(after / m - p1) <= 5 * np.sqrt(p1 * (1 - p1) / m) + 1e-9)
-    assert first[2] == 0  # never a token the model gives no mass
+        assert np.all(np.abs(after / m - probs[1]) <= 5 * np.sqrt(probs[1] * (1 - probs[1]) / m) + 1e-9)
+    assert first[5] == 0  # never a token top-k removed
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_drafts(plain, spec):
+    """A seeded request draws each token from its seed and its position: drafts, batch
+    neighbours and the number of tokens a step makes do not change what it samples."""
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, ignore_eos=True, seed=11)
+    ref = ids(plain.generate(PROMPTS, p))
+    assert ids(spec.generate(PROMPTS, p)) == ref
+    assert [ids(spec.generate(x, p))[0] for x in PROMPTS] == ref
+    assert accepted(spec) > 0
+
+
+class Always:
+    """A drafter that proposes k sevens for every sequence (the scheduler's side of drafting)."""
+
+    num_speculative_tokens = 4
+    disable_by_batch_size = None
+
+    def __init__(self):
+        self.asked: list[tuple[str, int, int]] = []  # (seq, tokens not yet computed, k)
+
+    def propose(self, seq, k):
+        self.asked.append((seq.seq_id, seq.num_tokens - seq.num_computed_tokens, k))
+        return [7] * k
+
+
+def decoding(sched, *lengths: int) -> list[Sequence]:
+    """Sequences whose prompts (of these lengths) are computed and whose first tokens were sampled."""
+    seqs = [
+        Sequence(f"s{i}", list(range(100 * i + 1, 100 * i + 1 + n)), SamplingParams()) for i, n in enumerate(lengths)
+    ]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert out.num_tokens == sum(lengths)
+    sched.update_from_output(out, [SampledToken(s, 5) for s in seqs])
+    return seqs
+
+
+def test_drafts_take_what_the_step_leaves_and_never_preempt():
+    # 5 blocks of 4: a (4 + 1 tokens) takes 2 for its next step, b (8 + 1) 3; none is free
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(5, 4, False))
+    decoding(sched, 4, 8)
+    sched.drafter = Always()
+    out = sched.schedule()
+    assert not out.preempted  # drafts found no free block: as many as the blocks owned hold
+    assert [x.num_new_tokens for x in out.scheduled] == [1 + 3, 1 + 3]
+    # a small budget: every running sequence has its token before any draft
+    sched2 = Scheduler(SchedulerConfig(max_num_batched_tokens=9), BlockManager(64, 4, False))
+    seqs = decoding(sched2, 3, 3, 3)
+    sched2.config.max_num_batched_tokens = 4
+    sched2.drafter = Always()
+    out = sched2.schedule()
+    assert [x.num_new_tokens for x in out.scheduled] == [2, 1, 1] and out.num_tokens == 4
+    assert all(s.status.value == "running" for s in seqs)
+
+
+def test_no_drafts_for_a_context_being_recomputed():
+    """A preempted sequence recomputing its prompt and output one token at a time is no decode."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=1), BlockManager(64, 4, False)
+    )
+    s = Sequence("a", [1, 2, 3], SamplingParams(), output_token_ids=[4, 5, 6])
+    sched.add(s)
+    sched.drafter = Always()
+    for _ in range(5):
+        out = sched.schedule()
+        assert [x.num_new_tokens for x in out.scheduled] == [1] and not out.scheduled[0].spec_token_ids
+        sched.update_from_output(out, [])
+    assert sched.drafter.asked == []

@@ -22,6 +22,10 @@ def test_drafted_decode_through_router_and_workers(tiny_model_dir):
     want = [
         o.outputs[0].text for o in ref.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     ]
+    # a seeded sampled request: its first token sampled by the prefill worker, the rest by the
+    # decode worker with drafts; each drawn from the seed and its position, as offline
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=48, ignore_eos=True)
+    want_seeded = ref.generate(PROMPTS[0], seeded)[0].outputs[0].text
     dep = Deployment(tiny_model_dir, "--served-model-name", "tiny", "--speculative-config", json.dumps(SPEC))
     try:
         with openai.OpenAI(base_url=dep.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
@@ -30,6 +34,12 @@ def test_drafted_decode_through_router_and_workers(tiny_model_dir):
                 assert c.completions.create(prompt=prompt, **args).choices[0].text == text
                 chunks = c.completions.create(prompt=prompt, stream=True, **args)
                 assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+            sampled = (
+                c.completions.create(prompt=PROMPTS[0], **dict(args, temperature=0.9, top_p=0.95, seed=5))
+                .choices[0]
+                .text
+            )
+            assert sampled == want_seeded
         deadline, accepted = time.monotonic() + 20, 0.0
         while time.monotonic() < deadline and not accepted:  # the workers' counters come with heartbeats
             text = httpx.get(dep.url + "/metrics", timeout=5).text
