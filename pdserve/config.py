@@ -377,8 +377,8 @@ class EngineConfig:
         metavar="JSON",
         help="""speculative decoding (vLLM's flag): '{"method": "ngram", "num_speculative_tokens": 4}' drafts
         tokens by finding the sequence's last few tokens earlier in it (prompt lookup) and checks them all in
-        one forward pass; each token is the one the model samples without drafts (token-identical greedy or
-        seeded in float32; in bfloat16 up to near ties). Keys:
+        one forward pass; each position is sampled as without drafts, so greedy and seeded output is the same
+        up to the last bits of the logits (float32: ~1e-6; bfloat16: near ties may differ). Keys:
         prompt_lookup_max/prompt_lookup_min (longest/shortest n-gram matched, default 5; one alone sets both),
         disable_by_batch_size (no drafts while this many sequences run)""",
     )

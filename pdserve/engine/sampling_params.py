@@ -19,8 +19,9 @@ MAX_CACHE_SALT_CHARS = 1024  # hashed once per request; a tenant id or a secret 
 # output's tail at every step
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
-# The sampler puts top_k in an int64 tensor and seeds a torch.Generator, which
-# accepts [-2^63, 2^64); a value outside would fail the whole batch's step.
+# The sampler puts top_k in an int64 tensor (a value outside would fail the whole batch's
+# step); a seed is read as 64 bits (sampler.seeded_uniform): outside [-2^63, 2^64) two
+# seeds would draw the same numbers.
 MAX_TOP_K = (1 << 31) - 1
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 

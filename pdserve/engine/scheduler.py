@@ -386,8 +386,8 @@ class Scheduler:
         """Give decoding entries of `out` drafted tokens, within `budget`, the context, max_tokens
         and the free blocks (a step keeps at most drafts + 1 tokens of a sequence)."""
         d = self.drafter
-        if d.disable_by_batch_size is not None and len(self.running) >= d.disable_by_batch_size:
-            return
+        if out.preempted or (d.disable_by_batch_size is not None and len(self.running) >= d.disable_by_batch_size):
+            return  # the pool is short (or the batch large): no tokens past what is needed
         bs = self.kv.block_size
         for s in out.scheduled:
             if budget <= 0:
@@ -404,8 +404,15 @@ class Scheduler:
             drafts = d.propose(seq, k) if k > 0 else []
             if not drafts:
                 continue
-            if not self.kv.allocate(seq.seq_id, seq.num_tokens + len(drafts)):
-                # no free block for them: only as many as the blocks it owns hold
+            # a free block goes to drafts only while every running sequence could still take one
+            # for its next token: blocks kept after refused drafts must not cost a preemption later
+            extra = self.kv.blocks_needed(seq.num_tokens + len(drafts)) - len(self.kv.seqs[seq.seq_id].blocks)
+            if (
+                extra > 0
+                and self.kv.num_free_blocks - extra < len(self.running)
+                or not self.kv.allocate(seq.seq_id, seq.num_tokens + len(drafts))
+            ):
+                # only as many as the blocks it owns hold
                 room = len(self.kv.seqs[seq.seq_id].blocks) * bs - seq.num_tokens
                 drafts = drafts[: max(0, room)]
                 if not drafts:
@@ -489,8 +496,8 @@ class Scheduler:
                 # the accepted drafts' KV is in place and may have filled blocks (the drafts are
                 # appended below, as the sampled tokens they turned out to be); the token list is
                 # copied only when a block did fill
-                bs = self.kv.block_size
-                if seq.num_computed_tokens // bs > start // bs:
+                full = seq.num_computed_tokens // self.kv.block_size
+                if self.kv.enable_prefix_caching and full > self.kv.seqs[seq.seq_id].num_cached_blocks:
                     accepted = s.spec_token_ids[: len(s.spec_token_ids) - s.num_rejected]
                     tokens = TokenIds(seq.prompt_token_ids, seq.output_token_ids + accepted)
                     self.kv.cache_full_blocks(seq.seq_id, tokens, seq.num_computed_tokens, seq.hash_root)

@@ -2,7 +2,7 @@
 
 Types are checked here (strict pydantic: no "5" for 5, no true for 1); value
 ranges are checked by `SamplingParams` so the engine and the API agree on
-them. Anything that could fail later inside a batched engine step (a seed out
+them. Anything that could fail later inside a batched engine step (a top_k out
 of range, too many logprobs) must be refused here, because a failure there
 would hit every request in the batch.
 """

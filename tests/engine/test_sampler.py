@@ -94,3 +94,21 @@ def test_penalties_follow_the_whole_history_while_reading_only_new_tokens():
         output.append(got)
     sampler.forget("a")
     assert not sampler._seen
+
+
+def test_a_seeded_number_depends_on_the_seed_and_the_position_alone():
+    from pdserve.engine.sampler import seeded_uniform
+
+    u = [seeded_uniform(7, i) for i in range(20000)]
+    assert u[:50] == [seeded_uniform(7, i) for i in range(50)]  # no hidden stream state
+    assert len(set(u)) == len(u) and all(0.0 <= x < 1.0 for x in u)
+    assert abs(sum(u) / len(u) - 0.5) < 0.01 and abs(sum(x < 0.1 for x in u) / len(u) - 0.1) < 0.01
+    assert [seeded_uniform(8, i) for i in range(50)] != u[:50]
+    assert seeded_uniform(-1, 0) == seeded_uniform(2**64 - 1, 0)  # the same 64 bits
+    # a sampled row takes its number from its position: the same token alone or after others
+    s = Sampler(torch.device("cpu"))
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(temperature=1.0, seed=7)
+    one = [s(logits, [p], ["a"], [([1], [0] * i)]).token_ids[0] for i in range(30)]
+    again = s(logits.expand(30, 50), [p] * 30, ["b"] * 30, [([1], [])] * 30, list(range(30))).token_ids
+    assert one == again and len(set(one)) > 5

@@ -269,3 +269,36 @@ def test_no_drafts_for_a_context_being_recomputed():
         assert [x.num_new_tokens for x in out.scheduled] == [1] and not out.scheduled[0].spec_token_ids
         sched.update_from_output(out, [])
     assert sched.drafter.asked == []
+
+
+def _run_all(drafter, shapes, num_blocks=15):
+    """Run (prompt length, max_tokens) requests to the end on the real scheduler, every draft
+    refused; the number of preemptions."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(num_blocks, 4, False))
+    sched.drafter = drafter
+    for i, (n, m) in enumerate(shapes):
+        sched.add(Sequence(f"s{i}", list(range(100 * i + 1, 100 * i + 1 + n)), SamplingParams(max_tokens=m)))
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sampled = []
+        for x in out.scheduled:
+            x.num_rejected = len(x.spec_token_ids)
+            if x.spec_token_ids or x.seq.num_computed_tokens + x.num_new_tokens == x.seq.num_tokens:
+                sampled.append(SampledToken(x.seq, 5))
+        sched.update_from_output(out, sampled)
+        assert sched.kv.num_free_blocks >= 0
+    assert sched.kv.num_free_blocks == num_blocks
+    return sched.num_preemptions
+
+
+def test_refused_drafts_cost_no_preemptions_later():
+    """Blocks taken for drafts stay with their sequence when the drafts are refused: they are
+    taken only while every running sequence could still get a block for its next token."""
+    shapes = [(5, 6), (8, 28), (5, 17), (3, 16), (9, 3), (5, 18)]
+    assert _run_all(Always(), shapes) <= _run_all(None, shapes)
+    rng = np.random.default_rng(0)
+    worse = 0
+    for _ in range(60):
+        shapes = [(int(rng.integers(1, 12)), int(rng.integers(1, 30))) for _ in range(int(rng.integers(2, 8)))]
+        worse += _run_all(Always(), shapes) > _run_all(None, shapes)
+    assert worse == 0
