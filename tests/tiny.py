@@ -28,19 +28,23 @@ def write_tiny_model(
     qkv_bias=False,
     seed=0,
     logit_scale=1.0,
+    added_tokens=(),
 ) -> str:
     """`logit_scale` > 1 sharpens the output distribution: fewer near-ties, so greedy
-    choices survive the tiny numeric differences between a decode and a recompute."""
+    choices survive the tiny numeric differences between a decode and a recompute.
+    `added_tokens`: single tokens after the special ones that, unlike those, stay in decoded
+    text (a reasoning model's "<think>", "</think>", as DeepSeek-R1's and Qwen3's tokenizers have them)."""
     os.makedirs(path, exist_ok=True)
     # byte-level vocabulary: the 256 byte symbols, then the special tokens
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for s in SPECIAL:
+    for s in SPECIAL + list(added_tokens):
         vocab[s] = len(vocab)
     tok = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL)
+    tok.add_tokens(list(added_tokens))
     tok.save(os.path.join(path, "tokenizer.json"))
     vocab_size = len(vocab)
     eos = vocab["<|im_end|>"]

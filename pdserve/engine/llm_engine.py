@@ -343,6 +343,8 @@ class LLMEngine:
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise InvalidRequest(f"allowed token ids must be in [0, {vocab})", "allowed_token_ids")
+        if params.reasoning_token_ids and max(params.reasoning_token_ids) >= vocab:
+            raise InvalidRequest(f"reasoning token ids must be in [0, {vocab})", "reasoning_token_ids")
         if params.bad_words:
             self.bad_words_ids(tuple(params.bad_words))  # tokenized and checked here, not in a step
         if params.structured_outputs is not None:  # a grammar that does not compile: 400 here

@@ -39,6 +39,14 @@ class _Seen:
             self.num_counted = len(output)
 
 
+def _last(ids: list[int], token: int) -> int:
+    """The index of the last `token` in `ids` (-1 when absent)."""
+    for i in range(len(ids) - 1, -1, -1):
+        if ids[i] == token:
+            return i
+    return -1
+
+
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """The token sequences of `bad_words`, as vLLM finds them: each word as written (leading
     spaces dropped), and with one leading space where that is as many tokens and starts with
@@ -83,6 +91,7 @@ class Sampler:
         # request came (every id in the vocabulary) and keeps them cached
         self.bad_words_ids = bad_words_ids
         self._bad_words: dict[str, list[list[int]]] = {}  # per sequence: its bad words' token ids
+        self._reasoning: dict[str, list] = {}  # per sequence: where its grammar starts (_grammar_output)
         # structured_outputs.StructuredOutputs: the masks of constrained sequences
         self.structured = structured
 
@@ -90,6 +99,7 @@ class Sampler:
         self._seen.pop(seq_id, None)
         self._allowed.pop(seq_id, None)
         self._bad_words.pop(seq_id, None)
+        self._reasoning.pop(seq_id, None)
         if self.structured is not None:
             self.structured.forget(seq_id)
 
@@ -118,14 +128,42 @@ class Sampler:
     def _apply_penalties(self, logits, params, seq_ids, history):
         for i, p in enumerate(params):
             self._apply_row(logits, i, p, seq_ids, history)
-        held = [i for i, p in enumerate(params) if p.structured_outputs is not None]
+        held, outputs = [], []
+        for i, p in enumerate(params):
+            if p.structured_outputs is not None:
+                out = self._grammar_output(seq_ids[i], p, history[i])
+                if out is not None:  # None: still thinking, not held yet
+                    held.append(i)
+                    outputs.append(out)
         if held:  # last: nothing may bring a masked token back; one copy and one fill for all rows
             masks = torch.stack(
-                [self.structured.allowed(seq_ids[i], params[i].structured_outputs, history[i][1]) for i in held]
+                [
+                    self.structured.allowed(seq_ids[i], params[i].structured_outputs, out)
+                    for i, out in zip(held, outputs)
+                ]
             ).to(logits.device)
             rows = torch.tensor(held, device=logits.device)
             logits[rows] = logits[rows].masked_fill(~masks, float("-inf"))
         return logits
+
+    def _grammar_output(self, seq_id: str, p: SamplingParams, history) -> list[int] | None:
+        """The part of the output a structured output's grammar reads: all of it, or with
+        reasoning_token_ids what follows the end of the thinking; None while it thinks."""
+        prompt, output = history
+        if p.reasoning_token_ids is None:
+            return output
+        start, end = p.reasoning_token_ids
+        state = self._reasoning.get(seq_id)
+        if state is None or state[1] > len(output):  # new, or the id was reused
+            closed = end in prompt and (start not in prompt or _last(prompt, end) > _last(prompt, start))
+            state = self._reasoning[seq_id] = [0 if closed else None, 0]  # [grammar's first, scanned]
+        if state[0] is None:
+            try:
+                state[0] = output.index(end, state[1]) + 1
+            except ValueError:
+                state[1] = len(output)
+                return None
+        return output[state[0] :] if state[0] else output
 
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:
         """allowed_token_ids, bad_words, logit_bias and the penalties, on row i."""

@@ -122,6 +122,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # the output held to a JSON schema, a regex, a choice or a grammar (vLLM's name)
     structured_outputs: StructuredOutputsParams | None = None
+    # [start, end]: a reasoning model's <think> and </think> token ids (the server sets them
+    # under --reasoning-parser). A structured output then holds only from the first token after
+    # the end token, so that the model thinks first, as vLLM does; where the prompt already
+    # closed the thinking (an end token after its last start token: thinking switched off by the
+    # template), from the first token
+    reasoning_token_ids: list[int] | None = None
     # only these tokens may be sampled (vLLM's name): every other logit is -inf
     allowed_token_ids: list[int] | None = None
     # Prefix-cache isolation (vLLM's request field `cache_salt`): the request reuses only KV
@@ -145,6 +151,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.reasoning_token_ids, tuple):
+            self.reasoning_token_ids = list(self.reasoning_token_ids)
         if self.bad_words is not None:
             words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
             self.bad_words = list(words) or None
@@ -212,6 +220,15 @@ class SamplingParams:
                 max(map(len, words)) > MAX_BAD_WORD_CHARS,
                 "bad_words",
                 f"a bad word of over {MAX_BAD_WORD_CHARS} characters",
+            )
+        if self.reasoning_token_ids is not None:
+            r = self.reasoning_token_ids
+            _bad(
+                not isinstance(r, (list, tuple))
+                or len(r) != 2
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r),
+                "reasoning_token_ids",
+                "reasoning_token_ids is [start, end], two token ids",
             )
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids

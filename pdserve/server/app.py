@@ -164,6 +164,7 @@ class _Api:
         self.engine = engine
         self.settings = settings
         self._token_text: TokenText | None = None
+        self._think_ids: tuple[int, ...] | None = None  # <think>, </think> ids (_think_first)
         self._defaults: dict | None = None  # the generation config's, capped at the context (_sampling_defaults)
         self.created = int(time.time())  # the model cards' "created": when this server started
 
@@ -239,6 +240,27 @@ class _Api:
             self._defaults = d
         return self._defaults
 
+    def _think_first(self, params) -> bool:
+        """Under --reasoning-parser, a structured output (a schema, a named or required tool call)
+        holds only once the model has closed its thinking, as vLLM does: its params get the
+        model's <think> and </think> token ids. True when it holds from its first token instead
+        (no parser, or a tokenizer without single-token tags): the output is then thinking only
+        where the grammar opens it (reasoning.py)."""
+        if params.structured_outputs is None:
+            return False
+        if self._think_ids is None:
+            ids = ()
+            if self.settings.reasoning_parser is not None:
+                tok = self._core().tokenizer
+                pair = [tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>")]
+                if all(len(x) == 1 for x in pair):
+                    ids = (pair[0][0], pair[1][0])
+            self._think_ids = ids
+        if not self._think_ids:
+            return True
+        params.reasoning_token_ids = list(self._think_ids)
+        return False
+
     def _text(self):
         if self._token_text is None:
             self._token_text = TokenText(self._core().tokenizer)
@@ -292,7 +314,7 @@ class _Api:
             r,
             len(prompt),
             reasoning=self.settings.reasoning_parser,
-            constrained=params.structured_outputs is not None,
+            constrained=self._think_first(params),
             tool_calls=req.tool_calls(),
         )
         return await self._generate(request, req, rid, [prompt], params, fmt, None)
@@ -354,7 +376,7 @@ class _Api:
             req.engine_logprobs(),
             tool_calls=req.tool_calls(),
             reasoning=self.settings.reasoning_parser,
-            constrained=params.structured_outputs is not None,  # thinking only where the grammar opens it
+            constrained=self._think_first(params),
             include_reasoning=req.include_reasoning,
             prompt_ids=[prompt] if req.return_token_ids else None,
             tokens_as_ids=req.return_tokens_as_token_ids,

@@ -12,9 +12,12 @@ output without `</think>` is all thinking (cut short by max_tokens).
 `{"enable_thinking": false}`): thinking only when the output opens with `<think>`; otherwise it
 is all answer.
 
-A constrained output (a structured output, a named or required tool call) is read as qwen3 reads
-any: thinking only where it opens with `<think>` (its grammar allowed thinking first), else it
-is all answer, whatever the parser.
+A structured output (a JSON schema, a regex, a named or required tool call) holds, as in vLLM,
+only once the thinking is closed: the model thinks freely, then writes what the grammar allows
+(the server gives the engine the tags' token ids: SamplingParams.reasoning_token_ids), and the
+parser reads it as any output. Where the tokenizer has no single-token tags the grammar holds
+from the first token, and such a *constrained* output is read as qwen3 reads any: thinking only
+where it opens with `<think>` (its grammar allowed thinking first), else all answer.
 """
 
 from __future__ import annotations

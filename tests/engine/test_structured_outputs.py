@@ -196,8 +196,9 @@ def test_bad_or_oversized_constraints_are_refused(kw):
 
 def test_the_constraint_travels_between_workers_as_json():
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    back = params_from_json(json.loads(json.dumps(params_to_json(SamplingParams(structured_outputs=so)))))
-    assert back.structured_outputs == so and back.needs_penalties
+    sent = SamplingParams(structured_outputs=so, reasoning_token_ids=[5, 6])
+    back = params_from_json(json.loads(json.dumps(params_to_json(sent))))
+    assert back.structured_outputs == so and back.needs_penalties and back.reasoning_token_ids == [5, 6]
 
 
 def test_resumed_output_is_continued_within_the_grammar(llm):
@@ -262,3 +263,53 @@ def test_disaggregated_the_decode_worker_continues_what_prefill_sampled(model_di
     finally:
         rx.close()
         p.bridge.sender.close()
+
+
+@pytest.fixture(scope="module")
+def think_llm(tmp_path_factory):
+    """A tiny model whose tokenizer has a reasoning model's <think> and </think> tokens."""
+    from pdserve import LLM
+    from tests.tiny import write_tiny_model
+
+    d = write_tiny_model(str(tmp_path_factory.mktemp("tiny-think")), max_pos=2048, added_tokens=("<think>", "</think>"))
+    llm = LLM(d, dtype="float32", block_size=4, num_gpu_blocks=2048, max_num_batched_tokens=64)
+    start, end = (llm.tokenizer.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert len(start) == len(end) == 1
+    return llm, start[0], end[0]
+
+
+def test_with_reasoning_tokens_the_grammar_holds_after_the_thinking(think_llm):
+    """vLLM's way with a reasoning parser: the model thinks freely, and the structured output
+    holds from the token after </think> (or from the first where the prompt closed the thinking)."""
+    llm, start, end = think_llm
+    so = StructuredOutputsParams(json=SCHEMA)
+    prompt = llm.tokenizer.encode("hello")
+    think = dict(temperature=0, max_tokens=300, structured_outputs=so, reasoning_token_ids=[start, end])
+    # </think> pushed to the top: taken at once (the grammar does not hold yet), then the JSON
+    bias = {end: 100.0}
+    out = llm.generate([prompt], SamplingParams(**think, logit_bias=bias))[0].outputs[0]
+    assert out.token_ids[0] == end and out.finish_reason == "stop"
+    check_schema(llm.tokenizer.decode(out.token_ids[1:]))
+    # without the reasoning tokens the grammar holds from the first token: no </think> there
+    held = dict(think, reasoning_token_ids=None)
+    out = llm.generate([prompt], SamplingParams(**held, logit_bias=bias))[0].outputs[0]
+    assert end not in out.token_ids
+    check_schema(out.text)
+    # a prompt that closed the thinking (a template with thinking off): held from the first token
+    closed = prompt + [start, end]
+    out = llm.generate([closed], SamplingParams(**think, logit_bias=bias))[0].outputs[0]
+    assert end not in out.token_ids
+    check_schema(out.text)
+    # ... but not one that opened it again after an earlier turn's </think>
+    reopened = prompt + [start, end] + prompt + [start]
+    out = llm.generate([reopened], SamplingParams(**think, logit_bias=bias))[0].outputs[0]
+    assert out.token_ids[0] == end
+    check_schema(llm.tokenizer.decode(out.token_ids[1:]))
+    # while it thinks nothing holds it: a token the grammar would refuse, 20 times over
+    x = llm.tokenizer.encode("x", add_special_tokens=False)[0]
+    out = llm.generate([prompt], SamplingParams(**dict(think, max_tokens=20), logit_bias={x: 100.0}))[0].outputs[0]
+    assert out.token_ids == [x] * 20 and out.finish_reason == "length"
+    with pytest.raises(InvalidRequest, match="reasoning"):
+        llm.generate([prompt], SamplingParams(**dict(think, reasoning_token_ids=[start, 10**6])))
+    with pytest.raises(InvalidRequest, match="reasoning"):
+        SamplingParams(reasoning_token_ids=[1])

@@ -111,3 +111,31 @@ def test_a_tool_call_after_the_thinking(r1_client):
         tool_choice={"type": "function", "function": {"name": "add"}},
     )  # fmt: skip
     assert r.choices[0].message.tool_calls and r.choices[0].message.model_dump().get("reasoning") is None
+
+
+@pytest.mark.integration
+def test_a_structured_output_holds_once_the_thinking_is_closed(tmp_path):
+    """A model whose tokenizer has <think> and </think>: with a reasoning parser the schema holds
+    only after </think> (vLLM's way), and the reply splits as any reply."""
+    from tests.tiny import write_tiny_model
+
+    d = write_tiny_model(str(tmp_path / "m"), max_pos=2048, added_tokens=("<think>", "</think>"))
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    from tokenizers import Tokenizer
+
+    end_id = Tokenizer.from_file(f"{d}/tokenizer.json").token_to_id("</think>")
+    with tiny_openai(d, "--reasoning-parser", "deepseek_r1") as client:
+        kw = dict(model="tiny", messages=USER, max_tokens=200, temperature=0, response_format=fmt)
+        r = client.chat.completions.create(**kw, logit_bias={str(end_id): 100})
+        m = r.choices[0].message.model_dump()
+        assert not m.get("reasoning") and isinstance(json.loads(m["content"])["a"], int)
+        # thinking that never closes: all reasoning, no answer (max_tokens came first)
+        r = client.chat.completions.create(**dict(kw, max_tokens=12))
+        m = r.choices[0].message.model_dump()
+        assert m.get("reasoning") and not m["content"] and r.choices[0].finish_reason == "length"
