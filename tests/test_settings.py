@@ -74,6 +74,7 @@ def test_every_engine_setting_is_a_flag_of_serve_worker_and_generate_with_one_de
         "device",
         "tiers",
         "dtype_reason",
+        "speculative",
         "kv_cache_shm_dir",
     }
     assert flags.registered(cmds["serve"])["scheduling-policy"].name == "policy"  # vLLM's flag name
