@@ -300,8 +300,9 @@ def parse_event(line: str | bytes) -> WorkerEvent | None:
 # What a worker of this version does with a request that an older worker would silently drop
 # (params_from_json ignores fields it does not know): the router places a request that uses one
 # only on workers that say they have it, so a rolling upgrade never runs a salted request
-# unsalted (into another tenant's cache) or ignores its bad words.
-WORKER_FEATURES = ("cache_salt", "bad_words")
+# unsalted (into another tenant's cache) or ignores its bad words, nor holds a reasoning model's
+# structured output to its grammar from the first token while the router reads it as thinking.
+WORKER_FEATURES = ("cache_salt", "bad_words", "reasoning_token_ids")
 
 
 def features_needed(params: dict | object) -> frozenset[str]:

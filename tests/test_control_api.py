@@ -130,3 +130,13 @@ def test_a_worker_answers_a_bad_body_with_a_400_naming_the_field():
         assert r.status_code == 400, (path, body, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param, (path, body, err)
+
+
+def test_fields_an_older_worker_would_drop_are_features_the_router_places_by():
+    from pdserve.control_api import features_needed
+    from pdserve.engine.sampling_params import SamplingParams
+
+    assert features_needed(SamplingParams()) == frozenset()
+    p = SamplingParams(cache_salt="t", bad_words=["x"], reasoning_token_ids=[5, 6])
+    assert features_needed(p) == {"cache_salt", "bad_words", "reasoning_token_ids"}
+    assert features_needed(control_api.params_to_json(p)) == features_needed(p)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, thinking_closed
 
 
 @dataclass
@@ -37,14 +37,6 @@ class _Seen:
             ids = torch.tensor(new, dtype=torch.long, device=self.counts.device)
             self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
             self.num_counted = len(output)
-
-
-def _last(ids: list[int], token: int) -> int:
-    """The index of the last `token` in `ids` (-1 when absent)."""
-    for i in range(len(ids) - 1, -1, -1):
-        if ids[i] == token:
-            return i
-    return -1
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -154,9 +146,10 @@ class Sampler:
             return output
         start, end = p.reasoning_token_ids
         state = self._reasoning.get(seq_id)
-        if state is None or state[1] > len(output):  # new, or the id was reused
-            closed = end in prompt and (start not in prompt or _last(prompt, end) > _last(prompt, start))
-            state = self._reasoning[seq_id] = [0 if closed else None, 0]  # [grammar's first, scanned]
+        if state is None or state[2] > len(output):  # new, or the id was reused
+            # [the grammar's first output token (None: still thinking), scanned up to, seen]
+            state = self._reasoning[seq_id] = [0 if thinking_closed(prompt, start, end) else None, 0, 0]
+        state[2] = len(output)
         if state[0] is None:
             try:
                 state[0] = output.index(end, state[1]) + 1

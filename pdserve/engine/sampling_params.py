@@ -26,6 +26,18 @@ MAX_TOP_K = (1 << 31) - 1
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
+def thinking_closed(prompt: list[int], start: int, end: int) -> bool:
+    """Whether a prompt closed a reasoning model's thinking: an end token after its last start
+    token (a template that switched thinking off); a prompt that opens it again after an earlier
+    turn's thinking is open."""
+    for t in reversed(prompt):
+        if t == end:
+            return True
+        if t == start:
+            return False
+    return False
+
+
 class InvalidRequest(ValueError):
     """A request the engine refuses: the message names the parameter at fault."""
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
+from pdserve.engine.sampling_params import thinking_closed
 from pdserve.server import protocol as P
 from pdserve.server.engine_client import EngineClient, EngineInput
 from pdserve.server.errors import APIError, bad_request, install_handlers
@@ -240,12 +241,12 @@ class _Api:
             self._defaults = d
         return self._defaults
 
-    def _think_first(self, params) -> bool:
+    def _think_first(self, params, prompt: list[int]) -> bool:
         """Under --reasoning-parser, a structured output (a schema, a named or required tool call)
         holds only once the model has closed its thinking, as vLLM does: its params get the
         model's <think> and </think> token ids. True when it holds from its first token instead
-        (no parser, or a tokenizer without single-token tags): the output is then thinking only
-        where the grammar opens it (reasoning.py)."""
+        (no parser, a tokenizer without single-token tags, or a prompt that closed the thinking):
+        the output is then thinking only where the grammar opens it (reasoning.py)."""
         if params.structured_outputs is None:
             return False
         if self._think_ids is None:
@@ -259,7 +260,7 @@ class _Api:
         if not self._think_ids:
             return True
         params.reasoning_token_ids = list(self._think_ids)
-        return False
+        return thinking_closed(prompt, *self._think_ids)
 
     def _text(self):
         if self._token_text is None:
@@ -314,7 +315,7 @@ class _Api:
             r,
             len(prompt),
             reasoning=self.settings.reasoning_parser,
-            constrained=self._think_first(params),
+            constrained=self._think_first(params, prompt),
             tool_calls=req.tool_calls(),
         )
         return await self._generate(request, req, rid, [prompt], params, fmt, None)
@@ -376,7 +377,7 @@ class _Api:
             req.engine_logprobs(),
             tool_calls=req.tool_calls(),
             reasoning=self.settings.reasoning_parser,
-            constrained=self._think_first(params),
+            constrained=self._think_first(params, prompt),
             include_reasoning=req.include_reasoning,
             prompt_ids=[prompt] if req.return_token_ids else None,
             tokens_as_ids=req.return_tokens_as_token_ids,

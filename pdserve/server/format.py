@@ -413,7 +413,8 @@ class ChatFormatter(_Base):
         if self.tool_calls is None:
             return
         if self.tool_calls.named is not None:
-            self._headed.add(index)  # the head went out with the first chunk
+            if answer:
+                self._headed.add(index)  # the head went out with the first of the answer
         elif self.tool_calls.parser is None:
             self._streamed[index] = [answer]
         else:
@@ -465,9 +466,10 @@ class ChatFormatter(_Base):
         reason = out.final.finish_reason if out.final else None
         delta: dict = {}
         if self.tool_calls.named is not None:
-            if index not in self._headed:  # the call's head, with the first of its arguments
-                self._headed.add(index)
-                delta = {"tool_calls": [self._call(self.tool_calls.named, out.new_text, 0)]}
+            if index not in self._headed:
+                if out.new_text:  # the call's head, with the first of its arguments (none while it thinks)
+                    self._headed.add(index)
+                    delta = {"tool_calls": [self._call(self.tool_calls.named, out.new_text, 0)]}
             elif out.new_text:
                 delta = {"tool_calls": [{"index": 0, "function": {"arguments": out.new_text}}]}
         else:  # "required": the list is parsed whole, then sent
@@ -559,8 +561,8 @@ class ChatFormatter(_Base):
             if self.reasoning is not None:
                 thought, text = split(c.text, self.reasoning, self.constrained)
             message, reason = {"role": "assistant", "content": text}, c.finish_reason
-            if self.tool_calls is not None:
-                message, reason = self._tool_message(text or "", c.finish_reason)
+            if self.tool_calls is not None and text is not None:  # (None: it never stopped thinking)
+                message, reason = self._tool_message(text, c.finish_reason)
             if thought is not None and self.include_reasoning:
                 message |= {"reasoning": thought, "reasoning_content": thought}
             choices.append(

@@ -295,8 +295,8 @@ class ResponsesFormatter:
         thought, text = split(whole, self.reasoning, self.constrained) if self.reasoning else (None, whole)
         status = "incomplete" if reason == "length" else "completed"
         calls: list[dict] = []
-        if self._calls is not None:
-            message, _ = self._calls._tool_message(text or "", reason)
+        if self._calls is not None and text is not None:  # (None: it never stopped thinking, no call)
+            message, _ = self._calls._tool_message(text, reason)
             text, calls = message.get("content"), message.get("tool_calls") or []
         output = []
         if thought is not None:

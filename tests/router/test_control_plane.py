@@ -276,7 +276,7 @@ def test_a_rolling_upgrade_never_runs_a_salted_request_on_a_worker_that_would_dr
             body = {"model": model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
             return httpx.post(c.url + "/v1/completions", json=body | extra, timeout=60)
 
-        assert workers["decode0"]["features"] == ["bad_words", "cache_salt"]
+        assert workers["decode0"]["features"] == ["bad_words", "cache_salt", "reasoning_token_ids"]
         old("decode0")
         before = c.status()["counters"]
         assert send(cache_salt="tenant-a").status_code == 200  # on the prefill worker, whole

@@ -117,7 +117,7 @@ def test_a_tool_call_after_the_thinking(r1_client):
 def test_a_structured_output_holds_once_the_thinking_is_closed(tmp_path):
     """A model whose tokenizer has <think> and </think>: with a reasoning parser the schema holds
     only after </think> (vLLM's way), and the reply splits as any reply."""
-    from tests.tiny import write_tiny_model
+    from tests.tiny import TEMPLATE, write_tiny_model
 
     d = write_tiny_model(str(tmp_path / "m"), max_pos=2048, added_tokens=("<think>", "</think>"))
     schema = {
@@ -130,7 +130,7 @@ def test_a_structured_output_holds_once_the_thinking_is_closed(tmp_path):
     from tokenizers import Tokenizer
 
     end_id = Tokenizer.from_file(f"{d}/tokenizer.json").token_to_id("</think>")
-    with tiny_openai(d, "--reasoning-parser", "deepseek_r1") as client:
+    with tiny_openai(d, "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template") as client:
         kw = dict(model="tiny", messages=USER, max_tokens=200, temperature=0, response_format=fmt)
         r = client.chat.completions.create(**kw, logit_bias={str(end_id): 100})
         m = r.choices[0].message.model_dump()
@@ -139,3 +139,23 @@ def test_a_structured_output_holds_once_the_thinking_is_closed(tmp_path):
         r = client.chat.completions.create(**dict(kw, max_tokens=12))
         m = r.choices[0].message.model_dump()
         assert m.get("reasoning") and not m["content"] and r.choices[0].finish_reason == "length"
+        # a named tool: the call comes after the thinking; thinking cut short by max_tokens is no call
+        tools = [{"type": "function", "function": {"name": "add", "parameters": schema}}]
+        named = dict(
+            kw, response_format=None, tools=tools, tool_choice={"type": "function", "function": {"name": "add"}}
+        )
+        r = client.chat.completions.create(**named, logit_bias={str(end_id): 100})
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "add" and isinstance(json.loads(call.function.arguments)["a"], int)
+        r = client.chat.completions.create(**dict(named, max_tokens=12))
+        m = r.choices[0].message
+        assert m.model_dump().get("reasoning") and not m.tool_calls and not m.content
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**dict(named, max_tokens=12), stream=True)]
+        assert not any(d.tool_calls for d in deltas) and "".join(d.model_dump().get("reasoning") or "" for d in deltas)
+        # a template that closes the thinking (Qwen3's with thinking off, served with deepseek_r1):
+        # held from the first token, and read as all answer
+        off = TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n\n</think>\n\n{% endif %}")
+        assert off != TEMPLATE
+        r = client.chat.completions.create(**kw, extra_body={"chat_template": off})
+        m = r.choices[0].message.model_dump()
+        assert not m.get("reasoning") and isinstance(json.loads(m["content"])["a"], int)
