@@ -6,19 +6,32 @@ A stored block is self-describing and checked:
 
 The header names who wrote the block (the model fingerprint: architecture,
 weights, dtype and cache layout), which block it is (its chained prefix hash and
-its token ids) and the data's shape. The digest is blake2b over header and data,
-keyed with the cluster secret for the shared store: anyone who can reach a
-Mooncake Store can write to it (it has no authentication of its own), but only
-a member of the cluster can write a block the cluster will load.
+its token ids) and the data's shape. The digest is blake2b over header and data.
 A block whose digest does not match is corrupt; one whose header names another
 model, layout or token sequence is foreign. Both are misses to the caller:
 recomputing is always correct, loading a wrong block never is.
+
+Blocks in the shared store (Mooncake Store, which has no authentication of its own:
+whoever reaches it can read and write any object) are *sealed* with the cluster
+secret instead (`seal` / `unseal`):
+
+    b"PDKV" | version 2 u16 | nonce (12 B) | AES-256-GCM(header length u32 | header | data)
+
+under a key derived from the secret and the object's name (the prefix before the
+ciphertext authenticated too), so a sealed block is readable only by the cluster
+(its token ids and KV are users' prompts), cannot be altered or written by anyone
+else, and cannot be moved under another name. Headers are padded, so a block's
+size does not tell its token ids' digits. Its name
+(`shared_key`) is keyed too: without the secret, nobody can compute which name a
+given prompt's blocks would have, so the store cannot be asked whether someone
+sent that prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 
@@ -26,7 +39,10 @@ import torch
 
 MAGIC = b"PDKV"
 VERSION = 1
+SEALED_VERSION = 2
 _PREFIX = struct.Struct("<4sHI")
+_SEALED = struct.Struct("<4sH12s")  # magic, version, nonce
+_HEAD_LEN = struct.Struct("<I")
 _DIGEST = 16
 
 
@@ -81,8 +97,77 @@ def block_key(fingerprint: str, block_hash: int) -> str:
     return f"{fingerprint}-{block_hash:016x}"
 
 
-def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor, key: bytes = b"") -> bytes:
-    """One block's K and V of every layer, `kv` shaped [layers, 2, block_size, kv_heads, head_dim]."""
+def _derive(secret: bytes, purpose: bytes) -> bytes:
+    """A 32-byte key for one use of the cluster secret (names, sealing)."""
+    return hashlib.blake2b(purpose, key=hashlib.blake2b(secret).digest(), digest_size=32).digest()
+
+
+def shared_key(fingerprint: str, block_hash: int, secret: bytes) -> str:
+    """A block's name in the shared store: the model's fingerprint and a keyed digest of the
+    block's prefix hash, which only the cluster can compute."""
+    mac = hashlib.blake2b(
+        f"{fingerprint}-{block_hash:016x}".encode(), key=_derive(secret, b"pdserve kv name"), digest_size=16
+    )
+    return f"{fingerprint}-s{mac.hexdigest()}"
+
+
+def _aead(secret: bytes, name: str):
+    """The cipher of one object: its key derived from the secret and the object's name, so that
+    random nonces never pile up under one key however long the secret lives."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # only where a shared store is used
+
+    return AESGCM(_derive(secret, b"pdserve kv seal\0" + name.encode()))
+
+
+_HEAD_PAD = 1024  # headers padded to a multiple: a sealed block's size says nothing of its token ids
+
+
+def seal(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor, secret: bytes, name: str) -> bytes:
+    """A block for the shared store, encrypted and authenticated with the cluster secret and
+    bound to its object `name`."""
+    head, raw = _head_and_data(fingerprint, block_hash, token_ids, kv)
+    head += b" " * (-len(head) % _HEAD_PAD)  # JSON ignores the trailing blanks
+    prefix = _SEALED.pack(MAGIC, SEALED_VERSION, os.urandom(12))
+    body = _aead(secret, name).encrypt(prefix[-12:], b"".join((_HEAD_LEN.pack(len(head)), head, raw)), prefix)
+    return prefix + body
+
+
+def unseal(
+    blob: bytes,
+    fingerprint: str,
+    block_hash: int,
+    token_ids,
+    shape: list[int],
+    dtype: torch.dtype,
+    secret: bytes,
+    name: str,
+) -> torch.Tensor:
+    """The tensor of a sealed block, if this cluster sealed it under `name` and it is the block
+    asked for; else BadBlock."""
+    from cryptography.exceptions import InvalidTag
+
+    if len(blob) < _SEALED.size + 16:
+        raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a sealed block")
+    magic, version, nonce = _SEALED.unpack_from(blob)
+    if magic != MAGIC:
+        raise BadBlock("corrupt", "bad magic")
+    if version != SEALED_VERSION:
+        raise BadBlock("foreign", f"format version {version}, the shared store holds {SEALED_VERSION}")
+    try:
+        body = _aead(secret, name).decrypt(nonce, memoryview(blob)[_SEALED.size :], blob[: _SEALED.size])
+    except InvalidTag:
+        raise BadBlock("corrupt", "does not open (altered, moved, or not sealed by this cluster)") from None
+    if len(body) < _HEAD_LEN.size:
+        raise BadBlock("corrupt", "truncated header")
+    (head_len,) = _HEAD_LEN.unpack_from(body)
+    if _HEAD_LEN.size + head_len > len(body):
+        raise BadBlock("corrupt", "truncated header")
+    head = body[_HEAD_LEN.size : _HEAD_LEN.size + head_len]
+    data = memoryview(body)[_HEAD_LEN.size + head_len :]
+    return _checked(head, data, fingerprint, block_hash, token_ids, shape, dtype)
+
+
+def _head_and_data(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor) -> tuple[bytes, bytes]:
     kv = kv.contiguous()
     raw = kv.view(torch.uint8).numpy().tobytes()
     head = json.dumps(
@@ -96,6 +181,13 @@ def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor, key: 
         },
         separators=(",", ":"),
     ).encode()
+    return head, raw
+
+
+def encode(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor, key: bytes = b"") -> bytes:
+    """One block's K and V of every layer, `kv` shaped [layers, 2, block_size, kv_heads, head_dim]
+    (`key`: a keyed digest; the shared store seals blocks instead, `seal`)."""
+    head, raw = _head_and_data(fingerprint, block_hash, token_ids, kv)
     return b"".join((_PREFIX.pack(MAGIC, VERSION, len(head)), head, _digest(head, raw, key), raw))
 
 
@@ -118,6 +210,11 @@ def decode(
     data = memoryview(blob)[start + head_len + _DIGEST :]
     if _digest(head, data, key) != digest:
         raise BadBlock("corrupt", "checksum mismatch (truncated, altered, or not written by this cluster)")
+    return _checked(head, data, fingerprint, block_hash, token_ids, shape, dtype)
+
+
+def _checked(head: bytes, data, fingerprint: str, block_hash: int, token_ids, shape, dtype) -> torch.Tensor:
+    """The data as the block's tensor, if the header says it is the block asked for."""
     try:
         meta = json.loads(head)
     except ValueError as e:

@@ -195,6 +195,15 @@ class MooncakeTier(KVTier):
                 self.stats.errors += 1
             return rc == 1
 
+    def forget(self, key: str) -> None:
+        """Remove an object that failed its check (altered, or planted under a cluster name): a
+        put keeps an existing value, so it would otherwise keep the cluster from publishing
+        that block until the store evicted it."""
+        with self.lock:
+            rc = self._call(lambda: self._store.remove(key), None)
+            if rc is not None:
+                self._note_rc(rc)
+
     def count_prefix(self, keys: list[str]) -> int:
         """One batched existence query instead of one round trip per key."""
         if not keys:
@@ -357,8 +366,8 @@ def _warn_listeners() -> None:
     lo, hi = os.environ.get("MC_MIN_RPC_PORT", "15000"), os.environ.get("MC_MAX_RPC_PORT", "17000")
     log.warning(
         "Mooncake Store client: its transfer engine listens on every interface (two TCP ports in %s-%s, "
-        "whatever address it is given) without authentication; whoever reaches them can read and write the "
-        "KV blocks in this worker's segment. Firewall that range or run the cluster in a network namespace "
+        "whatever address it is given) without authentication; whoever reaches them can read the sealed KV "
+        "blocks in this worker's segment (not open them) and delete or overwrite them (recomputed then). Firewall that range or run the cluster in a network namespace "
         "(docs/kv_store.md)",
         lo,
         hi,

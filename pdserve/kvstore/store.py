@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve import auth
 from pdserve.kvstore import codec
 from pdserve.kvstore.tier import KVTier
 
@@ -69,9 +70,12 @@ class TieredKVStore:
         self.local = [t for t in tiers if not t.shared]
         self.shared = [t for t in tiers if t.shared]
         self.fingerprint = fingerprint
-        # blocks in the shared store are signed with the cluster secret; the local tiers' files
+        # blocks in the shared store are sealed with the cluster secret; the local tiers' files
         # are this user's alone and outlive a deployment's secret (a disk survives restarts)
         self.secret = secret
+        if self.shared and len(secret) < auth.MIN_SECRET_BYTES:
+            # sealing and keyed names under a key anyone can compute would hide nothing
+            raise ValueError(f"a shared KV store needs the cluster secret (at least {auth.MIN_SECRET_BYTES} bytes)")
         self.kv_caches = kv_caches
         self.block_size = block_size
         k0 = kv_caches[0][0]
@@ -123,7 +127,7 @@ class TieredKVStore:
             n += 1
         for tier in self.shared:
             if n < len(keys) and tier.healthy():
-                n += tier.count_prefix(keys[n:])
+                n += tier.count_prefix([codec.shared_key(self.fingerprint, h, self.secret) for h in hashes[n:]])
         self.queried_blocks += len(keys)
         self.hit_blocks += n
         return n
@@ -207,15 +211,20 @@ class TieredKVStore:
         self._write_down()
 
     def _save(self, where: str, key: str, block_hash: int, token_ids: tuple, kv: torch.Tensor) -> None:
-        tiers = self.local[:1] if where == "local" else self.shared
-        sign = b"" if where == "local" else self.secret
+        if where == "shared":  # sealed with the cluster secret, under a name only the cluster can compute
+            name = codec.shared_key(self.fingerprint, block_hash, self.secret)
+            blob = codec.seal(self.fingerprint, block_hash, token_ids, kv, self.secret, name)
+            for tier in self.shared:
+                tier.put(name, blob)
+            return
+        tiers = self.local[:1]
         blob = None
         for tier in tiers:
             if tier.holds_blocks:  # in-process: kept decoded, its own copy of the data
                 tier.put(key, codec.KVBlock(self.fingerprint, block_hash, tuple(token_ids), kv.clone()))
                 continue
             if blob is None:
-                blob = codec.encode(self.fingerprint, block_hash, token_ids, kv, sign)
+                blob = codec.encode(self.fingerprint, block_hash, token_ids, kv)
             tier.put(key, blob)
         # written through: the disk holds what host memory holds (a kill loses nothing saved), and the
         # host tier's spill finds the block there and writes nothing: in steady state the same writes
@@ -318,7 +327,8 @@ class TieredKVStore:
             if tier.shared and not tier.healthy():
                 continue
             t0 = time.monotonic()
-            blob = tier.get(key)
+            name = codec.shared_key(self.fingerprint, b.block_hash, self.secret) if tier.shared else key
+            blob = tier.get(name)
             if blob is None:
                 with tier.lock:
                     tier.stats.misses += 1
@@ -326,24 +336,27 @@ class TieredKVStore:
             try:
                 if isinstance(blob, codec.KVBlock):
                     kv = blob.check(self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype)
-                else:
-                    kv = codec.decode(
+                elif tier.shared:
+                    kv = codec.unseal(
                         blob,
                         self.fingerprint,
                         b.block_hash,
                         b.token_ids,
                         self.block_shape,
                         self.dtype,
-                        self.secret if tier.shared else b"",
+                        self.secret,
+                        name,
                     )
+                else:
+                    kv = codec.decode(blob, self.fingerprint, b.block_hash, b.token_ids, self.block_shape, self.dtype)
             except codec.BadBlock as e:
-                log.warning("KV store: %s tier: %s (%s); recomputing instead", tier.name, e, key)
+                log.warning("KV store: %s tier: %s (%s); recomputing instead", tier.name, e, name)
                 with tier.lock:
                     tier.stats.errors += 1
                     tier.stats.misses += 1
                 forget = getattr(tier, "forget", None)
                 if forget is not None:
-                    forget(key)
+                    forget(name)
                 continue
             with tier.lock:
                 tier.stats.hits += 1

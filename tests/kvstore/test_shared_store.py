@@ -76,9 +76,11 @@ def test_requests_go_on_while_the_master_is_dead_and_hits_come_back(sharp_model,
         assert _tier(a, "mooncake")["hits"] > hits_before
 
 
-def test_blocks_not_signed_by_the_cluster_are_never_loaded(sharp_model, reference, master):
-    """The store has no authentication of its own: anyone who reaches it can put a block under
-    any name. A block not signed with the cluster secret is a miss, and the output is right."""
+def test_blocks_are_sealed_and_foreign_ones_never_loaded(sharp_model, reference, master):
+    """The store has no authentication of its own: anyone who reaches it can read any object and
+    put one under any name. The cluster's blocks are sealed (nothing of a prompt is readable in
+    them) under names only the cluster can compute; a block not sealed by the cluster is a miss,
+    and the output is right."""
     import torch
 
     from pdserve.kv.hashing import block_hashes
@@ -89,11 +91,24 @@ def test_blocks_not_signed_by_the_cluster_are_never_loaded(sharp_model, referenc
         store = victim.engine.kv_store
         intruder = MooncakeTier(master.rpc_address, master.metadata_url, segment_bytes=16 << 20)
         try:
+            # what the victim published: under keyed names, sealed
+            assert _run(victim, [PROMPTS[0]])[0] == reference[0]
+            _settle(victim)
+            hashes = block_hashes(PROMPTS[0], 4)[:4]
+            assert not any(intruder.contains(codec.block_key(store.fingerprint, h)) for h in hashes)
+            blob = intruder.get(codec.shared_key(store.fingerprint, hashes[0], store.secret))
+            assert blob is not None and b'"tokens"' not in blob and store.fingerprint.encode() not in blob
+            # blocks planted by someone without the secret, even under the right names
             prompt = PROMPTS[1]
             for i, h in enumerate(block_hashes(prompt, 4)[:8]):
                 fake = torch.randn(store.block_shape).to(store.dtype)
-                blob = codec.encode(store.fingerprint, h, prompt[4 * i : 4 * i + 4], fake, key=b"not the cluster's")
-                assert intruder.put(codec.block_key(store.fingerprint, h), blob)
+                name = codec.shared_key(store.fingerprint, h, store.secret)
+                tokens = prompt[4 * i : 4 * i + 4]
+                forged = codec.seal(store.fingerprint, h, tokens, fake, b"not the cluster's", name)
+                assert intruder.put(name, forged)
+                assert intruder.put(
+                    codec.block_key(store.fingerprint, h), codec.encode(store.fingerprint, h, tokens, fake)
+                )
             assert _run(victim, [prompt])[0] == reference[1]
             tier = _tier(victim, "mooncake")
             assert tier["hits"] == 0 and tier["errors"] >= 1, tier

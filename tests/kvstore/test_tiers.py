@@ -15,6 +15,7 @@ import torch
 from pdserve.kvstore import codec
 from pdserve.kvstore.disk import SUFFIX, DiskTier
 from pdserve.kvstore.host import HostTier
+from pdserve.kvstore.tier import KVTier
 
 SHAPE = [2, 2, 4, 2, 8]  # layers, K/V, block_size, heads, dim
 FP = "00112233aabbccdd"
@@ -55,6 +56,41 @@ def test_codec_refuses_corrupt_truncated_and_foreign_blocks():
         with pytest.raises(codec.BadBlock) as e:
             codec.decode(blob, *args)
         assert e.value.kind == "foreign"
+
+
+def test_sealed_blocks_open_only_for_the_cluster_under_their_own_name():
+    """The shared store's blocks: encrypted and authenticated with the cluster secret, bound to
+    their name; the name itself is keyed (without the secret, no one can tell where a prompt's
+    blocks would be)."""
+    secret = b"the cluster's secret"
+    kv = torch.randn(SHAPE).to(torch.bfloat16)
+    name = codec.shared_key(FP, 7, secret)
+    assert name != codec.shared_key(FP, 7, b"another secret") and name != codec.shared_key(FP, 8, secret)
+    assert name.startswith(FP) and f"{7:016x}" not in name
+    blob = codec.seal(FP, 7, (1, 2, 3, 4), kv, secret, name)
+    args = (FP, 7, (1, 2, 3, 4), SHAPE, torch.bfloat16)
+    assert torch.equal(codec.unseal(blob, *args, secret, name), kv)
+    # nothing of the block is readable: not its header, its token ids, nor its data
+    raw = kv.view(torch.uint8).numpy().tobytes()
+    assert b'"tokens"' not in blob and raw[:64] not in blob and FP.encode() not in blob
+    assert codec.seal(FP, 7, (1, 2, 3, 4), kv, secret, name) != blob  # a fresh nonce each time
+    flipped = bytearray(blob)
+    flipped[-20] ^= 1
+    for bad, key, where in [
+        (blob, b"another secret", name),  # not sealed by this cluster
+        (blob, secret, codec.shared_key(FP, 8, secret)),  # moved under another block's name
+        (bytes(flipped), secret, name),
+        (blob[:30], secret, name),
+        (b"XXXX" + blob[4:], secret, name),
+    ]:
+        with pytest.raises(codec.BadBlock) as e:
+            codec.unseal(bad, *args, key, where)
+        assert e.value.kind == "corrupt"
+    # sealed by the cluster, but not the block asked for (a hash collision, another layout)
+    with pytest.raises(codec.BadBlock, match="foreign"):
+        codec.unseal(blob, FP, 7, (1, 2, 3, 5), SHAPE, torch.bfloat16, secret, name)
+    with pytest.raises(codec.BadBlock, match="foreign"):  # an unsealed (local-format) block
+        codec.unseal(codec.encode(*args[:3], kv), *args, secret, name)
 
 
 def test_host_tier_keeps_its_bound_and_spills_the_oldest():
@@ -452,3 +488,73 @@ def test_host_tier_still_serves_a_block_while_it_spills():
     tier = HostTier(600, spill=spill)
     assert tier.put("0-0", bytes(300)) and tier.put("1-0", bytes(300)) and tier.put("2-0", bytes(300))
     assert seen == [(True, True)] and not tier.contains("0-0")
+
+
+class _SharedInMemory(KVTier):
+    """A shared tier in this process's memory (the Mooncake Store's part in the store's logic)."""
+
+    name, shared = "shared", True
+
+    def __init__(self):
+        super().__init__()
+        self.objects: dict[str, bytes] = {}
+        self.forgotten: list[str] = []
+
+    def contains(self, key):
+        return key in self.objects
+
+    def get(self, key):
+        return self.objects.get(key)
+
+    def put(self, key, data):
+        self.objects.setdefault(key, data)
+        return True
+
+    def forget(self, key):
+        self.forgotten.append(key)
+        self.objects.pop(key, None)
+
+
+def test_the_shared_tier_holds_sealed_blocks_under_keyed_names():
+    """What the store publishes, counts and loads through a shared tier: only sealed blocks under
+    names made with the secret; a store with another secret finds none, and a block that does
+    not open is removed (a put would keep it)."""
+    import time
+
+    from pdserve.kvstore.store import BlockRef, TieredKVStore
+
+    def store(tier, secret):
+        caches = [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(2)]
+        return TieredKVStore([tier], FP, caches, 4, secret=secret)
+
+    tier = _SharedInMemory()
+    secret = b"0123456789abcdef-cluster"
+    a = store(tier, secret)
+    try:
+        refs = [BlockRef(i, 100 + i, (i, i, i, i)) for i in range(3)]
+        a.publish(refs)
+        deadline = time.monotonic() + 10
+        while len(tier.objects) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(tier.objects) == sorted(codec.shared_key(FP, 100 + i, secret) for i in range(3))
+        assert a.count_hits([100, 101, 102, 999]) == 3
+        sizes = {len(b) for b in tier.objects.values()}
+        assert len(sizes) == 1  # padded headers: token ids of other lengths, blocks of one size
+    finally:
+        a.close()
+    b = store(tier, secret)
+    other = store(tier, b"another-cluster-0123456789")
+    try:
+        assert _load(b, [BlockRef(4 + i, 100 + i, (i, i, i, i)) for i in range(3)]) == 3
+        assert all(torch.equal(_slot(b, 4 + i), _slot(a, i)) for i in range(3))
+        assert other.count_hits([100, 101, 102]) == 0
+        # a block planted under a name of the cluster's (one somebody learnt) does not open
+        name = codec.shared_key(FP, 100, secret)
+        tier.objects[name] = codec.seal(FP, 100, (0, 0, 0, 0), torch.zeros(b.block_shape), b"x" * 32, name)
+        assert _load(b, [BlockRef(5, 100, (0, 0, 0, 0))]) == 0
+        assert tier.forgotten == [name] and name not in tier.objects
+    finally:
+        b.close()
+        other.close()
+    with pytest.raises(ValueError, match="cluster secret"):
+        store(_SharedInMemory(), b"")
