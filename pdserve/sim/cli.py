@@ -16,7 +16,7 @@ import time
 from pdserve import flags
 from pdserve.bench import cli as bench_cli
 from pdserve.bench import metrics, report
-from pdserve.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.flags import Section
 from pdserve.planner.deployment import modelled_dtype
 from pdserve.router.admission import AdmissionConfig
@@ -48,7 +48,7 @@ SIM_SECTIONS = (
         defaults={"model_config": "llama-3-70b", "gpu": "h100"},
         why="the simulator's worked example: Llama-3-70B on H100s",
     ),
-    Section(EngineConfig, only=("model",)),
+    Section(EngineConfig, only=("model", "speculative_config")),
     Section(
         DeviceConfig,
         only=("dtype", "threads"),
@@ -80,6 +80,13 @@ def add_arguments(p) -> None:
     )
     g.add_argument("--kv-bytes-per-s", type=float, default=None, help="KV link bandwidth, overrides --network-gbps")
     g.add_argument("--kv-transfer-latency-ms", type=float, default=0.0, help="fixed cost of each KV transfer")
+    g.add_argument(
+        "--spec-acceptance-rate",
+        type=float,
+        default=0.7,
+        help="with --speculative-config: the chance that each drafted token is accepted (independently, "
+        "until one is not); the engine's spec_decode counters measure it (accepted / draft tokens)",
+    )
     g.add_argument(
         "--client-rtt-ms",
         type=float,
@@ -224,7 +231,7 @@ def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
         if hw.profile is not None
         else 0.0
     )
-    return build(
+    cfg = build(
         layout,
         hw,
         sched,
@@ -240,6 +247,11 @@ def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
         max_concurrency=args.max_concurrency,
         tag_concurrency=tag_limits,
     )
+    if getattr(args, "speculative_config", None):
+        cfg.speculative = SpeculativeConfig.parse(args.speculative_config)
+        cfg.spec_acceptance = args.spec_acceptance_rate
+        cfg.__post_init__()  # the acceptance rate checked
+    return cfg
 
 
 def _s(ms):

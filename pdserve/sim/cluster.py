@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pdserve.bench import arrivals, metrics
 from pdserve.bench.client import RequestOutput
-from pdserve.config import SchedulerConfig
+from pdserve.config import SchedulerConfig, SpeculativeConfig
 from pdserve.costmodel import fit_decode_cost, fit_prefill_cost
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
@@ -66,8 +66,14 @@ class ClusterConfig:
     # user's next request then reaches a busy engine after the next step has begun and waits it
     # out, as on a real server. Measured by `pdserve sim --calibrate --served` (request_rtt_s).
     client_rtt_s: float = 0.0
+    # speculative decoding on the instances that decode (config.SpeculativeConfig), and the
+    # chance that each drafted token is accepted (independently, from the first until one is not)
+    speculative: SpeculativeConfig | None = None
+    spec_acceptance: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError("spec_acceptance is a probability, in [0, 1]")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         want = {"prefill", "decode"} if self.mode == "disagg" else {"both"}
@@ -127,6 +133,9 @@ class Cluster:
                     self.loop,
                     enable_prefix_caching=cfg.enable_prefix_caching,
                     record_events=cfg.policy == "cache_aware" and role != "decode",
+                    speculative=cfg.speculative if role != "prefill" else None,
+                    spec_acceptance=cfg.spec_acceptance,
+                    seed=i + (1000 if role == "decode" else 0),
                 )
                 inst.on_prefilled, inst.on_finished, inst.on_step = self._prefilled, self._finished, self._stepped
                 if role == "prefill":

@@ -20,9 +20,10 @@ placeholder ids that no later prompt can match.
 from __future__ import annotations
 
 import bisect
+import random
 from dataclasses import dataclass, field
 
-from pdserve.config import SchedulerConfig
+from pdserve.config import SchedulerConfig, SpeculativeConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
@@ -55,13 +56,26 @@ class Timing:
     done: bool = False
     error: str = ""
 
-    def token(self, t: float) -> None:
+    def token(self, t: float, count: int = 1) -> None:
+        """`count` tokens arrived at `t` in one chunk of the stream: one ITL sample, as a client
+        measures it (vLLM's definition: speculative decoding's several tokens a step are one)."""
         if self.first_s is None:
             self.first_s = t
         else:
             self.itl_s.append(t - self.last_s)
         self.last_s = t
-        self.tokens += 1
+        self.tokens += count
+
+
+class _PlaceholderDrafter:
+    """Drafts for the scheduler (spec_decode.NgramProposer's part): always the k it may have."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.disable_by_batch_size = config.disable_by_batch_size
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return [OUTPUT_TOKEN] * k
 
 
 @dataclass
@@ -91,11 +105,20 @@ class SimInstance:
         enable_prefix_caching: bool = True,
         record_events: bool = False,
         ff_max_steps: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+        spec_acceptance: float = 0.0,
+        seed: int = 0,
     ):
         self.worker_id, self.role, self.latency, self.loop = worker_id, role, latency, loop
         self.bm = SimBlockManager(num_blocks, block_size, enable_prefix_caching, record_events)
         # generated tokens are placeholders: their blocks are not cached (see above)
         self.sched = Scheduler(sched, self.bm, cache_generated_blocks=False)
+        # speculative decoding: the engine's scheduler gives decoding sequences drafts (placeholders
+        # here) within its budget and blocks; each is accepted with probability spec_acceptance
+        self.spec_acceptance = spec_acceptance
+        self._rng = random.Random(seed)
+        if speculative is not None:
+            self.sched.drafter = _PlaceholderDrafter(speculative)
         self.timing: dict[str, Timing] = {}
         self.on_prefilled = self.on_finished = self.on_step = self.on_chunk = None
         # a cut-short run has allocated up to k tokens ahead: k <= a block keeps that to one block
@@ -161,6 +184,7 @@ class SimInstance:
         shape = StepShape()
         for s in out.scheduled:
             seq, n, done = s.seq, s.num_new_tokens, s.seq.num_computed_tokens
+            # a sequence with drafts computes n positions over its context: a short prefill chunk
             shape.add(done, n, decode=n == 1 and done == seq.num_tokens - 1 and done >= seq.num_prompt_tokens)
         dur = self.latency.step_s(shape)
         self.busy = True
@@ -180,6 +204,15 @@ class SimInstance:
             seq, before, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             if seq.is_finished:
                 continue
+            if s.spec_token_ids:  # verified: the drafts accepted from the first, then one more
+                a = 0
+                while a < len(s.spec_token_ids) and self._rng.random() < self.spec_acceptance:
+                    a += 1
+                s.num_rejected = len(s.spec_token_ids) - a
+                had = len(seq.output_token_ids)
+                self.sched.update_from_output(SchedulerOutput([s]), [SampledToken(seq, OUTPUT_TOKEN)] * (a + 1), now)
+                self._emitted(seq, now, dur, len(seq.output_token_ids) - had)
+                continue
             samples = before + n == seq.num_tokens  # as the model runner decides: its last token was computed
             self.sched.update_from_output(
                 SchedulerOutput([s]), [SampledToken(seq, OUTPUT_TOKEN)] if samples else (), now
@@ -193,15 +226,15 @@ class SimInstance:
             self.on_step(self)
         self.kick()
 
-    def _emitted(self, seq: Sequence, now: float, dur: float) -> None:
-        """`seq` got a token in the step that ended at `now`."""
+    def _emitted(self, seq: Sequence, now: float, dur: float, count: int = 1) -> None:
+        """`seq` got `count` tokens (one chunk of a stream) in the step that ended at `now`."""
         if self.role == "prefill":
             if not seq.is_finished:  # (its max_tokens is 1) the decode side goes on from here
                 self.sched.finish(seq)
             self.timing.pop(seq.seq_id, None)
             self.on_prefilled(self, seq, now, dur)
             return
-        self.timing[seq.seq_id].token(now)
+        self.timing[seq.seq_id].token(now, count)
         if seq.is_finished:
             self._done(seq)
 
@@ -218,6 +251,7 @@ class SimInstance:
         running = sched.running
         if (
             self.role == "prefill"
+            or sched.drafter is not None  # steps with drafts: each its own
             or len(sched.waiting)
             or not running
             or len(running) > sched.config.max_num_batched_tokens

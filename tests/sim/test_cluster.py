@@ -236,3 +236,25 @@ def test_closed_loop_stops_sending_at_send_until_as_the_bench_client_does():
     ends = sorted(b for _, b in spans)
     assert sum(1 for a, _ in spans if a > 0) == len(spans) - 2  # after the first two, each start is an end
     assert all(any(abs(a - e) < 1e-9 for e in ends) for a, _ in spans if a > 0)
+
+
+def test_speculative_decoding_makes_more_tokens_a_step_at_the_price_of_its_rows():
+    """--speculative-config in the simulator: the engine's scheduler gives decoding sequences
+    drafts, each accepted with the given chance. Every request still gets exactly its tokens;
+    a stream's chunk of several tokens is one ITL sample; all accepted, a step makes k + 1
+    tokens a sequence; none accepted, the drafts cost their rows and make nothing."""
+    from pdserve.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3)
+    reqs = _decode_heavy()
+    want = sum(r.output_len for r in reqs)
+    plain = one_pool("disagg").run(_decode_heavy())
+    runs = {a: one_pool("disagg", speculative=spec, spec_acceptance=a).run(_decode_heavy()) for a in (0.0, 0.7, 1.0)}
+    for r in (plain, *runs.values()):
+        assert r["completed"] == len(reqs) and r["total_output_tokens"] == want, r
+    # decode steps cost 10 ms + per-token terms here: 4 tokens a step all accepted, ~2.5 at 0.7
+    assert runs[1.0]["mean_tpot_ms"] < 0.35 * plain["mean_tpot_ms"]
+    assert runs[1.0]["mean_tpot_ms"] < runs[0.7]["mean_tpot_ms"] < 0.6 * plain["mean_tpot_ms"]
+    assert runs[0.0]["mean_tpot_ms"] >= plain["mean_tpot_ms"]
+    with pytest.raises(ValueError, match="probability"):
+        one_pool("disagg", speculative=spec, spec_acceptance=1.5)
