@@ -211,6 +211,18 @@ def _call_message(i: int, item: dict, out: list[dict], thought: str | None) -> d
     return message
 
 
+class NamedEvent(str):
+    """An event's JSON that knows its type: streamed with an `event:` line naming it, as OpenAI
+    streams the Responses API (clients that dispatch on the SSE event name read it there)."""
+
+    kind: str
+
+    def __new__(cls, kind: str, data: str):
+        out = super().__new__(cls, data)
+        out.kind = kind
+        return out
+
+
 class ResponsesFormatter:
     """A response object and its stream events from one choice's outputs (n is 1 here). It
     stands where format.ChatFormatter stands for the chat route (server/streaming.py drives it)."""
@@ -319,7 +331,7 @@ class ResponsesFormatter:
     # ---- the stream (server/streaming.py: preamble, chunk_json per output, nothing at the end)
     def _event(self, kind: str, **fields) -> str:
         self._seq += 1
-        return dumps({"type": kind, "sequence_number": self._seq - 1, **fields})
+        return NamedEvent(kind, dumps({"type": kind, "sequence_number": self._seq - 1, **fields}))
 
     def preamble(self) -> list[dict]:
         events = []

@@ -21,7 +21,14 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(obj: dict) -> str:
+    if "sequence_number" in obj and isinstance(obj.get("type"), str):  # a Responses API event: named
+        return f"event: {obj['type']}\ndata: {dumps(obj)}\n\n"
     return f"data: {dumps(obj)}\n\n"
+
+
+def _event_lines(chunk: str) -> str:
+    kind = getattr(chunk, "kind", None)  # responses.NamedEvent
+    return f"event: {kind}\ndata: {chunk}\n\n" if kind else f"data: {chunk}\n\n"
 
 
 async def read_body(request, limit_bytes: int) -> bytes:
@@ -86,8 +93,8 @@ async def sse_events(
                     now = usage(choice_prompt_tokens[index], per_choice[index])
                 chunk = fmt.chunk_json(index, out, include_usage, now)
                 tag = tokens_comment(index, out.new_token_ids, out.finished) if tag_tokens else ""
-                if isinstance(chunk, list):  # several events (the Responses API's)
-                    parts.append(tag + "".join(f"data: {c}\n\n" for c in chunk))
+                if isinstance(chunk, list):  # several events (the Responses API's, named)
+                    parts.append(tag + "".join(_event_lines(c) for c in chunk))
                 elif chunk is not None:
                     parts.append(f"{tag}data: {chunk}\n\n")
                 elif tag:

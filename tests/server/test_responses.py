@@ -213,3 +213,23 @@ def test_the_calls_and_their_outputs_go_back_in_input(client):
         "tool_call_id": "c1",
         "content": "2",
     }
+
+
+def test_the_stream_names_each_event_as_openai_does(tiny_server):
+    """Each event of a streamed response comes with an `event:` line naming its type (OpenAI's
+    wire format; SSE clients dispatch on it), then its data."""
+    import httpx
+
+    from tests.server.conftest import API_KEY
+
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream(
+        "POST", tiny_server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as r:
+        text = "".join(r.iter_text())
+    blocks = [b for b in text.split("\n\n") if b.strip() and b.strip() != "data: [DONE]"]
+    assert len(blocks) >= 4
+    for b in blocks:
+        event, data = b.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        assert json.loads(data[len("data: ") :])["type"] == event[len("event: ") :]
