@@ -522,6 +522,7 @@ class LLMEngine:
         for r, v in zip(spec_rows, results):
             r.num_rejected = len(r.spec_token_ids) - v.num_accepted
             self.spec_stats.record(len(r.spec_token_ids), v.num_accepted)
+            self.drafter.observe(r.seq.seq_id, len(r.spec_token_ids), v.num_accepted)
             sampled.extend(SampledToken(r.seq, tok, lp) for tok, lp in zip(v.tokens, v.logprobs))
         return sampled
 

@@ -76,14 +76,23 @@ def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) 
     return tokens[best + 1 : best + 1 + k]
 
 
+MAX_BACKOFF_STEPS = 32  # the longest a sequence whose guesses keep failing goes without guessing
+
+
 class _History:
-    """A sequence's token ids as a growing numpy array (appended to, never rebuilt)."""
+    """A sequence's token ids as a growing numpy array (appended to, never rebuilt), and how its
+    guesses fared: `cap` guesses at most next time (one more after all were kept, one more than
+    were kept after a miss), none for `skip` steps after a guess whose first token was wrong
+    (`backoff` steps, doubling while they keep failing)."""
 
-    __slots__ = ("buf", "n")
+    __slots__ = ("buf", "n", "cap", "skip", "backoff")
 
-    def __init__(self):
+    def __init__(self, cap: int):
         self.buf = np.empty(256, dtype=np.int64)
         self.n = 0
+        self.cap = cap
+        self.skip = 0
+        self.backoff = 1
 
     def sync(self, seq: Sequence) -> np.ndarray:
         total = seq.num_tokens
@@ -100,7 +109,17 @@ class _History:
 
 
 class NgramProposer:
-    """Drafts by prompt lookup, per sequence (`propose`); `forget` a finished one."""
+    """Drafts by prompt lookup, per sequence (`propose`); `observe` how they fared; `forget` a
+    finished sequence.
+
+    A wrong guess costs its rows and gives nothing, and on a CPU a verifying step takes about
+    twice a one-token step: a sequence whose text does not repeat its context would pay that on
+    every step where a stray n-gram matches, slowing its own tokens and its batch's. So each
+    sequence's guesses follow how its earlier ones fared: after all were kept it may guess one
+    more (up to num_speculative_tokens), after a partial miss as many as were kept plus one, and
+    after a guess whose first token was already wrong it does not guess for a while (1 step,
+    then 2, 4, ... up to MAX_BACKOFF_STEPS while that keeps happening). Which tokens come out is
+    unchanged: only how many positions a step computes."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -113,10 +132,29 @@ class NgramProposer:
             return []
         hist = self._histories.get(seq.seq_id)
         if hist is None:
-            hist = self._histories[seq.seq_id] = _History()
+            hist = self._histories[seq.seq_id] = _History(self.num_speculative_tokens)
+        if hist.skip:
+            hist.skip -= 1
+            return []
         tokens = hist.sync(seq)
         c = self.config
-        return find_ngram_continuation(tokens, c.prompt_lookup_min, c.prompt_lookup_max, k).tolist()
+        return find_ngram_continuation(tokens, c.prompt_lookup_min, c.prompt_lookup_max, min(k, hist.cap)).tolist()
+
+    def observe(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
+        """How a sequence's guesses of this step fared (the engine's verification)."""
+        hist = self._histories.get(seq_id)
+        if hist is None or not num_drafts:
+            return
+        if num_accepted == num_drafts:  # (fewer than the cap: the lookup or the budget had fewer)
+            hist.cap = min(self.num_speculative_tokens, max(hist.cap, num_drafts + 1))
+            hist.backoff = 1
+        elif num_accepted:
+            hist.cap = num_accepted + 1
+            hist.backoff = 1
+        else:
+            hist.cap = 1
+            hist.skip = hist.backoff
+            hist.backoff = min(2 * hist.backoff, MAX_BACKOFF_STEPS)
 
     def forget(self, seq_id: str) -> None:
         self._histories.pop(seq_id, None)
