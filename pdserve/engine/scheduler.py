@@ -497,7 +497,11 @@ class Scheduler:
                 # appended below, as the sampled tokens they turned out to be); the token list is
                 # copied only when a block did fill
                 full = seq.num_computed_tokens // self.kv.block_size
-                if self.kv.enable_prefix_caching and full > self.kv.seqs[seq.seq_id].num_cached_blocks:
+                if (
+                    self.cache_generated_blocks
+                    and self.kv.enable_prefix_caching
+                    and full > self.kv.seqs[seq.seq_id].num_cached_blocks
+                ):
                     accepted = s.spec_token_ids[: len(s.spec_token_ids) - s.num_rejected]
                     tokens = TokenIds(seq.prompt_token_ids, seq.output_token_ids + accepted)
                     self.kv.cache_full_blocks(seq.seq_id, tokens, seq.num_computed_tokens, seq.hash_root)

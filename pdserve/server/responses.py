@@ -222,6 +222,9 @@ class NamedEvent(str):
         out.kind = kind
         return out
 
+    def __getnewargs__(self):  # copies and pickles keep the name
+        return (self.kind, str(self))
+
 
 class ResponsesFormatter:
     """A response object and its stream events from one choice's outputs (n is 1 here). It
@@ -329,6 +332,12 @@ class ResponsesFormatter:
         return output
 
     # ---- the stream (server/streaming.py: preamble, chunk_json per output, nothing at the end)
+    def error_event(self, err) -> str:
+        """A failure after the stream began, as OpenAI's Responses streams report one."""
+        body = err.body()["error"]
+        code = body.get("code") or body.get("type")
+        return self._event("error", code=code, message=body.get("message"), param=body.get("param"))
+
     def _event(self, kind: str, **fields) -> str:
         self._seq += 1
         return NamedEvent(kind, dumps({"type": kind, "sequence_number": self._seq - 1, **fields}))

@@ -110,7 +110,8 @@ async def sse_events(
     except APIError as e:
         # headers are gone already: the error travels as an event, then the stream ends cleanly
         finish = f"error {e.status}"
-        yield e.sse()
+        named = getattr(fmt, "error_event", None)  # the Responses API's typed error event
+        yield _event_lines(named(e)) if named is not None else e.sse()
         yield DONE
     except (asyncio.CancelledError, GeneratorExit):
         finish = "client gone"

@@ -27,6 +27,7 @@ from pdserve.config import SchedulerConfig, SpeculativeConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
+from pdserve.engine.spec_decode import NgramProposer
 from pdserve.kv.block_manager import BlockManager, SeqBlocks
 from pdserve.kv.hashing import salt_root
 from pdserve.sim.events import EventLoop
@@ -67,14 +68,11 @@ class Timing:
         self.tokens += count
 
 
-class _PlaceholderDrafter:
-    """Drafts for the scheduler (spec_decode.NgramProposer's part): always the k it may have."""
+class _PlaceholderDrafter(NgramProposer):
+    """The engine's drafter (its eligibility and per-sequence back-off) with placeholder drafts:
+    a lookup always finds the k it may have; whether they are kept is drawn at the step's end."""
 
-    def __init__(self, config: SpeculativeConfig):
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.disable_by_batch_size = config.disable_by_batch_size
-
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def _lookup(self, seq: Sequence, hist, k: int) -> list[int]:
         return [OUTPUT_TOKEN] * k
 
 
@@ -209,6 +207,7 @@ class SimInstance:
                 while a < len(s.spec_token_ids) and self._rng.random() < self.spec_acceptance:
                     a += 1
                 s.num_rejected = len(s.spec_token_ids) - a
+                self.sched.drafter.observe(seq.seq_id, len(s.spec_token_ids), a)
                 had = len(seq.output_token_ids)
                 self.sched.update_from_output(SchedulerOutput([s]), [SampledToken(seq, OUTPUT_TOKEN)] * (a + 1), now)
                 self._emitted(seq, now, dur, len(seq.output_token_ids) - had)
@@ -242,6 +241,8 @@ class SimInstance:
         """A finished sequence (the scheduler has let it go): its client sees the end."""
         t = self.timing.pop(seq.seq_id)
         t.done = True
+        if self.sched.drafter is not None:
+            self.sched.drafter.forget(seq.seq_id)
         if self.on_finished:
             self.on_finished(self, seq)
 

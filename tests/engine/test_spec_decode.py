@@ -304,27 +304,28 @@ def test_refused_drafts_cost_no_preemptions_later():
     assert worse == 0
 
 
-def test_a_sequence_whose_guesses_fail_guesses_less():
-    """Guesses follow how the sequence's earlier ones fared: one more after all were kept, as many
-    as were kept plus one after a partial miss, none for 1, 2, 4, ... steps after a first-token
-    miss. The tokens never change, only how many positions a step computes."""
+def test_a_sequence_whose_guesses_fail_from_the_first_token_backs_off():
+    """After a guess wrong from its first token, a sequence does not guess at its next chance,
+    then at 2, 4, ... up to MAX_BACKOFF_STEPS chances; any kept token starts over. The tokens
+    never change, only how many positions a step computes."""
     from pdserve.engine.spec_decode import MAX_BACKOFF_STEPS, NgramProposer
 
     p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1))
     seq = Sequence("a", [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], SamplingParams(), output_token_ids=[3])
     assert p.propose(seq, 4) == [4, 5, 6, 7]
-    p.observe("a", 4, 1)
-    assert p.propose(seq, 4) == [4, 5]  # one kept: two next time
-    p.observe("a", 2, 2)
-    assert p.propose(seq, 4) == [4, 5, 6]  # all kept: one more
+    p.observe("a", 4, 1)  # partly kept: no back-off, the whole guess again
+    assert p.propose(seq, 4) == [4, 5, 6, 7]
     skipped = []
-    for _ in range(7):  # first-token misses: 1, 2, 4, ... steps without guesses in between
-        p.observe("a", 1, 0)
+    for _ in range(7):
+        p.observe("a", 4, 0)
         n = 0
         while not p.propose(seq, 4):
             n += 1
         skipped.append(n)
     assert skipped == [1, 2, 4, 8, 16, 32, MAX_BACKOFF_STEPS]
-    p.observe("a", 1, 1)  # kept again: the back-off starts over
-    p.observe("a", 2, 0)
-    assert p.propose(seq, 4) == [] and p.propose(seq, 4) == [4]
+    p.observe("a", 4, 1)  # kept again: the back-off starts over
+    p.observe("a", 4, 0)
+    assert p.propose(seq, 4) == [] and p.propose(seq, 4) == [4, 5, 6, 7]
+    p.forget("a")
+    p.observe("a", 4, 0)  # a forgotten sequence: nothing kept for it
+    assert "a" not in p._histories

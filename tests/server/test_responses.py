@@ -233,3 +233,33 @@ def test_the_stream_names_each_event_as_openai_does(tiny_server):
         event, data = b.split("\n")
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[len("data: ") :])["type"] == event[len("event: ") :]
+
+
+def test_a_failure_mid_stream_is_a_named_error_event():
+    """A stream that fails after it began (the engine went away) ends with OpenAI's typed
+    `error` event, named like every other; events survive a copy with their names."""
+    import asyncio
+    import copy
+
+    from pdserve.server.errors import APIError
+    from pdserve.server.streaming import sse_events
+
+    class Failing:  # a request group whose engine fails at once
+        async def next_batch(self):
+            raise APIError(503, "the engine is not available")
+
+        def abort(self):
+            pass
+
+    req = ResponsesRequest.model_validate({"input": "hi"})
+    fmt = ResponsesFormatter("resp_x", "tiny", None, req, prompt_tokens=3)
+
+    async def body():
+        return [part async for part in sse_events(Failing(), fmt, False, 3)]
+
+    parts = "".join(asyncio.run(body())).split("\n\n")
+    error = next(p for p in parts if p.startswith("event: error"))
+    data = json.loads(error.split("\n")[1][len("data: ") :])
+    assert data["type"] == "error" and "not available" in data["message"] and data["sequence_number"] == 2
+    e = fmt.error_event(APIError(400, "x"))
+    assert copy.copy(e).kind == "error" and copy.deepcopy(e) == e

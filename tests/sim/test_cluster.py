@@ -258,3 +258,10 @@ def test_speculative_decoding_makes_more_tokens_a_step_at_the_price_of_its_rows(
     assert runs[0.0]["mean_tpot_ms"] >= plain["mean_tpot_ms"]
     with pytest.raises(ValueError, match="probability"):
         one_pool("disagg", speculative=spec, spec_acceptance=1.5)
+    # placeholder outputs never enter the prefix cache, drafted or not
+    cached = []
+    for kw in ({}, dict(speculative=spec, spec_acceptance=1.0)):
+        c = one_pool("collocated", **kw)
+        c.run(_decode_heavy())
+        cached.append(len(c.instances["both-0"].bm.cached))
+    assert cached[0] == cached[1] > 0
