@@ -146,13 +146,7 @@ def unseal(
     asked for; else BadBlock."""
     from cryptography.exceptions import InvalidTag
 
-    if len(blob) < _SEALED.size + 16:
-        raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a sealed block")
-    magic, version, nonce = _SEALED.unpack_from(blob)
-    if magic != MAGIC:
-        raise BadBlock("corrupt", "bad magic")
-    if version != SEALED_VERSION:
-        raise BadBlock("foreign", f"format version {version}, the shared store holds {SEALED_VERSION}")
+    (nonce,) = _opened(blob, _SEALED, SEALED_VERSION, 16)  # (16: the tag)
     try:
         body = _aead(secret, name).decrypt(nonce, memoryview(blob)[_SEALED.size :], blob[: _SEALED.size])
     except InvalidTag:
@@ -165,6 +159,19 @@ def unseal(
     head = body[_HEAD_LEN.size : _HEAD_LEN.size + head_len]
     data = memoryview(body)[_HEAD_LEN.size + head_len :]
     return _checked(head, data, fingerprint, block_hash, token_ids, shape, dtype)
+
+
+def _opened(blob: bytes, prefix: struct.Struct, version: int, more: int = 0) -> tuple:
+    """The fields after magic and version of a block's fixed prefix, once they say it is a block
+    of this format (at least `more` bytes after the prefix); else BadBlock."""
+    if len(blob) < prefix.size + more:
+        raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a block's header")
+    magic, got, *fields = prefix.unpack_from(blob)
+    if magic != MAGIC:
+        raise BadBlock("corrupt", "bad magic")
+    if got != version:
+        raise BadBlock("foreign", f"format version {got}; expected {version}")
+    return tuple(fields)
 
 
 def _head_and_data(fingerprint: str, block_hash: int, token_ids, kv: torch.Tensor) -> tuple[bytes, bytes]:
@@ -195,13 +202,7 @@ def decode(
     blob: bytes, fingerprint: str, block_hash: int, token_ids, shape: list[int], dtype: torch.dtype, key: bytes = b""
 ) -> torch.Tensor:
     """The block's tensor, after checking it is intact and is the block asked for; else BadBlock."""
-    if len(blob) < _PREFIX.size:
-        raise BadBlock("corrupt", f"{len(blob)} bytes is shorter than a header")
-    magic, version, head_len = _PREFIX.unpack_from(blob)
-    if magic != MAGIC:
-        raise BadBlock("corrupt", "bad magic")
-    if version != VERSION:
-        raise BadBlock("foreign", f"format version {version}, this build reads {VERSION}")
+    (head_len,) = _opened(blob, _PREFIX, VERSION)
     start = _PREFIX.size
     if start + head_len + _DIGEST > len(blob):
         raise BadBlock("corrupt", "truncated header")
