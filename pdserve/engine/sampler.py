@@ -83,7 +83,7 @@ class Sampler:
         # request came (every id in the vocabulary) and keeps them cached
         self.bad_words_ids = bad_words_ids
         self._bad_words: dict[str, list[list[int]]] = {}  # per sequence: its bad words' token ids
-        self._reasoning: dict[str, list] = {}  # per sequence: where its grammar starts (_grammar_output)
+        self._reasoning: dict[str, list] = {}  # per sequence: where its grammar starts (_grammar_start)
         # structured_outputs.StructuredOutputs: the masks of constrained sequences
         self.structured = structured
 
@@ -120,30 +120,30 @@ class Sampler:
     def _apply_penalties(self, logits, params, seq_ids, history):
         for i, p in enumerate(params):
             self._apply_row(logits, i, p, seq_ids, history)
-        held, outputs = [], []
+        held, starts = [], []
         for i, p in enumerate(params):
             if p.structured_outputs is not None:
-                out = self._grammar_output(seq_ids[i], p, history[i])
-                if out is not None:  # None: still thinking, not held yet
+                start = self._grammar_start(seq_ids[i], p, history[i])
+                if start is not None:  # None: still thinking, not held yet
                     held.append(i)
-                    outputs.append(out)
+                    starts.append(start)
         if held:  # last: nothing may bring a masked token back; one copy and one fill for all rows
             masks = torch.stack(
                 [
-                    self.structured.allowed(seq_ids[i], params[i].structured_outputs, out)
-                    for i, out in zip(held, outputs)
+                    self.structured.allowed(seq_ids[i], params[i].structured_outputs, history[i][1], start)
+                    for i, start in zip(held, starts)
                 ]
             ).to(logits.device)
             rows = torch.tensor(held, device=logits.device)
             logits[rows] = logits[rows].masked_fill(~masks, float("-inf"))
         return logits
 
-    def _grammar_output(self, seq_id: str, p: SamplingParams, history) -> list[int] | None:
-        """The part of the output a structured output's grammar reads: all of it, or with
-        reasoning_token_ids what follows the end of the thinking; None while it thinks."""
+    def _grammar_start(self, seq_id: str, p: SamplingParams, history) -> int | None:
+        """Where in the output a structured output's grammar starts reading: 0, or with
+        reasoning_token_ids after the end of the thinking; None while it thinks."""
         prompt, output = history
         if p.reasoning_token_ids is None:
-            return output
+            return 0
         start, end = p.reasoning_token_ids
         state = self._reasoning.get(seq_id)
         if state is None or state[2] > len(output):  # new, or the id was reused
@@ -156,7 +156,7 @@ class Sampler:
             except ValueError:
                 state[1] = len(output)
                 return None
-        return output[state[0] :] if state[0] else output
+        return state[0]
 
     def _apply_row(self, logits, i, p, seq_ids, history) -> None:
         """allowed_token_ids, bad_words, logit_bias and the penalties, on row i."""

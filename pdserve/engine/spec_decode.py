@@ -80,17 +80,18 @@ def find_ngram_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) 
 
 
 MAX_BACKOFF_STEPS = 32  # the longest a sequence whose guesses keep failing goes without guessing
+_NO_TOKENS = np.empty(0, dtype=np.int64)
 
 
 class _History:
     """A sequence's token ids as a growing numpy array (appended to, never rebuilt), and how its
-    guesses fared: none for `skip` steps after a guess whose first token was wrong (`backoff`
-    steps, doubling while that keeps happening)."""
+    guesses fared: none at its next `skip` chances after a guess whose first token was wrong
+    (`backoff` of them, doubling while that keeps happening)."""
 
     __slots__ = ("buf", "n", "skip", "backoff")
 
     def __init__(self):
-        self.buf = np.empty(256, dtype=np.int64)
+        self.buf = _NO_TOKENS  # made at the first lookup (the simulator's drafter never looks)
         self.n = 0
         self.skip = 0
         self.backoff = 1
@@ -100,7 +101,7 @@ class _History:
         if self.n > total:  # preempted with a reused id, or anything odd: start again
             self.n = 0
         if total > len(self.buf):
-            grown = np.empty(max(total, 2 * len(self.buf)), dtype=np.int64)
+            grown = np.empty(max(total, 2 * len(self.buf), 256), dtype=np.int64)
             grown[: self.n] = self.buf[: self.n]
             self.buf = grown
         if total > self.n:
@@ -118,8 +119,8 @@ class NgramProposer:
     every step where a stray n-gram matches, slowing its own tokens and its batch's. So after a
     guess whose first token was already wrong, a sequence does not guess for a while (its next
     chance to, then 2, 4, ... up to MAX_BACKOFF_STEPS chances while that keeps happening; any
-    kept token starts over). Which tokens come out is unchanged: only how many positions a step computes.
-    (Shrinking the guess after a partial miss was tried too: it cost copying text more than it
+    kept token starts over). Which tokens come out is unchanged: only how many positions a step
+    computes. (Shrinking the guess after a partial miss was tried too: it cost copying text more than it
     saved, 4.3 -> 4.0 tokens a guessing step.)"""
 
     def __init__(self, config: SpeculativeConfig):

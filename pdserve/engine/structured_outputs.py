@@ -234,12 +234,14 @@ class StructuredOutputs:
     def forget(self, seq_id: str) -> None:
         self._guides.pop(seq_id, None)
 
-    def allowed(self, seq_id: str, so: StructuredOutputsParams, output: list[int]) -> torch.Tensor:
+    def allowed(self, seq_id: str, so: StructuredOutputsParams, output: list[int], start: int = 0) -> torch.Tensor:
         """[vocab] bool, on the host: the tokens that keep this sequence's output valid, its
-        output so far consumed first."""
+        output so far (from `start` on: what a reasoning model wrote after its thinking)
+        consumed first."""
         guide = self._guides.get(seq_id)
         if guide is None or guide.consumed > len(output):  # new, or the id was reused
             guide = self._guides[seq_id] = _Guide(self, self.compile(so), seq_id)
+            guide.consumed = start
         guide.consume(output)
         return guide.allowed()
 

@@ -367,8 +367,8 @@ def _warn_listeners() -> None:
     log.warning(
         "Mooncake Store client: its transfer engine listens on every interface (two TCP ports in %s-%s, "
         "whatever address it is given) without authentication; whoever reaches them can read the sealed KV "
-        "blocks in this worker's segment (not open them) and delete or overwrite them (recomputed then). Firewall that range or run the cluster in a network namespace "
-        "(docs/kv_store.md)",
+        "blocks in this worker's segment (not open them) and delete or overwrite them (recomputed then). "
+        "Firewall that range or run the cluster in a network namespace (docs/kv_store.md)",
         lo,
         hi,
     )

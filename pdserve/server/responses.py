@@ -342,14 +342,11 @@ class ResponsesFormatter:
         self._seq += 1
         return NamedEvent(kind, dumps({"type": kind, "sequence_number": self._seq - 1, **fields}))
 
-    def preamble(self) -> list[dict]:
-        events = []
-        for kind in ("response.created", "response.in_progress"):
-            self._seq += 1
-            events.append(
-                {"type": kind, "sequence_number": self._seq - 1, "response": self._response("in_progress", [], None)}
-            )
-        return events
+    def preamble(self) -> list[str]:
+        return [
+            self._event(kind, response=self._response("in_progress", [], None))
+            for kind in ("response.created", "response.in_progress")
+        ]
 
     def _open_item(self, kind: str) -> list[str]:
         out = self._close_item()

@@ -21,8 +21,6 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(obj: dict) -> str:
-    if "sequence_number" in obj and isinstance(obj.get("type"), str):  # a Responses API event: named
-        return f"event: {obj['type']}\ndata: {dumps(obj)}\n\n"
     return f"data: {dumps(obj)}\n\n"
 
 
@@ -78,8 +76,8 @@ async def sse_events(
         if tag_tokens:
             yield f"{STREAM_COMMENT}{fmt.created}\n\n"
         if preamble:
-            for obj in fmt.preamble():
-                yield sse(obj)
+            for obj in fmt.preamble():  # chunks (dicts), or the Responses API's events (named JSON)
+                yield _event_lines(obj) if isinstance(obj, str) else sse(obj)
         while group is not None and (batch := await group.next_batch()) is not None:
             parts = []
             for i, out in batch:

@@ -6,6 +6,7 @@ met the target), 1 otherwise, 2 for bad flags or a bad workload.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -247,10 +248,9 @@ def cluster_config(args, layout: Layout, tag_limits: dict[str, int]):
         max_concurrency=args.max_concurrency,
         tag_concurrency=tag_limits,
     )
-    if getattr(args, "speculative_config", None):
-        cfg.speculative = SpeculativeConfig.parse(args.speculative_config)
-        cfg.spec_acceptance = args.spec_acceptance_rate
-        cfg.__post_init__()  # the acceptance rate checked
+    if getattr(args, "speculative_config", None):  # (replace checks the acceptance rate again)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        cfg = dataclasses.replace(cfg, speculative=spec, spec_acceptance=args.spec_acceptance_rate)
     return cfg
 
 
