@@ -6,7 +6,7 @@ the simulator import without torch.
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "Logprob", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name):
@@ -14,6 +14,10 @@ def __getattr__(name):
         from pdserve.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from pdserve.engine.lora import LoRARequest
+
+        return LoRARequest
     if name == "Logprob":
         from pdserve.engine.sequence import Logprob
 

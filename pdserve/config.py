@@ -269,6 +269,50 @@ class DeviceConfig:
         return getattr(torch, self.dtype)
 
 
+MAX_LORA_RANK_LIMIT = 512  # --max-lora-rank's ceiling (vLLM's largest)
+MAX_LORAS_LIMIT = 60  # adapters one worker holds: each is advertised to the router as a feature
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA adapters.
+
+    Fine-tunes of the served model that requests choose by their `model` field."""
+
+    enable_lora: bool = setting(False, help="serve LoRA adapters (vLLM's flag): requests name one as their model")
+    lora_modules: list[str] | None = setting(
+        None,
+        metavar="NAME=PATH",
+        help="""adapters loaded at start, each a PEFT adapter directory (adapter_config.json and
+        adapter_model.safetensors), as NAME=PATH or '{"name": NAME, "path": PATH}' (vLLM's flag); a request
+        whose model is NAME runs with it""",
+    )
+    max_loras: int = setting(1, help="most distinct adapters in one engine step (vLLM's flag and default)")
+    max_lora_rank: int = setting(16, help="adapters of a higher rank are refused (vLLM's flag and default)")
+    max_cpu_loras: int | None = setting(
+        None,
+        help="most adapters one worker holds; loading one more unloads the least recently loaded that no "
+        "request uses and --lora-modules did not name (default: --max-loras, or the --lora-modules given "
+        f"if more; at most {MAX_LORAS_LIMIT})",
+    )
+
+    def __post_init__(self):
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK_LIMIT:
+            raise ConfigError(f"max_lora_rank must be within 1..{MAX_LORA_RANK_LIMIT}, not {self.max_lora_rank}")
+        if not 1 <= self.max_loras <= MAX_LORAS_LIMIT:
+            raise ConfigError(f"max_loras must be within 1..{MAX_LORAS_LIMIT}, not {self.max_loras}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = min(MAX_LORAS_LIMIT, max(self.max_loras, len(self.lora_modules or ())))
+        if not self.max_loras <= self.max_cpu_loras <= MAX_LORAS_LIMIT:
+            raise ConfigError(
+                f"max_cpu_loras must be within max_loras ({self.max_loras})..{MAX_LORAS_LIMIT}, not {self.max_cpu_loras}"
+            )
+        if len(self.lora_modules or ()) > self.max_cpu_loras:
+            raise ConfigError(f"{len(self.lora_modules)} --lora-modules; --max-cpu-loras is {self.max_cpu_loras}")
+
+
 SPEC_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16  # drafts a sequence may carry into one step
 MAX_PROMPT_LOOKUP = 64  # longest n-gram looked for
@@ -387,6 +431,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = internal(default_factory=SchedulerConfig, why="a section of its own")
     device: DeviceConfig = internal(default_factory=DeviceConfig, why="a section of its own")
     tiers: KVTierConfig = internal(default_factory=KVTierConfig, why="a section of its own")
+    lora: LoRAConfig = internal(default_factory=LoRAConfig, why="a section of its own")
 
     def __post_init__(self):
         if self.gguf_max_rows is not None and not 0 <= self.gguf_max_rows <= GGUF_MAX_ROWS_LIMIT:
@@ -419,9 +464,17 @@ class EngineConfig:
         return cls(**top, **{name: ENGINE_PARTS[name](**kw) for name, kw in split.items()})
 
 
-ENGINE_PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "device": DeviceConfig, "tiers": KVTierConfig}
+ENGINE_PARTS = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "device": DeviceConfig,
+    "tiers": KVTierConfig,
+    "lora": LoRAConfig,
+}
 # the engine's flags, section by section (serve, worker and generate all take these)
-ENGINE_SECTIONS = tuple(Section(c) for c in (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, KVTierConfig))
+ENGINE_SECTIONS = tuple(
+    Section(c) for c in (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, KVTierConfig, LoRAConfig)
+)
 
 
 def engine_kwargs(args) -> dict:

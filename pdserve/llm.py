@@ -95,10 +95,13 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Seq[int] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list. A prompt is a string, a list of token ids, or, as
         in vLLM, a dict: `{"prompt": text}` or `{"prompt_token_ids": ids}`, either with an
-        optional `"cache_salt"`: the prompt then reuses only KV cached for the same salt."""
+        optional `"cache_salt"`: the prompt then reuses only KV cached for the same salt.
+        `lora_request`: a `LoRARequest` for every prompt, or one (or None) per prompt (the LLM
+        made with enable_lora=True), as in vLLM."""
         prompts = _listed(prompts)  # a numpy array or a tensor: one prompt (1-D) or a batch (2-D)
         if isinstance(prompts, (str, dict)) or _is_ids(prompts) and len(prompts) > 0:
             prompts = [prompts]
@@ -107,13 +110,24 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one object or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest (or None) or one per prompt")
+        adapters = {id(r): self.engine.add_lora(r) for r in loras if r is not None}
         # n > 1: n independent requests; the prompt's full blocks are shared via the prefix cache.
         order: list[tuple[int, str]] = []
         try:
             for i, ((prompt, salt), p) in enumerate(zip(prompts, params_list)):
+                adapter = adapters[id(loras[i])] if loras[i] is not None else p.lora_adapter
                 for j in range(p.n):
                     rid = f"offline-{next(self._ids)}"
-                    sub = replace(p, n=1, seed=None if p.seed is None else p.seed + j, cache_salt=salt or p.cache_salt)
+                    sub = replace(
+                        p,
+                        n=1,
+                        seed=None if p.seed is None else p.seed + j,
+                        cache_salt=salt or p.cache_salt,
+                        lora_adapter=adapter,
+                    )
                     self.engine.add_request(rid, prompt, sub, priority=priority[i] if priority else 0)
                     order.append((i, rid))
             finals = self._run(use_tqdm, len(order))

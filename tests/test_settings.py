@@ -12,12 +12,12 @@ import pytest
 
 from pdserve import flags
 from pdserve.cli import SUBCOMMANDS, main
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, KVTierConfig, SchedulerConfig
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, KVTierConfig, LoRAConfig, SchedulerConfig
 from pdserve.planner.cli import PLAN_SECTIONS
 from pdserve.settings import COMMANDS
 from pdserve.sim.cli import SIM_SECTIONS
 
-ENGINE_PARTS = (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, KVTierConfig)
+ENGINE_PARTS = (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, KVTierConfig, LoRAConfig)
 
 # Flags of the same name in two commands that are not one definition, and why that is right.
 # Anything else that two commands spell alike must be the very same flag.
@@ -73,6 +73,7 @@ def test_every_engine_setting_is_a_flag_of_serve_worker_and_generate_with_one_de
         "scheduler",
         "device",
         "tiers",
+        "lora",
         "dtype_reason",
         "speculative",
         "kv_cache_shm_dir",

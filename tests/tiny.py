@@ -101,3 +101,32 @@ def write_tiny_model(
                 state[p + f"self_attn.{n}_proj.bias"] = rnd(size)
     save_file(state, os.path.join(path, "model.safetensors"))
     return path
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_tiny_lora(model_dir: str, path: str, *, r=8, alpha=16, targets=LORA_TARGETS, seed=1, scale=0.3, **cfg) -> str:
+    """A PEFT LoRA adapter of the model in `model_dir`, saved as PEFT saves one (adapter_config.json,
+    adapter_model.safetensors), with random A and B (PEFT starts B at zero: no change to learn from)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), **cfg))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    model.save_pretrained(path)
+    return path
+
+
+def peft_model(model_dir: str, adapter_dir: str):
+    """transformers' model with the adapter applied by PEFT: the reference for pdserve's LoRA."""
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()

@@ -53,6 +53,8 @@ class AttentionMetadata:
     # Writes the step's K/V into the cache (k_cache, v_cache, k, v, slot_mapping); None: index_copy_.
     # The triton backend sets its kernel, which also skips slots < 0 (padded rows of a CUDA graph).
     kv_writer: Callable | None = None
+    # The step's LoRA adapters (lora.LoRABatch): each projection adds its rows' adapter deltas
+    lora: object | None = None
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):

@@ -75,6 +75,9 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         if config.speculative is not None:
             self.drafter = self.scheduler.drafter = NgramProposer(config.speculative)
+        self.lora = None  # lora.LoRAManager: the adapters requests may run with
+        if config.lora.enable_lora:
+            self._load_loras()
         self._bad_words: OrderedDict[tuple[str, ...], list[list[int]]] = OrderedDict()  # LRU: words -> ids
         self.seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -113,6 +116,30 @@ class LLMEngine:
             if self.runner.num_quantized_linears
             else "",
         )
+
+    def _load_loras(self) -> None:
+        from pdserve.engine.lora import LoRAManager, parse_modules
+
+        self.lora = LoRAManager(self.model_config, self.config.lora, self.runner.dtype, self.runner.device)
+        for name, path in parse_modules(self.config.lora.lora_modules):
+            a = self.lora.load(name, path, pin=True)
+            log.info(
+                "LoRA adapter %s loaded from %s: rank %d, %d MiB (key %s)", name, path, a.rank, a.nbytes >> 20, a.key
+            )
+        self.runner.lora = self.lora
+        self.scheduler.max_loras = self.config.lora.max_loras
+
+    def add_lora(self, lora_request) -> str:
+        """Load a `lora.LoRARequest`'s adapter (once; the same files again are found loaded);
+        returns its key, what a request's SamplingParams.lora_adapter names it by."""
+        if self.lora is None:
+            raise InvalidRequest("this engine serves no LoRA adapters: start it with enable_lora", "lora_request")
+        in_use = {s.params.lora_adapter for s in self.seqs.values()}
+        return self.lora.load(lora_request.lora_name, lora_request.lora_path, in_use).key
+
+    def list_loras(self) -> dict[str, str]:
+        """Adapter name -> key of the adapters loaded."""
+        return self.lora.names() if self.lora is not None else {}
 
     # ---- requests
     def add_request(
@@ -345,6 +372,17 @@ class LLMEngine:
             raise InvalidRequest(f"allowed token ids must be in [0, {vocab})", "allowed_token_ids")
         if params.reasoning_token_ids and max(params.reasoning_token_ids) >= vocab:
             raise InvalidRequest(f"reasoning token ids must be in [0, {vocab})", "reasoning_token_ids")
+        if params.lora_adapter is not None:
+            if self.lora is None:
+                raise InvalidRequest(
+                    "this worker serves no LoRA adapters (it was started without --enable-lora)", "model"
+                )
+            if params.lora_adapter not in self.lora.adapters:
+                raise InvalidRequest(
+                    f"the LoRA adapter {params.lora_adapter} is not loaded on this worker (adapters: "
+                    f"{sorted(self.lora.adapters)})",
+                    "model",
+                )
         if params.bad_words:
             self.bad_words_ids(tuple(params.bad_words))  # tokenized and checked here, not in a step
         if params.structured_outputs is not None:  # a grammar that does not compile: 400 here

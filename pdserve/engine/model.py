@@ -205,17 +205,25 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
+        lora, i = meta.lora, self.layer_idx
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(h) if lora is None else lora.add(i, "qkv", h, self.qkv_proj(h))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        attn = paged_attention(q, k, v, kv_cache, meta, self.layer_idx)
-        x = x + self.o_proj(attn.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.layer_idx).reshape(t, self.q_size)
+        if lora is None:
+            x = x + self.o_proj(attn)
+            gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+            return x + self.down_proj(F.silu(gate) * up)
+        x = x + lora.add(i, "o", attn, self.o_proj(attn))
+        h = self.post_attention_layernorm(x)
+        gate, up = lora.add(i, "gate_up", h, self.gate_up_proj(h)).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return x + lora.add(i, "down", act, self.down_proj(act))
 
     def forward_fused_elementwise(self, x, residual, positions, rope_tables, kv_caches, meta: AttentionMetadata, ew):
         """`forward` for bf16 rows on the CPU, its elementwise steps in `ew`'s C++ kernels.
@@ -231,10 +239,16 @@ class DecoderLayer(nn.Module):
             if x is None
             else ew.add_rms_norm(x, residual, ln1.weight, ln1.eps)
         )
-        q, k, v = ew.rope_qkv(self.qkv_proj(h), *rope_tables, positions, self.n_heads, self.n_kv, self.head_dim)
-        attn = paged_attention(q, k, v, kv_caches, meta, self.layer_idx)
-        h = ew.add_rms_norm(self.o_proj(attn.reshape(t, self.q_size)), residual, ln2.weight, ln2.eps)
-        return self.down_proj(ew.silu_and_mul(self.gate_up_proj(h)))
+        lora, i = meta.lora, self.layer_idx
+        qkv = self.qkv_proj(h) if lora is None else lora.add(i, "qkv", h, self.qkv_proj(h))
+        q, k, v = ew.rope_qkv(qkv, *rope_tables, positions, self.n_heads, self.n_kv, self.head_dim)
+        attn = paged_attention(q, k, v, kv_caches, meta, self.layer_idx).reshape(t, self.q_size)
+        o = self.o_proj(attn) if lora is None else lora.add(i, "o", attn, self.o_proj(attn))
+        h = ew.add_rms_norm(o, residual, ln2.weight, ln2.eps)
+        if lora is None:
+            return self.down_proj(ew.silu_and_mul(self.gate_up_proj(h)))
+        act = ew.silu_and_mul(lora.add(i, "gate_up", h, self.gate_up_proj(h)))
+        return lora.add(i, "down", act, self.down_proj(act))
 
 
 class LlamaModel(nn.Module):
@@ -350,6 +364,7 @@ class LlamaModel(nn.Module):
         cache_ok = kv_caches is None or kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
         return (
             self.fused_ready
+            and meta.lora is None  # the C++ layer runs the base weights only
             and meta.decode_kernel is not None
             and not meta.prefills
             and cache_ok

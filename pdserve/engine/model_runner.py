@@ -82,6 +82,7 @@ class ModelRunner:
                 for _ in range(model_config.num_hidden_layers)
             ]
         self.graphs = None  # cuda_graphs.DecodeGraphs, when decode steps replay CUDA graphs
+        self.lora = None  # lora.LoRAManager, when the engine serves adapters
         if self.device.type == "cuda" and self.attention_backend == "triton" and not config.device.enforce_eager:
             self.enable_decode_graphs(capture=True)
 
@@ -193,6 +194,7 @@ class ModelRunner:
         prompt_idx, prompt_rows = [], []
         dec_tables, dec_lens = [], []
         spans: list[tuple] = []
+        lora_rows: list[tuple] = []  # (adapter key or None, first row, end row) per entry
         for group_idx, group in enumerate((decodes, prefills)):
             for s in group:
                 seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
@@ -205,6 +207,7 @@ class ModelRunner:
                     spec_rows.append(s)
                 else:
                     ids.extend(seq.all_token_ids[start : start + n])
+                lora_rows.append((seq.params.lora_adapter, first, len(ids)))
                 pos.extend(range(start, start + n))
                 slots.extend(slot_list(table, start, start + n, bs))
                 if start + n == seq.num_tokens:
@@ -228,6 +231,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), num_decodes=len(decodes)
         )
         meta.kv_writer = self.kv_writer
+        if self.lora is not None:
+            meta.lora = self.lora.batch(lora_rows)
         if decodes:
             width = max(len(t) for t in dec_tables)
             padded = [t + [0] * (width - len(t)) for t in dec_tables]
@@ -281,6 +286,7 @@ class ModelRunner:
         if (
             not prompt_rows
             and not spec_rows
+            and meta.lora is None  # graphs are captured without adapters
             and self.graphs is not None
             and self.graphs.can_run(meta.num_decodes, input_ids.shape[0], on_layer_done)
         ):

@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows; each bias in [-100, 100]
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # more than any vocabulary: the list is a mask's worth
 MAX_CACHE_SALT_CHARS = 1024  # hashed once per request; a tenant id or a secret fits
+MAX_LORA_KEY_CHARS = 256  # an adapter's name (at most 128) @ its fingerprint
 # bad_words: each is tokenized once a request and its token sequence compared with the
 # output's tail at every step
 MAX_BAD_WORDS = 128
@@ -150,6 +151,10 @@ class SamplingParams:
     # words the output must not contain (vLLM's): each word's last token is forbidden where
     # the output ends with the tokens before it (with and without a leading space)
     bad_words: list[str] | None = None
+    # the LoRA adapter it runs with (pdserve/engine/lora.py): the adapter's key, "name@fingerprint",
+    # set by the server from the request's model, or by LLM.generate from its lora_request. Here,
+    # so that it travels with the request to every worker, and starts its block-hash chain
+    lora_adapter: str | None = None
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):  # from JSON (another worker, the API)
@@ -219,6 +224,12 @@ class SamplingParams:
                 len(self.cache_salt) > MAX_CACHE_SALT_CHARS,
                 "cache_salt",
                 f"cache_salt is over {MAX_CACHE_SALT_CHARS} characters",
+            )
+        if self.lora_adapter is not None:
+            _bad(
+                not isinstance(self.lora_adapter, str) or not 0 < len(self.lora_adapter) <= MAX_LORA_KEY_CHARS,
+                "lora_adapter",
+                f"lora_adapter is an adapter's key of 1 to {MAX_LORA_KEY_CHARS} characters",
             )
         if self.bad_words is not None:
             words = self.bad_words

@@ -194,6 +194,9 @@ class Scheduler:
         # speculative decoding: anything with `propose(seq, k) -> list[int]` (up to k drafted
         # tokens), `num_speculative_tokens` and `disable_by_batch_size` (spec_decode.NgramProposer)
         self.drafter = None
+        # LoRA: at most this many distinct adapters among the running sequences (vLLM's
+        # max_loras); a waiting sequence with another adapter waits for one of them to finish
+        self.max_loras: int | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -313,6 +316,7 @@ class Scheduler:
         # a prompt whose next uncached block is one of them waits for it and hits the cache
         # then, rather than computing it a second time (n > 1, a burst of one system prompt).
         inflight = {h for s in self.running for h in self.kv.pending_hashes(s.seq_id)} if len(self.waiting) else set()
+        adapters = self._running_adapters() if self.max_loras is not None and len(self.waiting) else set()
         while len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if cap and partial >= cap and seq.num_tokens - seq.num_computed_tokens > self._chunk_limit(budget):
@@ -322,6 +326,18 @@ class Scheduler:
                         break
                     held.append(self.waiting.hold())
                     continue
+            adapter = seq.params.lora_adapter
+            if (
+                adapter is not None
+                and self.max_loras is not None
+                and adapter not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                # another adapter while max_loras run: it waits, the ones behind it may go
+                if len(held) >= MAX_HELD:
+                    break
+                held.append(self.waiting.hold())
+                continue
             cached, num_cached = [], 0
             # a request whose KV was imported (or is being recomputed) already owns blocks; one
             # that wants its prompt's logprobs computes the whole prompt (no cache, no tier)
@@ -370,6 +386,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
+            if adapter is not None:
+                adapters.add(adapter)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             partial += computed + n < seq.num_tokens
@@ -381,6 +399,9 @@ class Scheduler:
         if self.drafter is not None and budget > 0:
             self._add_drafts(out, budget)
         return out
+
+    def _running_adapters(self) -> set[str]:
+        return {s.params.lora_adapter for s in self.running if s.params.lora_adapter is not None}
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give decoding entries of `out` drafted tokens, within `budget`, the context, max_tokens

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv.hashing import salt_root
+from pdserve.kv.hashing import params_root
 
 # what LLMEngine.reserve_for_transfer returns for a reservation with no room yet, waiting in line
 PENDING = "pending"
@@ -147,11 +147,11 @@ class Sequence:
     # prompt tokens whose KV was not computed for it when it was first scheduled: prefix-cache
     # hits and lower-tier loads (vLLM's num_cached_tokens); None until then
     num_cached_tokens: int | None = None
-    # where its block hashes start: its params' cache salt, hashed (kv/hashing.py)
+    # where its block hashes start: its cache salt and LoRA adapter, hashed (kv/hashing.py)
     hash_root: int = field(init=False)
 
     def __post_init__(self):
-        self.hash_root = salt_root(self.params.cache_salt)
+        self.hash_root = params_root(self.params)
 
     @property
     def all_token_ids(self) -> TokenIds:

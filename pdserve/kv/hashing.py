@@ -8,7 +8,8 @@ index and the tiered cache on disk compare hashes computed by different workers.
 A request's `cache_salt` (vLLM's name) changes the hash the chain starts from
 (`salt_root`), so every block hash of a salted prompt differs from the same
 prompt's with another salt or none: tenants that salt their requests never
-reuse, or time, each other's cached prefixes, in any tier or on any worker.
+reuse, or time, each other's cached prefixes, in any tier or on any worker. A request's LoRA
+adapter does the same (`chain_root`): KV computed under one adapter is another model's KV.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 ROOT_HASH = 0  # parent of the first block of an unsalted prompt
 _SALT_DOMAIN = b"pdserve-cache-salt\0"
+_LORA_DOMAIN = b"pdserve-lora-adapter\0"
 
 
 def salt_root(cache_salt: str | None) -> int:
@@ -28,6 +30,22 @@ def salt_root(cache_salt: str | None) -> int:
         return ROOT_HASH
     h = hashlib.blake2b(_SALT_DOMAIN + cache_salt.encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") or 1  # never ROOT_HASH
+
+
+def chain_root(cache_salt: str | None, lora_adapter: str | None = None) -> int:
+    """The parent of a request's first block: its salt's root, moved by its adapter's key
+    ("name@fingerprint", engine/lora.py) where it has one."""
+    root = salt_root(cache_salt)
+    if not lora_adapter:
+        return root
+    h = hashlib.blake2b(_LORA_DOMAIN + root.to_bytes(8, "little") + lora_adapter.encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") or 1
+
+
+def params_root(params) -> int:
+    """`chain_root` of a request's SamplingParams (or their JSON dict)."""
+    get = params.get if isinstance(params, dict) else lambda k: getattr(params, k, None)
+    return chain_root(get("cache_salt"), get("lora_adapter"))
 
 
 def hash_block(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:

@@ -54,7 +54,7 @@ from pdserve.control_api import (
 )
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import choice_request_id
-from pdserve.kv.hashing import salt_root
+from pdserve.kv.hashing import params_root
 from pdserve.router import conductor
 from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
@@ -91,7 +91,7 @@ class _Choice:
     def __init__(self, group, index: int, rid: str, inp: EngineInput):
         self.group, self.index, self.rid = group, index, rid
         self.prompt, self.params = inp.prompt_token_ids, inp.params
-        self.hash_root = salt_root(inp.params.cache_salt)  # its block hashes start here
+        self.hash_root = params_root(inp.params)  # its block hashes start here
         # the workers that may run it: those with the features it needs (a rolling upgrade)
         self.needs = features_needed(inp.params)
         self.registry = group.engine.registry.having(self.needs)
@@ -529,7 +529,7 @@ class DisaggEngine:
             if inp.resume_token_ids:
                 continue  # admitted once already, by the router that died
             max_tokens = inp.params.max_output_tokens(len(inp.prompt_token_ids), self.engine.max_model_len)
-            root = salt_root(inp.params.cache_salt)
+            root = params_root(inp.params)
             reg = self.registry.having(features_needed(inp.params))
             d = self.admitter.check(reg, self.placer, inp.prompt_token_ids, max_tokens, root)
             if not d.admitted:

@@ -29,7 +29,7 @@ from pdserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.spec_decode import NgramProposer
 from pdserve.kv.block_manager import BlockManager, SeqBlocks
-from pdserve.kv.hashing import salt_root
+from pdserve.kv.hashing import params_root
 from pdserve.sim.events import EventLoop
 from pdserve.sim.latency import LatencyModel, StepShape
 
@@ -142,7 +142,7 @@ class SimInstance:
         """Decode role: blocks for a prompt whose KV another instance computes, keeping the
         prefix cached here (as LLMEngine.reserve_for_transfer). None when the pool is short."""
         self.bm.prime(rid, hashes)
-        cached, num_cached = self.bm.find_cached_prefix(rid, prompt, root=salt_root(params.cache_salt))
+        cached, num_cached = self.bm.find_cached_prefix(rid, prompt, root=params_root(params))
         if not self.bm.allocate(rid, len(prompt), cached):
             self.bm.free(rid)
             return None
