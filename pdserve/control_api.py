@@ -303,12 +303,28 @@ def parse_event(line: str | bytes) -> WorkerEvent | None:
 # unsalted (into another tenant's cache) or ignores its bad words, nor holds a reasoning model's
 # structured output to its grammar from the first token while the router reads it as thinking.
 WORKER_FEATURES = ("cache_salt", "bad_words", "reasoning_token_ids")
+# ... and the LoRA adapters it holds, each a feature "lora:<key>" (engine/lora.py): a request
+# that names an adapter goes only to workers with that adapter's very weights
+LORA_FEATURE_PREFIX = "lora:"
 
 
 def features_needed(params: dict | object) -> frozenset[str]:
-    """The WORKER_FEATURES a request's SamplingParams use."""
+    """The WORKER_FEATURES a request's SamplingParams use, and its adapter's feature."""
     get = params.get if isinstance(params, dict) else lambda k: getattr(params, k, None)
-    return frozenset(f for f in WORKER_FEATURES if get(f))
+    need = {f for f in WORKER_FEATURES if get(f)}
+    if get("lora_adapter"):
+        need.add(LORA_FEATURE_PREFIX + get("lora_adapter"))
+    return frozenset(need)
+
+
+def adapter_features(keys) -> list[str]:
+    """The features that say a worker holds these adapters (by key)."""
+    return [LORA_FEATURE_PREFIX + k for k in sorted(keys)]
+
+
+def adapters_of(features) -> list[str]:
+    """The adapter keys among a worker's features."""
+    return [f[len(LORA_FEATURE_PREFIX) :] for f in features if f.startswith(LORA_FEATURE_PREFIX)]
 
 
 class RegisterRequest(_Message):

@@ -45,7 +45,6 @@ TARGETS = {
 }
 MAX_ADAPTER_NAME_CHARS = 128
 MAX_ADAPTER_FILE_BYTES = 8 << 30  # an adapter larger than this is not a low-rank one
-FEATURE_PREFIX = "lora:"  # a worker's feature "lora:<key>": it holds that adapter
 _TENSOR_RE = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+)"
     r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
@@ -333,13 +332,3 @@ class LoRAManager:
             idx = None if len(rows) == total else torch.tensor(rows, dtype=torch.long, device=self.device)
             groups.append((self.adapters[key], idx))
         return LoRABatch(groups)
-
-
-def adapter_features(keys) -> list[str]:
-    """The worker features that say it holds these adapters."""
-    return [FEATURE_PREFIX + k for k in keys]
-
-
-def adapters_of(features) -> list[str]:
-    """The adapter keys among a worker's features."""
-    return [f[len(FEATURE_PREFIX) :] for f in features if f.startswith(FEATURE_PREFIX)]

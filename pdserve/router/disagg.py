@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import Counter
 from typing import TypeVar
 
 import httpx
@@ -47,6 +48,7 @@ from pdserve.control_api import (
     ReserveRequest,
     ReserveResponse,
     SavedEvent,
+    adapters_of,
     features_needed,
     logprobs_from_wire,
     params_to_json,
@@ -506,6 +508,16 @@ class DisaggEngine:
     async def compile_constraints(self, params: list[SamplingParams]) -> None:
         """Nothing here: the workers compile the constraints they are sent (and refuse those
         that do not compile with a 400 the client gets)."""
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters the live workers hold. Workers that hold different weights under one
+        name (an upgrade under way) give the name the key most of them hold; a request is placed
+        only on workers with that key."""
+        counts = Counter(key for w in self.registry.alive() for key in adapters_of(w.features))
+        out: dict[str, str] = {}
+        for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            out.setdefault(key.rsplit("@", 1)[0], key)
+        return out
 
     def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
         if self.draining:

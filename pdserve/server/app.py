@@ -192,6 +192,15 @@ class _Api:
         core = self._core()
         return self.settings.served_model_names or [core.model_config.name]
 
+    def _model_names(self) -> list[str]:
+        """What a request's model may be: the served names, then the LoRA adapters' names."""
+        return self.served_names() + [n for n in self.engine.lora_adapters() if n not in self.served_names()]
+
+    def _reply_model(self, req) -> str:
+        """The model a reply names: the adapter the request asked for, else the first served name."""
+        model = getattr(req, "model", None)
+        return model if model and model not in self.served_names() else self.served_names()[0]
+
     def _name(self) -> str | None:
         core = self.engine.engine
         if self.settings.served_model_names:
@@ -210,7 +219,7 @@ class _Api:
                 )
         req = P.parse_body(raw, cls)
         self._core()
-        P.check_model(getattr(req, "model", None), self.served_names())
+        P.check_model(getattr(req, "model", None), self._model_names())
         return req
 
     async def _encode(self, text: str) -> list[int]:
@@ -310,7 +319,7 @@ class _Api:
         rid = f"resp_{uuid.uuid4().hex}"
         fmt = ResponsesFormatter(
             rid,
-            self.served_names()[0],
+            self._reply_model(r),
             self._text(),
             r,
             len(prompt),
@@ -347,7 +356,7 @@ class _Api:
         rid = resume.request_id if resume else f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormatter(
             rid,
-            self.served_names()[0],
+            self._reply_model(req),
             self._text(),
             len(prompts) * req.n,
             req.logprobs,
@@ -371,7 +380,7 @@ class _Api:
         rid = resume.request_id if resume else f"chatcmpl-{uuid.uuid4().hex}"
         fmt = ChatFormatter(
             rid,
-            self.served_names()[0],
+            self._reply_model(req),
             self._text(),
             req.n,
             req.engine_logprobs(),
@@ -396,6 +405,12 @@ class _Api:
         resume: ResumeRequest | None = None,
         echo_only: bool = False,
     ):
+        model = getattr(req, "model", None)
+        if model and model not in self.served_names():  # a LoRA adapter's name (checked by _parse)
+            key = self.engine.lora_adapters().get(model)
+            if key is None:  # its workers left since
+                raise APIError(404, f"the model {model!r} is no longer served", param="model", code="model_not_found")
+            params = dataclasses.replace(params, lora_adapter=key)
         inputs = []
         for ids in prompts:
             if not ids:
@@ -476,12 +491,16 @@ class _Api:
     async def models(self, request: Request):
         self._check_key(request)
         core = self._core()
-        return {"object": "list", "data": [self._model_card(n, core) for n in self.served_names()]}
+        cards = [self._model_card(n, core) for n in self.served_names()]
+        cards += [self._adapter_card(n, core) for n in self._model_names()[len(cards) :]]
+        return {"object": "list", "data": cards}
 
     async def model(self, request: Request, model_id: str):
         self._check_key(request)
         core = self._core()
-        P.check_model(model_id, self.served_names())
+        P.check_model(model_id, self._model_names())
+        if model_id not in self.served_names():
+            return self._adapter_card(model_id, core)
         return self._model_card(model_id, core)
 
     def _model_card(self, name: str, core) -> dict:
@@ -493,6 +512,10 @@ class _Api:
             "root": core.model_config.name,
             "max_model_len": core.max_model_len,
         }
+
+    def _adapter_card(self, name: str, core) -> dict:
+        """A LoRA adapter's card, as vLLM lists one: its parent is the base model."""
+        return {**self._model_card(name, core), "root": name, "parent": self.served_names()[0]}
 
     async def tokenize(self, request: Request):
         req: P.TokenizeRequest = await self._parse(request, P.TokenizeRequest)

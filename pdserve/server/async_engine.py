@@ -189,6 +189,9 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._subs)
 
+    def lora_adapters(self) -> dict[str, str]:
+        return self.engine.list_loras() if self.engine is not None else {}
+
     # ---- requests (event loop side)
     def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestGroup:
         """Hand a group to the engine; raises APIError 503/429 if it cannot take work now."""

@@ -134,6 +134,10 @@ class EngineClient(Protocol):
         """Prepare the requests' output constraints (structured outputs) before `submit`, off
         the thread that steps the engine; raises APIError 400 for one that does not compile."""
 
+    def lora_adapters(self) -> dict[str, str]:
+        """Name -> key (SamplingParams.lora_adapter) of the LoRA adapters a request may name as
+        its model; empty while none can be served."""
+
     def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestStream:
         """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now."""
 

@@ -143,7 +143,17 @@ class ResponsesRequest(P._Strict):
     def chat_request(self) -> P.ChatCompletionRequest:
         """The chat completion this response amounts to (validated as one)."""
         body: dict = {"messages": self.messages(), "stream": self.stream, "priority": self.priority}
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "cache_salt", "user"):
+        for name in (
+            "model",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "seed",
+            "cache_salt",
+            "user",
+        ):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         if self.max_output_tokens is not None:

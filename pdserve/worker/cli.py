@@ -226,7 +226,14 @@ async def _register_loop(
     from pydantic import ValidationError
 
     from pdserve import auth
-    from pdserve.control_api import WORKER_FEATURES, HeartbeatRequest, HeartbeatResponse, KVEventsBody, RegisterRequest
+    from pdserve.control_api import (
+        WORKER_FEATURES,
+        HeartbeatRequest,
+        HeartbeatResponse,
+        KVEventsBody,
+        RegisterRequest,
+        adapter_features,
+    )
     from pdserve.server.errors import APIError
     from pdserve.server.launcher import RESTARTS_ENV
     from pdserve.worker.kv_publisher import KVEventPublisher
@@ -258,7 +265,7 @@ async def _register_loop(
                             kv_export_address=advertised(exporter.address, host) if exporter else "",
                             host=socket.gethostname(),
                             restarts=restarts,
-                            features=list(WORKER_FEATURES),
+                            features=[*WORKER_FEATURES, *adapter_features(api.engine.lora_adapters().values())],
                         ).wire(),
                     )
                     registered = True
