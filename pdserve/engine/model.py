@@ -300,10 +300,19 @@ class LlamaModel(nn.Module):
             # fp32 anyway, the K/V written to the bf16 cache are rounded)
             x = x.float()
             cos, sin = self.cos_table[positions].float(), self.sin_table[positions].float()
+            lora = meta.lora
             for layer in self.layers:
                 k_cache, v_cache = kv_caches[layer.layer_idx]
                 x = layer.fused.forward(
-                    x, cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+                    x,
+                    cos,
+                    sin,
+                    k_cache,
+                    v_cache,
+                    meta.slot_mapping,
+                    meta.decode_block_tables,
+                    meta.decode_seq_lens,
+                    lora.fused_args(layer.layer_idx) if lora is not None else [],
                 )
                 if meta.on_layer_done is not None:
                     meta.on_layer_done(layer.layer_idx)
@@ -364,7 +373,6 @@ class LlamaModel(nn.Module):
         cache_ok = kv_caches is None or kv_caches[0][0].dtype in (torch.float32, torch.bfloat16)
         return (
             self.fused_ready
-            and meta.lora is None  # the C++ layer runs the base weights only
             and meta.decode_kernel is not None
             and not meta.prefills
             and cache_ok

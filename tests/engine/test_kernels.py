@@ -323,6 +323,74 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fused_decode_layer_adds_lora_deltas_as_the_python_layer_does(batch):
+    """LoRA groups (engine/lora.py) in the C++ layer: one adapter on some rows, another on
+    others (products it leaves alone included), base rows beside them."""
+    from pdserve.engine.attention import AttentionMetadata
+    from pdserve.engine.lora import LoRAAdapter, LoRABatch, Product
+    from pdserve.engine.model import rope_inv_freq
+
+    cfg, layer = _quantized_layer("Q8_0", False, False)
+    g = torch.Generator().manual_seed(7 + batch)
+    hd, h, i = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    dims = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+
+    def adapter(name, rank, products):
+        mats = {
+            p: Product(
+                torch.randn(dims[p][0], rank, generator=g) * 0.1, torch.randn(rank, dims[p][1], generator=g) * 0.1
+            )
+            for p in products
+        }
+        return LoRAAdapter(name, "", rank, 0.5, name, [mats])
+
+    a, b = adapter("a", 8, dims), adapter("b", 4, ("qkv", "down"))
+    rows_a = torch.tensor([r for r in range(batch) if r % 2 == 0])
+    groups = [(a, rows_a)] + ([(b, torch.tensor([1]))] if batch > 1 else [])
+    if batch == 1:
+        groups = [(a, None)]  # every row: the no-index path
+    bs, nb = 4, 6
+    kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g))]
+    ref_caches = [(caches[0][0].clone(), caches[0][1].clone())]
+    tables = torch.randperm(kv_shape[0], generator=g)[: batch * nb].view(batch, nb)
+    lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
+    pos = lens - 1
+    slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
+    lora = LoRABatch(groups)
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decodes=batch, decode_block_tables=tables, decode_seq_lens=lens, decode_kernel=kernels
+    )
+    meta.lora = lora
+    emb = torch.cat((torch.outer(pos.float(), rope_inv_freq(cfg)),) * 2, dim=-1)
+    x = torch.randn(batch, cfg.hidden_size, generator=g)
+    with torch.inference_mode():
+        ref = layer(x, emb.cos().unsqueeze(1), emb.sin().unsqueeze(1), ref_caches, meta)
+        plain = layer(
+            x,
+            emb.cos().unsqueeze(1),
+            emb.sin().unsqueeze(1),
+            [(c.clone(), v.clone()) for c, v in ref_caches],
+            AttentionMetadata(
+                slot_mapping=slots,
+                num_decodes=batch,
+                decode_block_tables=tables,
+                decode_seq_lens=lens,
+                decode_kernel=kernels,
+            ),
+        )
+        got = layer.fused.forward(
+            x, emb.cos(), emb.sin(), caches[0][0], caches[0][1], slots, tables, lens, lora.fused_args(0)
+        )
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0][0], ref_caches[0][0], rtol=1e-5, atol=1e-5)
+    changed = (ref - plain).abs().amax(dim=1) > 1e-3
+    assert changed.tolist() == [r % 2 == 0 or r == 1 for r in range(batch)]  # base rows untouched
+
+
+@needs_kernels
 @pytest.mark.parametrize("batch", [1, 5])
 def test_fused_decode_layer_over_a_bf16_cache(batch):
     """bf16 mode: the fused layer keeps fp32 activations, rounds the new K/V to bf16 (as

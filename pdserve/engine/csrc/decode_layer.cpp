@@ -12,12 +12,20 @@
 // same attention kernel, fp32 norms as (x * rsqrt(mean(x^2) + eps)) * w; only the
 // compiler's fused multiply-adds in RoPE and the SiLU's exp round differently
 // (~1e-6 relative; tests/engine/test_kernels.py compares both paths).
+//
+// LoRA adapters (engine/lora.py) add their deltas here too, for the rows of each adapter
+// group, after the product they change: a few dot products of the adapter's small rank per
+// row, where the Python path would cost ~4 ATen calls per product and give up this layer.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
+#include <vector>
 
+#include "pool.h"
 #include "simd_exp.h"
 
 #ifdef PDS_SIMD_EXP
@@ -77,6 +85,79 @@ void silu_mul(const float* gu, float* out, int64_t M, int64_t I) {
   }
 }
 
+// One adapter group of a step: its rows (every row when absent), its scaling, and for each of
+// the products qkv, o, gate_up, down (absent where the adapter leaves it alone): A^T [K, R],
+// B^T [R, N] in float32, and B^T's nonzero blocks [P, 4] (first and end row j, first and end
+// column n: one per projection of a fused product, whose other columns its rows leave alone).
+using OptT = std::optional<torch::Tensor>;
+using LoraMats = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+using LoraGroup = std::tuple<OptT, double, std::vector<std::optional<LoraMats>>>;
+
+// out[r] += s * ((in[r] A^T) B^T) for the group's rows: the delta is summed apart, then added,
+// as PEFT adds its adapter's output to the base projection's. The second product runs over
+// B's nonzero blocks only, its columns shared out among the threads.
+void lora_add(const torch::Tensor& in, torch::Tensor& out, const LoraGroup& g, size_t product) {
+  const auto& products = std::get<2>(g);
+  if (product >= products.size() || !products[product]) return;
+  const auto& [a, b, blocks] = *products[product];
+  const int64_t M = in.size(0), K = in.size(1), N = out.size(1), R = a.size(1);
+  TORCH_CHECK(a.scalar_type() == torch::kFloat32 && b.scalar_type() == torch::kFloat32 && a.is_contiguous() &&
+                  b.is_contiguous() && a.size(0) == K && b.size(0) == R && b.size(1) == N,
+              "bad LoRA matrices");
+  TORCH_CHECK(blocks.scalar_type() == torch::kInt64 && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(1) == 4, "bad LoRA blocks");
+  const OptT& rows = std::get<0>(g);
+  const int64_t n_rows = rows ? rows->numel() : M;
+  const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;
+  const float s = static_cast<float>(std::get<1>(g));
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  const int64_t* bl = blocks.data_ptr<int64_t>();
+  const int64_t P = blocks.size(0);
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(0 <= bl[4 * p] && bl[4 * p] <= bl[4 * p + 1] && bl[4 * p + 1] <= R && 0 <= bl[4 * p + 2] &&
+                    bl[4 * p + 2] <= bl[4 * p + 3] && bl[4 * p + 3] <= N, "LoRA block out of range");
+  }
+  std::vector<int64_t> rs(n_rows);
+  for (int64_t i = 0; i < n_rows; ++i) {
+    rs[i] = row_ids ? row_ids[i] : i;
+    TORCH_CHECK(rs[i] >= 0 && rs[i] < M, "LoRA row out of range");
+  }
+  std::vector<float> t(n_rows * R, 0.f);  // in[r] A^T, a row each
+  const float* xp = in.data_ptr<float>();
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const float* x = xp + rs[i] * K;
+    float* ti = t.data() + i * R;
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[k];
+      const float* ar = ap + k * R;
+#pragma omp simd
+      for (int64_t j = 0; j < R; ++j) ti[j] += xv * ar[j];
+    }
+  }
+  float* op = out.data_ptr<float>();
+  pds::parallel_for(0, N, 64, [&](int64_t c0, int64_t c1) {
+    std::vector<float> d(c1 - c0);
+    for (int64_t i = 0; i < n_rows; ++i) {
+      std::fill(d.begin(), d.end(), 0.f);
+      const float* ti = t.data() + i * R;
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t lo = std::max(bl[4 * p + 2], c0), hi = std::min(bl[4 * p + 3], c1);
+        for (int64_t j = bl[4 * p]; j < bl[4 * p + 1] && lo < hi; ++j) {
+          const float tv = ti[j];
+          const float* br = bp + j * N;
+          float* dd = d.data() - c0;
+#pragma omp simd
+          for (int64_t n = lo; n < hi; ++n) dd[n] += tv * br[n];
+        }
+      }
+      float* o = op + rs[i] * N;
+#pragma omp simd
+      for (int64_t n = c0; n < c1; ++n) o[n] += d[n - c0] * s;
+    }
+  });
+}
+
 struct DecodeLayer {
   torch::Tensor ln1, ln2, qkv, o, gate_up, down;
   std::optional<torch::Tensor> qkv_bias;
@@ -94,7 +175,7 @@ struct DecodeLayer {
   // slots: [M] int64; block_tables [M, max_blocks] int64; seq_lens [M] int64. Returns the new x.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                         torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor seq_lens) const {
+                        torch::Tensor seq_lens, const std::vector<LoraGroup>& lora) const {
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden, "bad x");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim &&
                 cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32, "bad cos/sin");
@@ -108,6 +189,7 @@ struct DecodeLayer {
     rmsnorm(x.data_ptr<float>(), ln1.data_ptr<float>(), h.data_ptr<float>(), M, hidden, feps);
     auto qkv_out = mm(h, qkv, t_qkv, hidden);  // [M, q + 2 kv]
     if (qkv_bias) qkv_out.add_(*qkv_bias);
+    for (const auto& g : lora) lora_add(h, qkv_out, g, 0);
     const int64_t width = q_size + 2 * kv_size;
     float* qp = qkv_out.data_ptr<float>();
     const int64_t* sp = slots.data_ptr<int64_t>();
@@ -136,14 +218,17 @@ struct DecodeLayer {
     auto attn = torch::empty({M, n_heads, D}, x.options());
     paged_decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, 1.0 / std::sqrt((double)D));
     auto out = mm(attn.view({M, q_size}), o, t_o, q_size);
+    for (const auto& g : lora) lora_add(attn.view({M, q_size}), out, g, 1);
     float* xo = out.data_ptr<float>();
     const float* xi = x.data_ptr<float>();
     for (int64_t i = 0; i < M * hidden; ++i) xo[i] = xi[i] + xo[i];
     rmsnorm(xo, ln2.data_ptr<float>(), h.data_ptr<float>(), M, hidden, feps);
     auto gu = mm(h, gate_up, t_gate_up, hidden);  // [M, 2 inter]
+    for (const auto& g : lora) lora_add(h, gu, g, 2);
     auto act = torch::empty({M, inter}, x.options());
     silu_mul(gu.data_ptr<float>(), act.data_ptr<float>(), M, inter);
     auto d = mm(act, down, t_down, inter);
+    for (const auto& g : lora) lora_add(act, d, g, 3);
     const float* dp = d.data_ptr<float>();
     for (int64_t i = 0; i < M * hidden; ++i) xo[i] = xo[i] + dp[i];
     return out;
@@ -166,5 +251,8 @@ void register_decode_layer(pybind11::module& m) {
                            t_qkv, t_o, t_gate_up, t_down, n_heads, n_kv, head_dim, ln1.size(0), inter, eps,
                            int8_activations};
       }))
-      .def("forward", &DecodeLayer::forward, "one decoder layer for decode tokens (CPU, float32)");
+      .def("forward", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"), pybind11::arg("block_tables"),
+           pybind11::arg("seq_lens"), pybind11::arg("lora") = std::vector<LoraGroup>(),
+           "one decoder layer for decode tokens (CPU, float32), with the LoRA groups' deltas");
 }
