@@ -191,6 +191,27 @@ class AbortResponse(_Message):
     aborted: str
 
 
+class LoadLoRARequest(_Message):
+    """Load a LoRA adapter at run time (vLLM's /v1/load_lora_adapter body): the router asks
+    every worker; `lora_path` is a directory on the worker's host."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # replace an adapter of that name (else: 400 if there is one)
+
+
+class LoadLoRAResponse(_Message):
+    key: str  # the adapter's key (engine/lora.py): its feature is "lora:<key>"
+
+
+class UnloadLoRARequest(_Message):
+    lora_name: str = Field(min_length=1, max_length=128)
+
+
+class UnloadLoRAResponse(_Message):
+    unloaded: str
+
+
 class DrainResponse(_Message):
     draining: bool = True
 

@@ -91,6 +91,12 @@ class FrontendConfig:
         help="usage reports prompt_tokens_details.cached_tokens: prompt tokens found in the prefix cache or "
         "a KV tier rather than computed (vLLM's flag)",
     )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and unload LoRA adapters while "
+        "serving (what vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING turns on): the caller names a directory "
+        "that every worker reads, so only for callers you trust (they need the --api-key when one is set)",
+    )
     vllm_metric_names: bool = setting(
         False,
         help="/metrics also exports the families vLLM has under its vllm: names (dashboards, alerts and "

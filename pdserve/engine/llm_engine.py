@@ -134,8 +134,19 @@ class LLMEngine:
         returns its key, what a request's SamplingParams.lora_adapter names it by."""
         if self.lora is None:
             raise InvalidRequest("this engine serves no LoRA adapters: start it with enable_lora", "lora_request")
-        in_use = {s.params.lora_adapter for s in self.seqs.values()}
-        return self.lora.load(lora_request.lora_name, lora_request.lora_path, in_use).key
+        return self.install_lora(self.lora.read(lora_request.lora_name, lora_request.lora_path))
+
+    def install_lora(self, adapter) -> str:
+        """Serve an adapter read already (`LoRAManager.read`, off this thread); its key."""
+        return self.lora.install(adapter, self._adapters_in_use()).key
+
+    def remove_lora(self, name: str) -> bool:
+        """New requests may no longer name the adapter `name` (vLLM's method); those running
+        with it finish with it. False if none has that name."""
+        return self.lora is not None and self.lora.remove(name, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> set[str]:
+        return {s.params.lora_adapter for s in self.seqs.values() if s.params.lora_adapter is not None}
 
     def list_loras(self) -> dict[str, str]:
         """Adapter name -> key of the adapters loaded."""

@@ -43,12 +43,13 @@ TARGETS = {
     "down_proj": ("down", 0),
 }
 MAX_ADAPTER_NAME_CHARS = 128
+MAX_STAMPS = 256  # adapter files remembered as read and unchanged (LoRAManager.read)
 MAX_ADAPTER_FILE_BYTES = 8 << 30  # an adapter larger than this is not a low-rank one
 _TENSOR_RE = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+)"
     r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
 )
-_NAME_RE = re.compile(rf"^[^\s=]{{1,{MAX_ADAPTER_NAME_CHARS}}}$")
+_NAME_RE = re.compile(rf"^[^\s=@]{{1,{MAX_ADAPTER_NAME_CHARS}}}$")
 
 
 class LoRAError(ConfigError):
@@ -68,7 +69,7 @@ class LoRARequest:
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise LoRAError(f"adapter name {name!r}: 1 to {MAX_ADAPTER_NAME_CHARS} characters, no spaces and no '='")
+        raise LoRAError(f"adapter name {name!r}: 1 to {MAX_ADAPTER_NAME_CHARS} characters, without spaces, '=' or '@'")
     return name
 
 
@@ -339,19 +340,28 @@ class LoRAManager:
 
     def load(self, name: str, path: str, in_use=(), pin: bool = False) -> LoRAAdapter:
         """Load (or find already loaded) the adapter `name` from `path`; it becomes the name's
-        adapter. `in_use`: keys that requests hold (never unloaded to make room). Files read
-        before, unchanged since (their size and modification time), are not read again."""
+        adapter. `in_use`: keys that requests hold (never unloaded to make room)."""
+        return self.install(self.read(name, path), in_use, pin)
+
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """The adapter in `path`, read and checked, not yet servable (`install`); any thread.
+        Files read before, unchanged since (their size and modification time), are not read again."""
         stamp = (name, os.path.realpath(path), *_file_stamps(path))
         with self._lock:
             key = self._stamps.get(stamp)
-            if key in self.adapters and self.by_name.get(name) == key:
-                self.adapters.move_to_end(key)
-                if pin:
-                    self.pinned.add(key)
+            if key in self.adapters:
                 return self.adapters[key]
         adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype, self.device)
         with self._lock:
+            if len(self._stamps) >= MAX_STAMPS:
+                self._stamps.clear()
             self._stamps[stamp] = adapter.key
+        return adapter
+
+    def install(self, adapter: LoRAAdapter, in_use=(), pin: bool = False) -> LoRAAdapter:
+        """Make a read adapter the one its name serves (making room past max_cpu_loras)."""
+        name = adapter.name
+        with self._lock:
             if adapter.key not in self.adapters:
                 if len(self.adapters) >= self.config.max_cpu_loras:
                     self._evict(name, set(in_use))
@@ -361,6 +371,19 @@ class LoRAManager:
             if pin:
                 self.pinned.add(adapter.key)
             return self.adapters[adapter.key]
+
+    def remove(self, name: str, in_use=()) -> bool:
+        """Requests may no longer name `name`; its weights go now unless requests still use them
+        (then with the next eviction). False if no adapter has that name."""
+        with self._lock:
+            key = self.by_name.pop(name, None)
+            if key is None:
+                return False
+            if key not in self.by_name.values():
+                self.pinned.discard(key)
+                if key not in in_use:
+                    del self.adapters[key]
+            return True
 
     def _evict(self, name: str, in_use: set[str]) -> None:
         for key in self.adapters:

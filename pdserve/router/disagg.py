@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from pdserve import auth
 from pdserve.control_api import (
+    LORA_FEATURE_PREFIX,
     AbortRequest,
     DecodeRequest,
     DrainResponse,
@@ -41,6 +42,8 @@ from pdserve.control_api import (
     KVFailedRequest,
     KVFailedResponse,
     KVReadyEvent,
+    LoadLoRARequest,
+    LoadLoRAResponse,
     OutputEvent,
     PrefillRequest,
     PullRequest,
@@ -48,6 +51,9 @@ from pdserve.control_api import (
     ReserveRequest,
     ReserveResponse,
     SavedEvent,
+    UnloadLoRARequest,
+    UnloadLoRAResponse,
+    adapter_features,
     adapters_of,
     features_needed,
     logprobs_from_wire,
@@ -518,6 +524,61 @@ class DisaggEngine:
         for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
             out.setdefault(key.rsplit("@", 1)[0], key)
         return out
+
+    async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> str:
+        """Load an adapter on every live worker, or on none: where one refuses (a bad adapter, a
+        worker without --enable-lora), those that loaded it unload it again. `path` is read on
+        each worker's host."""
+        have = self.lora_adapters().get(name)
+        if have is not None and not replace:
+            raise APIError(
+                400, f"the LoRA adapter {name!r} is already loaded (load_inplace replaces it)", param="lora_name"
+            )
+        workers = self.registry.alive()
+        if not workers:
+            raise self._no_worker()
+        body = LoadLoRARequest(lora_name=name, lora_path=path, load_inplace=replace)
+        results = await asyncio.gather(
+            *(self._post(w, "/internal/lora/load", body, LoadLoRAResponse) for w in workers), return_exceptions=True
+        )
+        failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+        if failed:
+            if have is None:  # all or nothing (an adapter replaced in place stays replaced where it was)
+                undo = UnloadLoRARequest(lora_name=name)
+                await asyncio.gather(
+                    *(
+                        self._post(w, "/internal/lora/unload", undo, UnloadLoRAResponse)
+                        for w, r in zip(workers, results)
+                        if not isinstance(r, BaseException)
+                    ),
+                    return_exceptions=True,
+                )
+            w, err = failed[0]
+            if isinstance(err, APIError):
+                raise APIError(err.status, f"worker {w.worker_id}: {err.message}", param=err.param)
+            raise APIError(503, f"worker {w.worker_id} could not load the adapter: {err}")
+        for w, r in zip(workers, results):
+            gone = [
+                f
+                for f in w.features
+                if f.startswith(LORA_FEATURE_PREFIX) and f.rsplit("@", 1)[0] == LORA_FEATURE_PREFIX + name
+            ]
+            self.registry.update_features(w.worker_id, add=adapter_features([r.key]), remove=gone)
+        return results[0].key
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter from every worker that holds one of that name."""
+        prefix = LORA_FEATURE_PREFIX + name + "@"
+        holders = [w for w in self.registry.all() if any(f.startswith(prefix) for f in w.features)]
+        if not holders:
+            raise APIError(404, f"no LoRA adapter is named {name!r}", param="lora_name", code="lora_not_found")
+        body = UnloadLoRARequest(lora_name=name)
+        for w in holders:  # new requests stop going there at once, whatever the workers answer
+            self.registry.update_features(w.worker_id, remove=[f for f in w.features if f.startswith(prefix)])
+        await asyncio.gather(
+            *(self._post(w, "/internal/lora/unload", body, UnloadLoRAResponse) for w in holders if w.alive),
+            return_exceptions=True,
+        )
 
     def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
         if self.draining:

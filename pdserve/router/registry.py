@@ -76,6 +76,13 @@ class Registry:
             if w is not None:
                 w.alive = False
 
+    def update_features(self, worker_id: str, add=(), remove=()) -> None:
+        """A worker's features changed since it registered (a LoRA adapter loaded or unloaded)."""
+        with self._lock:
+            w = self._workers.get(worker_id)
+            if w is not None:
+                w.features = (w.features - frozenset(remove)) | frozenset(add)
+
     def forgive(self, seconds: float) -> None:
         """Do not count `seconds` the router itself stalled against any live worker's silence."""
         with self._lock:

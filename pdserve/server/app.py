@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
@@ -50,6 +50,7 @@ class ServerSettings:
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     trust_request_chat_template: bool = False  # requests may bring their own chat template
     reasoning_parser: str | None = None  # --reasoning-parser: the thinking apart from the answer
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     # what a request's sampling fields default to: the model's generation config (vLLM's)
     sampling_defaults: dict = field(default_factory=dict)
 
@@ -66,6 +67,7 @@ class ServerSettings:
             prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
             trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False),
             sampling_defaults=model_sampling_defaults(args),
         )
 
@@ -119,6 +121,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         app.add_api_route("/ping", api.health, methods=[method])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/metrics", api.metrics, methods=["GET"])
+    if settings.allow_runtime_lora_updating:  # as vLLM, the routes exist only when allowed
+        app.add_api_route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"], include_in_schema=False)
+        app.add_api_route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"], include_in_schema=False)
     return app
 
 
@@ -516,6 +521,26 @@ class _Api:
     def _adapter_card(self, name: str, core) -> dict:
         """A LoRA adapter's card, as vLLM lists one: its parent is the base model."""
         return {**self._model_card(name, core), "root": name, "parent": self.served_names()[0]}
+
+    async def load_lora_adapter(self, request: Request):
+        """vLLM's: load the adapter in `lora_path` as `lora_name` (every worker reads the path)."""
+        self._check_key(request)
+        req = P.parse_body(await read_body(request, self.settings.max_request_body_bytes), P.LoadLoRAAdapterRequest)
+        self._core()
+        if req.lora_name in self.served_names():
+            raise bad_request(f"{req.lora_name!r} is the base model's name", "lora_name")
+        key = await self.engine.load_lora_adapter(req.lora_name, req.lora_path, req.load_inplace)
+        log.info("LoRA adapter %s loaded from %s (key %s)", req.lora_name, req.lora_path, key)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request):
+        """vLLM's: requests may no longer name `lora_name`; those running with it finish."""
+        self._check_key(request)
+        req = P.parse_body(await read_body(request, self.settings.max_request_body_bytes), P.UnloadLoRAAdapterRequest)
+        self._core()
+        await self.engine.unload_lora_adapter(req.lora_name)
+        log.info("LoRA adapter %s unloaded", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def tokenize(self, request: Request):
         req: P.TokenizeRequest = await self._parse(request, P.TokenizeRequest)

@@ -192,6 +192,33 @@ class AsyncEngine:
     def lora_adapters(self) -> dict[str, str]:
         return self.engine.list_loras() if self.engine is not None else {}
 
+    async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> str:
+        from pdserve.engine.lora import LoRAError
+
+        core = self._loaded()
+        if core.lora is None:
+            raise APIError(400, "this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
+        if name in core.list_loras() and not replace:
+            raise APIError(
+                400, f"the LoRA adapter {name!r} is already loaded (load_inplace replaces it)", param="lora_name"
+            )
+        try:
+            adapter = await asyncio.to_thread(core.lora.read, name, path)  # file reads off the loop and the engine
+            return await self._command("install_lora", adapter)
+        except LoRAError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        if not await self._command("remove_lora", name):
+            raise APIError(404, f"no LoRA adapter is named {name!r}", param="lora_name", code="lora_not_found")
+
+    def _loaded(self):
+        if self.failure is not None:
+            raise APIError(503, f"the engine is not available: {self.failure}")
+        if self.engine is None:
+            raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
+        return self.engine
+
     # ---- requests (event loop side)
     def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestGroup:
         """Hand a group to the engine; raises APIError 503/429 if it cannot take work now."""
@@ -612,6 +639,8 @@ ENGINE_COMMANDS: dict[str, Callable] = {
             "activate_transferred",
             "abort_request",
             "expire_reservations",
+            "install_lora",
+            "remove_lora",
         )
     },
     "calibrate_prefill": _calibrate_prefill,

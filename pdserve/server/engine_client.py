@@ -138,6 +138,13 @@ class EngineClient(Protocol):
         """Name -> key (SamplingParams.lora_adapter) of the LoRA adapters a request may name as
         its model; empty while none can be served."""
 
+    async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> str:
+        """Load the adapter in `path` as `name` (every worker, or none); its key. APIError 400
+        for a bad adapter or a name already loaded (unless `replace`)."""
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """New requests may no longer name it; APIError 404 if no adapter has that name."""
+
     def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestStream:
         """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now."""
 

@@ -617,6 +617,21 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1, max_length=128, pattern=r"^[^\s=@]+$")
+    lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter body (lora_int_id: accepted, unused: adapters go by name)."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_int_id: int | None = None
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     """Token ids outside the vocabulary: refused here, before a tokenizer or the engine sees them."""
     if ids and not (0 <= min(ids) and max(ids) < vocab_size):

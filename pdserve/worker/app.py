@@ -11,6 +11,8 @@ over the KV bridge (pdserve/transfer).
     POST /internal/kv_failed that KV will not come (its sender broke): recompute now
     POST /internal/generate  the whole request here (role both, or a fallback)
     POST /internal/abort     drop a request and its blocks
+    POST /internal/lora/load, /internal/lora/unload   a LoRA adapter at run time (the router's
+                             /v1/load_lora_adapter, /v1/unload_lora_adapter)
     GET  /internal/state     engine stats, free blocks (tests, debugging)
     POST /internal/drain     leave the pool: finish what is in flight, then exit 0
     POST /internal/fault     inject a fault (only with PDSERVE_ENABLE_FAULT_INJECTION=1: tests, chaos)
@@ -46,6 +48,8 @@ from pdserve.control_api import (
     KVDestinationBody,
     KVFailedRequest,
     KVFailedResponse,
+    LoadLoRARequest,
+    LoadLoRAResponse,
     PrefillRequest,
     PullRequest,
     PullResponse,
@@ -53,6 +57,8 @@ from pdserve.control_api import (
     ReserveResponse,
     SavedEvent,
     StateResponse,
+    UnloadLoRARequest,
+    UnloadLoRAResponse,
     event_line,
     params_from_json,
 )
@@ -203,6 +209,13 @@ class WorkerApi:
             self.receiver.cancel(rid)
         return AbortResponse(aborted=rid)
 
+    async def load_lora(self, b: LoadLoRARequest) -> LoadLoRAResponse:
+        return LoadLoRAResponse(key=await self.engine.load_lora_adapter(b.lora_name, b.lora_path, b.load_inplace))
+
+    async def unload_lora(self, b: UnloadLoRARequest) -> UnloadLoRAResponse:
+        await self.engine.unload_lora_adapter(b.lora_name)
+        return UnloadLoRAResponse(unloaded=b.lora_name)
+
     async def reap_leases(self, every_s: float = 1.0) -> None:
         """Free blocks reserved for KV that never came and a decode that was never asked for."""
         await self.engine.ready.wait()
@@ -294,6 +307,8 @@ def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown
         ("/internal/pull", api.pull, "POST"),
         ("/internal/kv_failed", api.kv_failed, "POST"),
         ("/internal/abort", api.abort, "POST"),
+        ("/internal/lora/load", api.load_lora, "POST"),
+        ("/internal/lora/unload", api.unload_lora, "POST"),
         ("/internal/state", api.state, "GET"),
         ("/internal/drain", api.drain, "POST"),
         ("/internal/fault", api.fault, "POST"),

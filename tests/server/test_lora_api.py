@@ -2,10 +2,11 @@
 and through a router with prefill and decode workers, and gets what the offline engine gives
 with that adapter; /v1/models lists the adapters under their base model."""
 
+import httpx
 import pytest
 
 from pdserve import LLM, LoRARequest, SamplingParams
-from tests.server.conftest import TINY_ENGINE, tiny_openai
+from tests.server.conftest import TINY_ENGINE, engine_flags, tiny_openai
 from tests.server.deployment import Deployment
 
 openai = pytest.importorskip("openai")
@@ -78,5 +79,77 @@ def test_adapters_through_router_prefill_and_decode(server_model_dir, adapters, 
             _check(client, expected)
         features = {w: sorted(info["features"]) for w, info in dep.workers().items()}
         assert all(sum(f.startswith("lora:") for f in fs) == 2 for fs in features.values()), features
+    finally:
+        assert dep.stop() == 0
+
+
+def _load(client_or_url, name, path, **extra):
+    return httpx.post(
+        f"{client_or_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, **extra}, timeout=60
+    )
+
+
+def _unload(url, name):
+    return httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+
+
+def _complete(url, model):
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"model": model, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    )
+
+
+def _runtime_updates(url, adapters, expected, tmp_path):
+    assert _complete(url, "sql").status_code == 404
+    r = _load(url, "sql", adapters["sql"])
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+    assert _complete(url, "sql").json()["choices"][0]["text"] == expected["sql"][0]
+    assert "sql" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    r = _load(url, "sql", adapters["chat"])
+    assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    assert _load(url, "sql", adapters["chat"], load_inplace=True).status_code == 200
+    assert _complete(url, "sql").json()["choices"][0]["text"] == expected["chat"][0]
+    r = _load(url, "bad", str(tmp_path))  # no adapter there
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"], r.text
+    assert _complete(url, "bad").status_code == 404
+    assert _load(url, "tiny", adapters["sql"]).status_code == 400  # the base model's name
+    assert _load(url, "a b", adapters["sql"]).status_code == 400
+    assert _unload(url, "sql").status_code == 200
+    assert _complete(url, "sql").status_code == 404
+    assert _unload(url, "sql").status_code == 404
+    assert _complete(url, "tiny").json()["choices"][0]["text"] == expected["tiny"][0]
+
+
+def test_runtime_lora_updating_collocated(server_model_dir, adapters, expected, tmp_path):
+    from tests.server.serverproc import ServerProcess
+
+    flags = ["--served-model-name", "tiny", "--threads", "1", "--enable-lora", "--max-cpu-loras", "2"]
+    with ServerProcess("--model", server_model_dir, *flags, *engine_flags(**TINY_ENGINE)) as server:
+        assert _load(server.url, "sql", adapters["sql"]).status_code == 404  # off unless allowed
+    with ServerProcess(
+        "--model", server_model_dir, *flags, "--allow-runtime-lora-updating", *engine_flags(**TINY_ENGINE)
+    ) as server:
+        _runtime_updates(server.url, adapters, expected, tmp_path)
+
+
+@pytest.mark.integration
+def test_runtime_lora_updating_through_the_router(server_model_dir, adapters, expected, tmp_path):
+    """The router loads the adapter on every worker (prefill and decode), then places requests
+    for it; unloading stops them at once."""
+    dep = Deployment(
+        server_model_dir,
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-cpu-loras",
+        "2",
+        "--allow-runtime-lora-updating",
+        num_gpu_blocks=512,
+    )
+    try:
+        _runtime_updates(dep.url, adapters, expected, tmp_path)
+        assert not any(f.startswith("lora:") for w in dep.workers().values() for f in w["features"])
     finally:
         assert dep.stop() == 0
