@@ -675,6 +675,21 @@ class LLMEngine:
             "prompt_tokens_computed": self.num_prompt_tokens_computed,
             **(self.spec_stats.as_dict() if self.drafter is not None else {}),
             **({"kv_store": self.kv_store.stats()} if self.kv_store is not None else {}),
+            **({"lora": self._lora_stats()} if self.lora is not None else {}),
+        }
+
+    def _lora_stats(self) -> dict:
+        """The adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
+        names = {k: n for n, k in self.lora.names().items()}
+
+        def of(seqs):
+            keys = {s.params.lora_adapter for s in seqs if s.params.lora_adapter is not None}
+            return sorted(names.get(k, k.rsplit("@", 1)[0]) for k in keys)
+
+        return {
+            "running": of(self.scheduler.running),
+            "waiting": of(self.scheduler.waiting.unordered()),
+            "max_lora": self.config.lora.max_loras,
         }
 
     def close(self) -> None:

@@ -420,6 +420,13 @@ class DisaggEngine:
         stores = [w.stats["kv_store"] for w in alive if w.stats and isinstance(w.stats.get("kv_store"), dict)]
         if stores:
             self.stats["kv_store"] = sum_kv_store_stats(stores)
+        loras = [w.stats["lora"] for w in alive if w.stats and isinstance(w.stats.get("lora"), dict)]
+        if loras:  # the pool's: every worker's adapters, each worker's max
+            self.stats["lora"] = {
+                "running": sorted({str(n) for s in loras for n in s.get("running") or ()}),
+                "waiting": sorted({str(n) for s in loras for n in s.get("waiting") or ()}),
+                "max_lora": max(int(s.get("max_lora") or 0) for s in loras),
+            }
         self.metrics.set_engine_stats(self.stats)
 
     # the workers' own counters, summed into the router's /metrics

@@ -16,6 +16,7 @@ when /metrics is read.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -95,6 +96,7 @@ VLLM_NAMES = frozenset(
         "spec_decode_num_draft_tokens",
         "spec_decode_num_accepted_tokens",
         "spec_decode_num_accepted_tokens_per_pos",
+        "lora_requests_info",
     }
 )
 
@@ -253,6 +255,23 @@ class _Collector:
             yield from _spec_decode(s, name)
         if s.get("kv_store"):
             yield from _kv_tiers(s["kv_store"], name)
+        if isinstance(s.get("lora"), dict):
+            yield _lora_info(s["lora"])
+
+
+def _lora_info(lora: dict):
+    """vLLM's lora_requests_info: the adapters of the running and of the waiting requests
+    (comma-separated names) and max_lora as labels; the value is when it was read (Unix time)."""
+    g = GaugeMetricFamily(
+        "pdserve:lora_requests_info",
+        "Running stats on LoRA requests.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    g.add_metric(
+        [",".join(lora.get("running") or ()), ",".join(lora.get("waiting") or ()), str(lora.get("max_lora", ""))],
+        time.time(),
+    )
+    return g
 
 
 def _spec_decode(s: dict, name: str):

@@ -66,6 +66,9 @@ def test_adapters_by_model_name_collocated(server_model_dir, adapters, expected)
         assert cards["sql"].parent == "tiny" and cards["chat"].root == "chat"
         assert client.models.retrieve("sql").id == "sql"
         _check(client, expected)
+        metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics", timeout=10).text
+        info = [line for line in metrics.splitlines() if line.startswith("pdserve:lora_requests_info{")]
+        assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info
 
 
 @pytest.mark.integration
