@@ -19,6 +19,8 @@ STATS = {
     "spec_decode_num_draft_tokens": 20,
     "spec_decode_num_accepted_tokens": 9,
     "spec_decode_num_accepted_tokens_per_pos": [5, 3, 1, 0],
+    # ... and LoRA adapters
+    "lora": {"running": ["sql", "chat"], "waiting": [], "max_lora": 2},
 }
 
 
