@@ -67,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
             sampling_defaults(getattr(args, "model", None), args.generation_config, args.override_generation_config)
         except ConfigError as e:
             parser.error(str(e))
+    if getattr(args, "lora_modules", None):  # a bad spec, or an adapter the base model's name would hide
+        from pdserve.config import ConfigError
+        from pdserve.engine.lora import parse_modules
+
+        try:
+            clash = {n for n, _ in parse_modules(args.lora_modules)} & set(
+                getattr(args, "served_model_name", None) or []
+            )
+        except ConfigError as e:
+            parser.error(str(e))
+        if clash:
+            parser.error(f"--lora-modules {sorted(clash)}: the name of a served model (--served-model-name)")
     if getattr(args, "internal_aliases", None):
         from pdserve import auth
 

@@ -202,6 +202,8 @@ class LoadLoRARequest(_Message):
 
 class LoadLoRAResponse(_Message):
     key: str  # the adapter's key (engine/lora.py): its feature is "lora:<key>"
+    # every adapter the worker holds now (loading one may have unloaded another to make room)
+    keys: list[Annotated[str, Field(max_length=MAX_REGISTRATION_CHARS)]] = Field(default_factory=list, max_length=64)
 
 
 class UnloadLoRARequest(_Message):

@@ -113,7 +113,10 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("lora_request must be one LoRARequest (or None) or one per prompt")
-        adapters = {id(r): self.engine.add_lora(r) for r in loras if r is not None}
+        adapters: dict[int, str] = {}
+        for r in loras:  # the call's adapters stay loaded while the rest of them load
+            if r is not None and id(r) not in adapters:
+                adapters[id(r)] = self.engine.add_lora(r, keep=adapters.values())
         # n > 1: n independent requests; the prompt's full blocks are shared via the prefix cache.
         order: list[tuple[int, str]] = []
         try:

@@ -129,16 +129,17 @@ class LLMEngine:
         self.runner.lora = self.lora
         self.scheduler.max_loras = self.config.lora.max_loras
 
-    def add_lora(self, lora_request) -> str:
+    def add_lora(self, lora_request, keep=()) -> str:
         """Load a `lora.LoRARequest`'s adapter (once; the same files again are found loaded);
-        returns its key, what a request's SamplingParams.lora_adapter names it by."""
+        returns its key, what a request's SamplingParams.lora_adapter names it by. `keep`: keys
+        not to unload to make room (besides those requests use)."""
         if self.lora is None:
             raise InvalidRequest("this engine serves no LoRA adapters: start it with enable_lora", "lora_request")
-        return self.install_lora(self.lora.read(lora_request.lora_name, lora_request.lora_path))
+        return self.install_lora(self.lora.read(lora_request.lora_name, lora_request.lora_path), keep)
 
-    def install_lora(self, adapter) -> str:
+    def install_lora(self, adapter, keep=()) -> str:
         """Serve an adapter read already (`LoRAManager.read`, off this thread); its key."""
-        return self.lora.install(adapter, self._adapters_in_use()).key
+        return self.lora.install(adapter, self._adapters_in_use() | set(keep)).key
 
     def remove_lora(self, name: str) -> bool:
         """New requests may no longer name the adapter `name` (vLLM's method); those running
@@ -146,7 +147,9 @@ class LLMEngine:
         return self.lora is not None and self.lora.remove(name, self._adapters_in_use())
 
     def _adapters_in_use(self) -> set[str]:
-        return {s.params.lora_adapter for s in self.seqs.values() if s.params.lora_adapter is not None}
+        """The adapters of every request here: sequences, and reservations waiting for room."""
+        params = [s.params for s in self.seqs.values()] + [a[2] for a, _, _ in self._pending_reserve.values()]
+        return {p.lora_adapter for p in params if p.lora_adapter is not None}
 
     def list_loras(self) -> dict[str, str]:
         """Adapter name -> key of the adapters loaded."""

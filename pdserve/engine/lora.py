@@ -45,6 +45,9 @@ TARGETS = {
 MAX_ADAPTER_NAME_CHARS = 128
 MAX_STAMPS = 256  # adapter files remembered as read and unchanged (LoRAManager.read)
 MAX_ADAPTER_FILE_BYTES = 8 << 30  # an adapter larger than this is not a low-rank one
+PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a config leaves it out
+MAX_SCALING = 1024.0  # |alpha / r| (or / sqrt(r)) past this is no trained adapter's
+MAX_WEIGHT = 1e4  # |A|, |B| entries past this are no trained adapter's (they would overflow the activations)
 _TENSOR_RE = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<module>\w+)"
     r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
@@ -184,7 +187,7 @@ def _read_config(path: str) -> dict:
             raise LoRAError(f"{cfg_path}: {what} is not supported")
     if cfg.get("bias", "none") != "none":
         raise LoRAError(f"{cfg_path}: bias {cfg['bias']!r}; only adapters without bias terms (bias 'none') are served")
-    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise LoRAError(f"{cfg_path}: r must be a positive integer, not {r!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
@@ -196,29 +199,38 @@ def load_adapter(
     name: str, path: str, model_config: ModelConfig, max_rank: int, dtype: torch.dtype, device="cpu"
 ) -> LoRAAdapter:
     """Read and check a PEFT LoRA adapter for this model; LoRAError says what is wrong."""
+    try:
+        return _load_adapter(name, path, model_config, max_rank, dtype, device)
+    except LoRAError:
+        raise
+    except Exception as e:  # a file that parses but holds something no check above foresaw
+        raise LoRAError(f"adapter {name!r}: {path} could not be read: {type(e).__name__}: {e}") from None
+
+
+def _load_adapter(name, path, model_config: ModelConfig, max_rank: int, dtype: torch.dtype, device) -> LoRAAdapter:
     from safetensors import SafetensorError, safe_open
 
     check_name(name)
     if not os.path.isdir(path):
         raise LoRAError(f"adapter {name!r}: {path} is not a directory")
     cfg = _read_config(path)
-    rank = cfg["r"]
+    rank, alpha = cfg["r"], cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if rank > max_rank:
         raise LoRAError(f"adapter {name!r} has rank {rank}, over --max-lora-rank {max_rank}")
+    scaling = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    if not abs(scaling) <= MAX_SCALING:
+        raise LoRAError(f"adapter {name!r}: lora_alpha {alpha} scales its product by {scaling:g}, over {MAX_SCALING}")
     weights = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights):
-        why = (
-            " (adapter_model.bin is a pickle, which pdserve never loads)"
-            if os.path.exists(os.path.join(path, "adapter_model.bin"))
-            else ""
-        )
+        pickled = os.path.exists(os.path.join(path, "adapter_model.bin"))
+        why = " (adapter_model.bin is a pickle, which pdserve never loads)" if pickled else ""
         raise LoRAError(f"adapter {name!r}: {path} has no adapter_model.safetensors{why}")
     if os.path.getsize(weights) > MAX_ADAPTER_FILE_BYTES:
         raise LoRAError(f"adapter {name!r}: {weights} is over {MAX_ADAPTER_FILE_BYTES >> 30} GiB")
     shapes = _part_shapes(model_config)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(json.dumps([rank, cfg.get("lora_alpha", rank), bool(cfg.get("use_rslora"))]).encode())
+    digest.update(json.dumps([rank, alpha, bool(cfg.get("use_rslora"))]).encode())
     try:
         with safe_open(weights, framework="pt") as f:
             for tname in sorted(f.keys()):
@@ -234,28 +246,36 @@ def load_adapter(
                         f"adapter {name!r}: tensor {tname!r} is for layer {layer}; the model has "
                         f"{model_config.num_hidden_layers}"
                     )
+                fin, fout, _ = shapes[m["module"]]
+                want = (rank, fin) if m["ab"] == "A" else (fout, rank)
+                got = tuple(f.get_slice(tname).get_shape())  # before reading it: a huge shape stays unread
+                if got != want:
+                    raise LoRAError(
+                        f"adapter {name!r}: tensor {tname!r} has shape {got}; this model with rank {rank} needs "
+                        f"{want} (an adapter of another model?)"
+                    )
                 t = f.get_tensor(tname)
-                digest.update(tname.encode() + b"\0" + str(tuple(t.shape)).encode() + str(t.dtype).encode())
-                digest.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                    raise LoRAError(f"adapter {name!r}: tensor {tname!r} is {t.dtype}; float16, bfloat16 or float32")
+                digest.update(tname.encode() + b"\0" + str(t.dtype).encode())
+                digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
                 found.setdefault((layer, m["module"]), {})[m["ab"]] = t
     except SafetensorError as e:
         raise LoRAError(f"adapter {name!r}: {weights}: {e}") from None
     if not found:
         raise LoRAError(f"adapter {name!r}: {weights} holds no LoRA matrices")
-    scaling = cfg.get("lora_alpha", rank) / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
     parts: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, slice]]] = {}
     for (layer, module), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} without its pair")
-        a, b = ab["A"], ab["B"]
-        fin, fout, first = shapes[module]
-        if tuple(a.shape) != (rank, fin) or tuple(b.shape) != (fout, rank):
-            raise LoRAError(
-                f"adapter {name!r}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)}; this model "
-                f"with rank {rank} needs A {(rank, fin)} and B {(fout, rank)} (an adapter of another model?)"
-            )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoRAError(f"adapter {name!r}: layer {layer} {module} holds non-finite values")
+        a, b = ab["A"].to(dtype), ab["B"].to(dtype)  # checked as they will be used
+        for which, t in (("A", a), ("B", b)):
+            if not torch.isfinite(t).all() or t.numel() and t.abs().max().item() > MAX_WEIGHT:
+                raise LoRAError(
+                    f"adapter {name!r}: layer {layer} {module} lora_{which} holds values that are not finite, or "
+                    f"over {MAX_WEIGHT:g} in {dtype} (not a trained adapter's)"
+                )
+        _, fout, first = shapes[module]
         parts.setdefault((layer, TARGETS[module][0]), []).append((a, b, slice(first, first + fout)))
     widths = _product_widths(model_config)
     layers: list[dict[str, Product]] = [{} for _ in range(model_config.num_hidden_layers)]
@@ -393,7 +413,7 @@ class LoRAManager:
                 return
         raise LoRAError(
             f"cannot load adapter {name!r}: the {len(self.adapters)} adapters loaded (--max-cpu-loras "
-            f"{self.config.max_cpu_loras}) are all in use or given at start"
+            f"{self.config.max_cpu_loras}) are all in use, named by the same call or given at start"
         )
 
     def names(self) -> dict[str, str]:

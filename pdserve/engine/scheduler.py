@@ -317,6 +317,7 @@ class Scheduler:
         # then, rather than computing it a second time (n > 1, a burst of one system prompt).
         inflight = {h for s in self.running for h in self.kv.pending_hashes(s.seq_id)} if len(self.waiting) else set()
         adapters = self._running_adapters() if self.max_loras is not None and len(self.waiting) else set()
+        adapter_held = False  # a request waits for an adapter slot: none with an adapter passes it
         while len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if cap and partial >= cap and seq.num_tokens - seq.num_computed_tokens > self._chunk_limit(budget):
@@ -330,10 +331,12 @@ class Scheduler:
             if (
                 adapter is not None
                 and self.max_loras is not None
-                and adapter not in adapters
-                and len(adapters) >= self.max_loras
+                and (adapter_held or adapter not in adapters and len(adapters) >= self.max_loras)
             ):
-                # another adapter while max_loras run: it waits, the ones behind it may go
+                # another adapter while max_loras run: it waits, and so does every request with an
+                # adapter behind it, even one that runs already (else a busy adapter's stream of
+                # requests would keep its slot forever); requests for the base model pass
+                adapter_held = True
                 if len(held) >= MAX_HELD:
                     break
                 held.append(self.waiting.hold())

@@ -564,13 +564,9 @@ class DisaggEngine:
             if isinstance(err, APIError):
                 raise APIError(err.status, f"worker {w.worker_id}: {err.message}", param=err.param)
             raise APIError(503, f"worker {w.worker_id} could not load the adapter: {err}")
-        for w, r in zip(workers, results):
-            gone = [
-                f
-                for f in w.features
-                if f.startswith(LORA_FEATURE_PREFIX) and f.rsplit("@", 1)[0] == LORA_FEATURE_PREFIX + name
-            ]
-            self.registry.update_features(w.worker_id, add=adapter_features([r.key]), remove=gone)
+        for w, r in zip(workers, results):  # what each holds now (room made may have unloaded another)
+            gone = [f for f in w.features if f.startswith(LORA_FEATURE_PREFIX)]
+            self.registry.update_features(w.worker_id, add=adapter_features(r.keys or [r.key]), remove=gone)
         return results[0].key
 
     async def unload_lora_adapter(self, name: str) -> None:

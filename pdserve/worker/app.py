@@ -210,7 +210,8 @@ class WorkerApi:
         return AbortResponse(aborted=rid)
 
     async def load_lora(self, b: LoadLoRARequest) -> LoadLoRAResponse:
-        return LoadLoRAResponse(key=await self.engine.load_lora_adapter(b.lora_name, b.lora_path, b.load_inplace))
+        key = await self.engine.load_lora_adapter(b.lora_name, b.lora_path, b.load_inplace)
+        return LoadLoRAResponse(key=key, keys=sorted(set(self.engine.lora_adapters().values())))
 
     async def unload_lora(self, b: UnloadLoRARequest) -> UnloadLoRAResponse:
         await self.engine.unload_lora_adapter(b.lora_name)

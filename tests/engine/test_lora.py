@@ -169,8 +169,9 @@ def test_bad_adapters_are_refused_with_the_reason(model, adapters, tmp_path):
         load(write_tiny_lora(other, str(tmp_path / "wide-lora")))
     with pytest.raises(LoRAError, match="not a LoRA A/B matrix"):
         load(write_tiny_lora(model, str(tmp_path / "head"), targets=("q_proj", "lm_head")))
-    with pytest.raises(LoRAError, match="no spaces"):
-        load(adapters["all"], name="a b")
+    for bad in ("a b", "a@b", "a=b", "x" * 129):
+        with pytest.raises(LoRAError, match="without spaces"):
+            load(adapters["all"], name=bad)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and llm.engine.list_loras() == {}
 
@@ -208,3 +209,66 @@ def test_bf16_agreement_with_peft(model, adapters):
     ref = _reference(model, adapters["all"], PROMPTS)
     same = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
     assert same >= 0.6 * sum(map(len, ref)), (got, ref)
+
+
+def test_a_call_naming_more_adapters_than_a_worker_holds_is_refused_clearly(model, adapters):
+    llm = _llm(model)  # max_loras 1: max_cpu_loras 1
+    reqs = [LoRARequest("all", 1, adapters["all"]), LoRARequest("attn", 2, adapters["attn"])]
+    with pytest.raises(LoRAError, match="named by the same call"):
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=reqs)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_a_request_for_another_adapter_is_not_starved_by_a_busy_one(model, adapters):
+    """max_loras 1: while adapter a runs, b waits; requests for a that come after b wait
+    behind it (a's slot drains), requests for the base model pass."""
+    llm = _llm(model, max_loras=1, max_cpu_loras=2, max_num_seqs=8)
+    eng = llm.engine
+    a, b = (eng.add_lora(LoRARequest(n, i, p)) for i, (n, p) in enumerate(adapters.items()))
+    params = {k: SamplingParams(max_tokens=6, ignore_eos=True, lora_adapter=k) for k in (a, b, None)}
+    eng.add_request("a0", PROMPTS[1], params[a])
+    eng.step()
+    eng.add_request("b0", PROMPTS[1], params[b])
+    started = {}
+    for step in range(60):
+        eng.add_request(f"a{step + 1}", PROMPTS[1], params[a])  # a stream of requests for a
+        eng.add_request(f"base{step}", PROMPTS[1], params[None])
+        eng.step()
+        for s in eng.scheduler.running:
+            started.setdefault(s.seq_id, step)
+        if "b0" in started:
+            break
+    assert "b0" in started, "the request for b never started"
+    assert all(started.get(f"a{i}", 99) > started["b0"] for i in range(2, 60) if f"a{i}" in started)
+    assert "base1" in started and started["base1"] <= started["b0"]  # the base model was not held up
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c, t: c.update(lora_alpha=1e308), "scales its product"),
+        (lambda c, t: t.update({k: v.to(torch.int8) for k, v in t.items()}), "float16, bfloat16 or float32"),
+        (lambda c, t: t.update({k: v.double() for k, v in t.items()}), "float16, bfloat16 or float32"),
+        (lambda c, t: t.update({k: v * float("inf") for k, v in t.items()}), "not finite"),
+        (lambda c, t: t.update({k: v * 1e30 for k, v in t.items()}), "not a trained adapter"),
+    ],
+    ids=["alpha", "int8", "float64", "inf", "huge"],
+)
+def test_adapters_with_values_no_training_gives_are_refused(model, adapters, tmp_path, edit, match):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(adapters["all"], tmp_path / "bad")
+    with open(d / "adapter_config.json") as f:
+        cfg = json.load(f)
+    tensors = load_file(str(d / "adapter_model.safetensors"))
+    edit(cfg, tensors)
+    with open(d / "adapter_config.json", "w") as f:
+        json.dump(cfg, f)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    llm = _llm(model)
+    with pytest.raises(LoRAError, match=match):
+        llm.engine.add_lora(LoRARequest("bad", 1, str(d)))
+    assert llm.engine.list_loras() == {}

@@ -106,7 +106,12 @@ void lora_add(const torch::Tensor& in, torch::Tensor& out, const LoraGroup& g, s
               "bad LoRA matrices");
   TORCH_CHECK(blocks.scalar_type() == torch::kInt64 && blocks.is_contiguous() && blocks.dim() == 2 &&
                   blocks.size(1) == 4, "bad LoRA blocks");
+  TORCH_CHECK(in.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 && in.is_contiguous() &&
+                  out.is_contiguous() && in.dim() == 2 && out.dim() == 2 && out.size(0) == M,
+              "LoRA input and output must be contiguous float32 [M, K], [M, N]");
   const OptT& rows = std::get<0>(g);
+  TORCH_CHECK(!rows || (rows->scalar_type() == torch::kInt64 && rows->is_contiguous() && rows->device().is_cpu()),
+              "LoRA rows must be a contiguous int64 CPU tensor");
   const int64_t n_rows = rows ? rows->numel() : M;
   const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;
   const float s = static_cast<float>(std::get<1>(g));
