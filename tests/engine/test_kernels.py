@@ -272,6 +272,20 @@ def _quantized_layer(qtype: str, bias: bool, int8: bool = False, intermediate_si
     return cfg, layer
 
 
+def _decode_batch(cfg, batch: int, g):
+    """Random caches (and a copy for the reference path), block tables, lengths, positions and
+    slots for `batch` decode rows of 4-token blocks."""
+    bs, nb = 4, 6
+    kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g))]
+    ref_caches = [(caches[0][0].clone(), caches[0][1].clone())]
+    tables = torch.randperm(kv_shape[0], generator=g)[: batch * nb].view(batch, nb)
+    lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
+    pos = lens - 1
+    slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
+    return caches, ref_caches, tables, lens, pos, slots
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     "qtype,bias,int8",
@@ -293,14 +307,7 @@ def test_fused_decode_layer_matches_the_python_layer(qtype, bias, int8, batch):
     cfg, layer = _quantized_layer(qtype, bias, int8)
     assert layer.fused is not None
     g = torch.Generator().manual_seed(batch)
-    bs, nb = 4, 6
-    kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g))]
-    ref_caches = [(caches[0][0].clone(), caches[0][1].clone())]
-    tables = torch.randperm(kv_shape[0], generator=g)[: batch * nb].view(batch, nb)
-    lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
-    pos = lens - 1
-    slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
+    caches, ref_caches, tables, lens, pos, slots = _decode_batch(cfg, batch, g)
     meta = AttentionMetadata(
         slot_mapping=slots, num_decodes=batch, decode_block_tables=tables, decode_seq_lens=lens, decode_kernel=kernels
     )
@@ -351,14 +358,7 @@ def test_fused_decode_layer_adds_lora_deltas_as_the_python_layer_does(batch):
     groups = [(a, rows_a)] + ([(b, torch.tensor([1]))] if batch > 1 else [])
     if batch == 1:
         groups = [(a, None)]  # every row: the no-index path
-    bs, nb = 4, 6
-    kv_shape = (batch * nb + 2, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g))]
-    ref_caches = [(caches[0][0].clone(), caches[0][1].clone())]
-    tables = torch.randperm(kv_shape[0], generator=g)[: batch * nb].view(batch, nb)
-    lens = torch.randint(1, nb * bs + 1, (batch,), generator=g)
-    pos = lens - 1
-    slots = torch.cat([slot_mapping(t, p, p + 1, bs) for t, p in zip(tables.tolist(), pos.tolist())])
+    caches, ref_caches, tables, lens, pos, slots = _decode_batch(cfg, batch, g)
     lora = LoRABatch(groups)
     meta = AttentionMetadata(
         slot_mapping=slots, num_decodes=batch, decode_block_tables=tables, decode_seq_lens=lens, decode_kernel=kernels
