@@ -204,12 +204,19 @@ class AsyncEngine:
             )
         try:
             adapter = await asyncio.to_thread(core.lora.read, name, path)  # file reads off the loop and the engine
-            return await self._command("install_lora", adapter)
+            return await self.install_lora(adapter)
         except LoRAError as e:
             raise APIError(400, str(e), param="lora_path") from None
 
+    async def install_lora(self, adapter) -> str:
+        """Serve an adapter read already (LLMEngine.install_lora); its key."""
+        return await self._command("install_lora", adapter)
+
+    async def remove_lora(self, name: str) -> bool:
+        return await self._command("remove_lora", name)
+
     async def unload_lora_adapter(self, name: str) -> None:
-        if not await self._command("remove_lora", name):
+        if not await self.remove_lora(name):
             raise APIError(404, f"no LoRA adapter is named {name!r}", param="lora_name", code="lora_not_found")
 
     def _loaded(self):
