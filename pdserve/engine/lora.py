@@ -296,9 +296,12 @@ def _load_adapter(name, path, model_config: ModelConfig, max_rank: int, dtype: t
 
 
 def _product_widths(cfg: ModelConfig) -> dict[str, int]:
-    """Each fused product's output width (model.py's DecoderLayer)."""
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size, "down": cfg.hidden_size}
+    """Each fused product's output width (model.py's DecoderLayer): where its last part ends."""
+    widths: dict[str, int] = {}
+    for module, (_, fout, first) in _part_shapes(cfg).items():
+        product = TARGETS[module][0]
+        widths[product] = max(widths.get(product, 0), first + fout)
+    return widths
 
 
 def _file_stamps(path: str) -> tuple:

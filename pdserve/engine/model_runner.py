@@ -207,7 +207,8 @@ class ModelRunner:
                     spec_rows.append(s)
                 else:
                     ids.extend(seq.all_token_ids[start : start + n])
-                lora_rows.append((seq.params.lora_adapter, first, len(ids)))
+                if self.lora is not None:
+                    lora_rows.append((seq.params.lora_adapter, first, len(ids)))
                 pos.extend(range(start, start + n))
                 slots.extend(slot_list(table, start, start + n, bs))
                 if start + n == seq.num_tokens:
