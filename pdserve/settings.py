@@ -118,6 +118,21 @@ class ProcessConfig:
 
 
 @dataclass
+class TracingConfig:
+    """Request traces (OpenTelemetry)."""
+
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        metavar="URL",
+        help="export a trace of every request to this OpenTelemetry collector over OTLP (vLLM's flag): "
+        "the router's, the workers' and the engine's spans in one trace, under the client's traceparent if it "
+        "sends one; grpc (http://HOST:4317) unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "
+        "(http://HOST:4318/v1/traces); the OTEL_* variables set the rest (sampler, headers, service name). "
+        "Needs pip install 'pdserve[tracing]'",
+    )
+
+
+@dataclass
 class SecurityConfig:
     """The deployment's shared secret."""
 
@@ -317,6 +332,7 @@ ROUTER_SECTIONS = (
     AUTOSCALE,
     Section(SecurityConfig),
     Section(InternalNames),
+    Section(TracingConfig),
     Section(ProcessConfig),
 )
 WORKER_SECTIONS = (
@@ -328,6 +344,7 @@ WORKER_SECTIONS = (
     *ENGINE_SECTIONS,
     Section(SecurityConfig),
     Section(InternalNames),
+    Section(TracingConfig),
     Section(ProcessConfig),
 )
 SERVE_SECTIONS = (
@@ -348,6 +365,7 @@ SERVE_SECTIONS = (
     Section(SecurityConfig),
     Section(InternalNames),
     Section(RayConfig),
+    Section(TracingConfig),
     Section(ProcessConfig),
 )
 COMMANDS = {"serve": SERVE_SECTIONS, "router": ROUTER_SECTIONS, "worker": WORKER_SECTIONS}

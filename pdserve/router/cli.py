@@ -88,7 +88,7 @@ class _Core:
 
 
 def run(args) -> int:
-    from pdserve import flags
+    from pdserve import flags, tracing
     from pdserve.engine.loader import ModelLoadError
     from pdserve.server import logs, serving
     from pdserve.settings import ROUTER_SECTIONS
@@ -97,8 +97,9 @@ def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per control call is noise
     flags.log_settings(log, ROUTER_SECTIONS, args)
     try:
+        tracing.configure(args.otlp_traces_endpoint, "pdserve-router", **{"pdserve.role": "router"})
         app, engine = build(args)
-    except (ModelLoadError, ValueError) as e:
+    except (ModelLoadError, ValueError, tracing.TracingUnavailable) as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     log.info("router starting", extra={"fields": {"host": args.host, "port": args.port, "policy": args.router_policy}})

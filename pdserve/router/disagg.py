@@ -30,7 +30,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel
 
-from pdserve import auth
+from pdserve import auth, tracing
 from pdserve.control_api import (
     LORA_FEATURE_PREFIX,
     AbortRequest,
@@ -117,6 +117,7 @@ class _Choice:
         self.first_token_s = self.last_token_s = self.arrival_s if self.resumed else None
         self.workers: set[str] = set()
         self.remote_ids: dict[str, str] = {}  # worker id -> the request id used there
+        self.span = tracing.NO_SPAN  # its "route" span, while it runs (tracing.py)
 
     def emit(self, ev: OutputEvent | FirstTokenEvent) -> None:
         """Add what a worker streamed, and hand it to the front end as the ChoiceOutput the
@@ -184,9 +185,10 @@ class _Choice:
 
 
 class RouterGroup:
-    def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int):
+    def __init__(self, engine: DisaggEngine, request_id: str, inputs, priority: int, trace=None):
         self.engine = engine
         self.request_id = request_id
+        self.trace = trace if trace is not None else tracing.NO_SPAN  # the API request's span
         self.subs = [_Choice(self, i, choice_request_id(request_id, i), inp) for i, inp in enumerate(inputs)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -583,7 +585,7 @@ class DisaggEngine:
             return_exceptions=True,
         )
 
-    def submit(self, inputs, priority: int = 0, request_id: str | None = None) -> RouterGroup:
+    def submit(self, inputs, priority: int = 0, request_id: str | None = None, trace=None) -> RouterGroup:
         if self.draining:
             raise APIError(503, "the router is shutting down", code="shutting_down", headers={"Retry-After": "5"})
         if not self.registry.alive() and not self.awaiting_workers:
@@ -593,7 +595,7 @@ class DisaggEngine:
             raise APIError(429, "too many requests in flight; retry shortly", headers={"Retry-After": "1"})
         if self.admitter is not None:
             self._admit(inputs)
-        group = RouterGroup(self, request_id or f"req-{time.monotonic_ns()}", inputs, priority)
+        group = RouterGroup(self, request_id or f"req-{time.monotonic_ns()}", inputs, priority, trace)
         self._groups.add(group)
         for t in group.tasks:
             t.add_done_callback(lambda _t, g=group: self._groups.discard(g) if all(x.done() for x in g.tasks) else None)
@@ -619,18 +621,46 @@ class DisaggEngine:
 
     # ---- one choice
     async def run_choice(self, c: _Choice) -> None:
+        c.span = tracing.start(
+            "route",
+            c.group.trace,
+            attributes={
+                "gen_ai.request.id": c.rid,
+                "pdserve.choice": c.index,
+                "gen_ai.usage.prompt_tokens": len(c.prompt),
+            },
+            start_s=c.arrival_s,
+        )
         try:
             await self._run(c)
         except asyncio.CancelledError:
+            c.span.set({"pdserve.cancelled": True})
             await self._abort_everywhere(c)
             raise
         except APIError as e:
+            c.span.fail(f"{e.status}: {e}")
             c.group.fail(e)
         except Exception as e:  # a bug here must not hang the client
             log.exception("request %s failed in the router", c.rid)
+            c.span.fail(f"{type(e).__name__}: {e}")
             c.group.fail(APIError(500, f"the router failed this request: {type(e).__name__}"))
         finally:
             self.placer.release_decode(c.rid)
+            if c.span.recording:
+                c.span.set(
+                    {
+                        "gen_ai.usage.completion_tokens": len(c.token_ids),
+                        "gen_ai.latency.time_to_first_token": c.first_token_s - c.arrival_s
+                        if c.first_token_s is not None and not c.resumed
+                        else None,
+                    }
+                )
+                c.span.end()
+
+    def _call(self, c: _Choice, name: str, w, **attributes):
+        """The span of a call to worker `w` for choice c (a `with`: tracing.span)."""
+        attrs = {"pdserve.worker.id": w.worker_id, "server.address": w.url, **attributes}
+        return tracing.span(name, c.span, kind="client", attributes=attrs)
 
     async def _run(self, c: _Choice) -> None:
         await self._workers_registered()
@@ -659,9 +689,10 @@ class DisaggEngine:
                 await self._run_whole(c)
                 return
             try:
-                dest = (
-                    await self._watch(d, self._post(d, "/internal/reserve", reserve, ReserveResponse))
-                ).kv_destination
+                with self._call(c, "reserve", d, **{"pdserve.attempt": attempt}) as sp:
+                    dest = (
+                        await self._watch(d, self._post(d, "/internal/reserve", reserve, ReserveResponse, sp))
+                    ).kv_destination
                 break
             except WorkerGone as e:
                 # a worker that died (or stopped) since its last heartbeat: place again without it;
@@ -684,6 +715,18 @@ class DisaggEngine:
         c.group.acknowledge()
         max_tokens = c.params.max_output_tokens(len(c.prompt), self.engine.max_model_len)
         self.placer.book_decode(d.worker_id, c.rid, len(c.prompt), max_tokens)
+        if c.span.recording:
+            c.span.set(
+                {
+                    "pdserve.route": "disaggregated",
+                    "pdserve.prefill.worker": p.worker_id,
+                    "pdserve.decode.worker": d.worker_id,
+                    "pdserve.kv.mode": "pull" if dest.pull else "push",
+                    # what the prefix index said each one holds of the prompt
+                    "pdserve.prefill.cached_tokens": self.placer.cached_tokens(p, c.prompt, c.hash_root),
+                    "pdserve.decode.cached_tokens": self.placer.cached_tokens(d, c.prompt, c.hash_root),
+                }
+            )
         c.workers = {p.worker_id, d.worker_id}
         c.remote_ids = {p.worker_id: c.rid, d.worker_id: c.rid}
         prefill = PrefillRequest(request_id=c.rid, prompt_token_ids=c.prompt, params=params, kv_destination=dest)
@@ -698,28 +741,32 @@ class DisaggEngine:
         A save report that fails, or a stream that breaks before it, means the KV
         will not all reach D: D is told at once, so it recomputes now instead of
         waiting out --kv-timeout-s."""
-        try:
-            resp = await self._watch(p, self._stream(p, "/internal/prefill", body))
-            lines = resp.aiter_lines()
+        with self._call(c, "prefill", p) as sp:
             try:
-                ev = parse_event(await self._watch(p, anext(lines)))
-            except BaseException:
-                await resp.aclose()
-                raise
-            if not isinstance(ev, FirstTokenEvent):
-                raise WorkerGone(ev.message if isinstance(ev, ErrorEvent) else "prefill failed")
-        except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError, APIError) as e:
-            if isinstance(e, APIError) and e.status != 503:
-                raise  # the request itself is bad: the decode worker would refuse it too
-            # 503: P is draining or its engine failed; D has the prompt and can compute it
-            log.warning(
-                "request %s: prefill worker %s failed (%s); the decode worker recomputes", c.rid, p.worker_id, e
-            )
-            if isinstance(e, (WorkerGone, httpx.TransportError)) and not isinstance(
-                e, (WorkerSlow, httpx.TimeoutException)
-            ):
-                self.registry.mark_dead(p.worker_id)
-            return None, None  # the decode worker recomputes; its "kv" event is counted below
+                resp = await self._watch(p, self._stream(p, "/internal/prefill", body, sp))
+                lines = resp.aiter_lines()
+                try:
+                    ev = parse_event(await self._watch(p, anext(lines)))
+                except BaseException:
+                    await resp.aclose()
+                    raise
+                if not isinstance(ev, FirstTokenEvent):
+                    raise WorkerGone(ev.message if isinstance(ev, ErrorEvent) else "prefill failed")
+            except (WorkerGone, httpx.HTTPError, StopAsyncIteration, ValueError, APIError) as e:
+                if isinstance(e, APIError) and e.status != 503:
+                    raise  # the request itself is bad: the decode worker would refuse it too
+                # 503: P is draining or its engine failed; D has the prompt and can compute it
+                log.warning(
+                    "request %s: prefill worker %s failed (%s); the decode worker recomputes", c.rid, p.worker_id, e
+                )
+                sp.fail(f"{type(e).__name__}: {e}")
+                c.span.event("prefill_failed", {"pdserve.worker.id": p.worker_id, "pdserve.reason": str(e)[:200]})
+                if isinstance(e, (WorkerGone, httpx.TransportError)) and not isinstance(
+                    e, (WorkerSlow, httpx.TimeoutException)
+                ):
+                    self.registry.mark_dead(p.worker_id)
+                return None, None  # the decode worker recomputes; its "kv" event is counted below
+            sp.set({"pdserve.prefill_s": ev.prefill_s, "pdserve.prompt_tokens_cached": ev.num_cached_tokens})
         first = ev.token_ids[0]
         c.emit(ev.model_copy(update={"finished": False}))
 
@@ -732,11 +779,20 @@ class DisaggEngine:
                         saved = s.ok
                         why = s.error or why
                         self._count_saved(s)
+                        c.span.set(
+                            {
+                                "pdserve.kv.bytes": s.bytes,
+                                "pdserve.kv.seconds": s.seconds,
+                                "pdserve.kv.exposed_s": s.exposed_s,
+                                "pdserve.kv.retries": s.retries,
+                            }
+                        )
             except (httpx.HTTPError, ValueError) as e:
                 why = f"the prefill worker's stream broke: {type(e).__name__}"
             finally:
                 await resp.aclose()
             if not saved:
+                c.span.event("kv_transfer_failed", {"pdserve.reason": why[:200]})
                 await self._tell_kv_failed(d, c.rid, why)
 
         return first, asyncio.create_task(read_saved())
@@ -762,13 +818,15 @@ class DisaggEngine:
     async def _decode(self, c: _Choice, d, first: int | None, kv_expected: bool) -> None:
         body = DecodeRequest(request_id=c.rid, first_token=first, kv_expected=kv_expected, timeout_s=self.kv_timeout_s)
         try:
-            await self._consume(c, d, "/internal/decode", body)
+            with self._call(c, "decode", d, **{"pdserve.kv_expected": kv_expected}) as sp:
+                await self._consume(c, d, "/internal/decode", body, sp)
         except WorkerGone as e:
             self.registry.mark_dead(d.worker_id)
             await self._replace(c, reason=str(e))
         except APIError as e:
             if e.code != "reservation_expired":
                 raise
+            c.span.event("reservation_expired", {"pdserve.worker.id": d.worker_id})
             # D's lease ran out before the decode began (a prefill slower than
             # --kv-timeout-s): its blocks are gone, so it recomputes from the prompt
             # and the tokens already streamed, as after a failed transfer.
@@ -790,6 +848,7 @@ class DisaggEngine:
             raise self._no_worker(c)
         c.group.acknowledge()
         c.workers = {w.worker_id}
+        c.span.set({"pdserve.route": counter, "pdserve.worker.id": w.worker_id})
         if worker is not None:  # counted in the decode worker's load, as a placed decode is
             max_tokens = c.params.max_output_tokens(len(c.prompt), self.engine.max_model_len)
             self.placer.book_decode(w.worker_id, c.rid, len(c.prompt), max_tokens)
@@ -804,6 +863,7 @@ class DisaggEngine:
     async def _replace(self, c: _Choice, reason: str) -> None:
         """The decode worker is gone: replay prompt + tokens so far on another worker."""
         self.counters["replaced"] += 1
+        c.span.event("worker_lost", {"pdserve.reason": reason[:200]})
         failed = {wid for wid in c.workers if not (self.registry.get(wid) and self.registry.get(wid).alive)}
         for wid in failed:  # a stopped worker that comes back must not keep the request's blocks
             if wid in c.remote_ids and self.registry.get(wid) is not None:
@@ -831,16 +891,22 @@ class DisaggEngine:
             resume_token_ids=c.token_ids,
             params=params_to_json(c.params),
         )
-        await self._consume(c, w, "/internal/generate", body)
+        attrs = {"pdserve.resume_tokens": len(c.token_ids), "gen_ai.request.id": remote_id}
+        with self._call(c, "generate", w, **attrs) as sp:
+            await self._consume(c, w, "/internal/generate", body, sp)
 
-    async def _consume(self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest) -> None:
-        await self._watch(w, self._read_outputs(c, w, path, body))
+    async def _consume(
+        self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest, trace: tracing.Span
+    ) -> None:
+        await self._watch(w, self._read_outputs(c, w, path, body, trace))
         if not c.finished:
             raise WorkerGone(f"{w.worker_id} ended the stream before the request finished")
 
-    async def _read_outputs(self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest) -> None:
+    async def _read_outputs(
+        self, c: _Choice, w, path: str, body: DecodeRequest | GenerateRequest, trace: tracing.Span
+    ) -> None:
         try:
-            resp = await self._stream(w, path, body)
+            resp = await self._stream(w, path, body, trace)
             try:
                 async for line in resp.aiter_lines():
                     ev = parse_event(line)
@@ -850,6 +916,7 @@ class DisaggEngine:
                         # P died or the KV missed its deadline (even after P's first token
                         # was out): the decode worker recomputed the prompt
                         self.counters["recomputed"] += 1
+                        c.span.event("kv_missing_recomputed", {"pdserve.worker.id": w.worker_id})
                     elif isinstance(ev, ErrorEvent):
                         raise APIError(ev.status, ev.message)
             finally:
@@ -858,9 +925,9 @@ class DisaggEngine:
             raise WorkerGone(f"{w.worker_id}: {type(e).__name__}: {e}") from None
 
     # ---- HTTP to workers
-    async def _stream(self, w, path: str, body: BaseModel) -> httpx.Response:
+    async def _stream(self, w, path: str, body: BaseModel, trace: tracing.Span = tracing.NO_SPAN) -> httpx.Response:
         try:
-            req = self._http.build_request("POST", w.url + path, json=body.wire())
+            req = self._http.build_request("POST", w.url + path, json=body.wire(), headers=trace.headers())
             resp = await self._http.send(req, stream=True)
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
@@ -870,10 +937,14 @@ class DisaggEngine:
             raise _api_error(resp.status_code, detail, resp.headers)
         return resp
 
-    async def _post(self, w, path: str, body: BaseModel | None, reply: type[Reply]) -> Reply:
+    async def _post(
+        self, w, path: str, body: BaseModel | None, reply: type[Reply], trace: tracing.Span = tracing.NO_SPAN
+    ) -> Reply:
         """POST `body` (None: an empty object) and read the answer as a `reply` (ValueError if it is not one)."""
         try:
-            resp = await self._http.post(w.url + path, json=body.wire() if body is not None else {})
+            resp = await self._http.post(
+                w.url + path, json=body.wire() if body is not None else {}, headers=trace.headers()
+            )
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
         if resp.status_code != 200:

@@ -22,6 +22,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
 
+from pdserve import tracing
 from pdserve.control_api import TOKEN_IDS_HEADER, ResumeRequest
 from pdserve.engine.sampling_params import thinking_closed
 from pdserve.server import protocol as P
@@ -431,20 +432,60 @@ class _Api:
             # started under the old ids may still be there until its workers notice)
             engine_rid = f"{rid}-f{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
-        await self.engine.compile_constraints([i.params for i in inputs])
-        group = self.engine.submit(inputs, priority=req.priority, request_id=engine_rid) if inputs else None
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        client_id = request.headers.get("x-request-id")
+        span = tracing.start(
+            "llm_request",
+            tracing.extract(request.headers),
+            kind="server",
+            attributes={
+                "gen_ai.request.id": rid,
+                "gen_ai.response.model": model or self.served_names()[0],
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p,
+                "gen_ai.request.n": req.n,
+                "gen_ai.usage.prompt_tokens": num_prompt_tokens,
+                "pdserve.stream": bool(req.stream),
+                "pdserve.priority": req.priority,
+                "pdserve.client_request_id": client_id[:128] if client_id else None,
+                "pdserve.resumed": resume is not None,
+            },
+            start_s=t0,
+        )
         try:
-            if group is not None:
-                await group.accepted()
-        except BaseException:
-            group.abort()
+            await self.engine.compile_constraints([i.params for i in inputs])
+            group = None
+            if inputs:
+                trace = span if span.recording else None
+                group = self.engine.submit(inputs, priority=req.priority, request_id=engine_rid, trace=trace)
+            try:
+                if group is not None:
+                    await group.accepted()
+            except BaseException:
+                group.abort()
+                raise
+        except BaseException as e:  # refused (429, 503, a 400 from the engine) or gone
+            span.set({"http.response.status_code": getattr(e, "status", None), "pdserve.outcome": "refused"})
+            span.fail(str(e) or type(e).__name__)
+            span.end()
             raise
         if echo_only and group is not None:
             group = _NothingGenerated(group)
-        num_prompt_tokens = sum(len(p) for p in prompts)
-        client_id = request.headers.get("x-request-id")
+        if span.recording and group is not None:
+            group = _FirstOutputTimer(group, span, t0)
 
         def done(outcome: str, completion_tokens: int) -> None:
+            span.set(
+                {
+                    "pdserve.outcome": outcome,
+                    "gen_ai.usage.completion_tokens": completion_tokens,
+                    "gen_ai.latency.e2e": time.monotonic() - t0,
+                }
+            )
+            if outcome.startswith("error"):
+                span.fail(outcome)
+            span.end()
             log.info(
                 "request finished",
                 extra={
@@ -596,6 +637,31 @@ class _Api:
             self._check_key(request)
         m = self.engine.metrics
         return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
+
+
+class _FirstOutputTimer:
+    """A request stream that marks its first output in the request's span (its time to first
+    token as the API sees it: queue, prefill, and for a router the way to and from workers)."""
+
+    def __init__(self, group, span: tracing.Span, t0: float):
+        self.group, self.span, self.t0 = group, span, t0
+        self.subs = group.subs
+        self.first = True
+
+    async def accepted(self) -> None:
+        await self.group.accepted()
+
+    async def next_batch(self):
+        batch = await self.group.next_batch()
+        if self.first and batch and any(out.new_token_ids for _, out in batch):
+            self.first = False
+            now = time.monotonic()
+            self.span.set({"gen_ai.latency.time_to_first_token": now - self.t0})
+            self.span.event("first_token", at_s=now)
+        return batch
+
+    def abort(self) -> None:
+        self.group.abort()
 
 
 class _NothingGenerated:

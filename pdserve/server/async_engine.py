@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve import tracing
 from pdserve.engine.sampling_params import InvalidRequest, SamplingParams
 from pdserve.engine.sequence import PENDING, RequestOutput, choice_request_id
 from pdserve.engine.step_trace import StepTraceWriter
@@ -69,21 +70,34 @@ def choice_output(out: RequestOutput) -> ChoiceOutput:
 class _Sub:
     """Loop-side bookkeeping of one engine request."""
 
-    __slots__ = ("group", "index", "rid", "arrival_s", "started", "first_token_s", "last_token_s", "num_tokens")
+    __slots__ = (
+        "group",
+        "index",
+        "rid",
+        "arrival_s",
+        "started",
+        "first_token_s",
+        "last_token_s",
+        "num_tokens",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+    )
 
     def __init__(self, group: RequestGroup, index: int, rid: str, arrival_s: float):
         self.group, self.index, self.rid, self.arrival_s = group, index, rid, arrival_s
         self.started = False
         self.first_token_s = self.last_token_s = None
         self.num_tokens = 0
+        self.num_prompt_tokens = self.num_cached_tokens = None  # from the first output (for its trace)
 
 
 class RequestGroup:
     """The engine requests of one API call; iterate with `next_batch()`."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, num: int, arrival_s: float):
+    def __init__(self, engine: AsyncEngine, request_id: str, num: int, arrival_s: float, trace=None):
         self.request_id = request_id
         self._engine = engine
+        self.trace = trace  # the parent of its engine_request spans (tracing.py), if traced
         self.subs = [_Sub(self, i, choice_request_id(request_id, i), arrival_s) for i in range(num)]
         # A list and one waiter rather than an asyncio.Queue: this is fed once per
         # token, and the queue's bookkeeping showed up in the per-token cost.
@@ -227,8 +241,11 @@ class AsyncEngine:
         return self.engine
 
     # ---- requests (event loop side)
-    def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestGroup:
-        """Hand a group to the engine; raises APIError 503/429 if it cannot take work now."""
+    def submit(
+        self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None, trace=None
+    ) -> RequestGroup:
+        """Hand a group to the engine; raises APIError 503/429 if it cannot take work now.
+        `trace`: the span (or a caller's trace context) its engine_request spans go under."""
         if self.failure is not None:
             raise APIError(503, f"the engine is not available: {self.failure}")
         if self.draining:
@@ -237,7 +254,7 @@ class AsyncEngine:
             raise APIError(503, "the engine is still loading; retry shortly", headers={"Retry-After": "1"})
         self._admit(len(inputs))
         arrival_s = time.monotonic()
-        group = RequestGroup(self, request_id or f"req-{next(self._ids)}", len(inputs), arrival_s)
+        group = RequestGroup(self, request_id or f"req-{next(self._ids)}", len(inputs), arrival_s, trace)
         for sub in group.subs:
             self._subs[sub.rid] = sub
         self._num_waiting += len(inputs)
@@ -288,10 +305,10 @@ class AsyncEngine:
                 headers={"Retry-After": str(wait_s)},
             )
 
-    def attach(self, request_id: str, num: int) -> RequestGroup:
+    def attach(self, request_id: str, num: int, trace=None) -> RequestGroup:
         """A group for engine requests created by a command (`activate_transferred`: a decode
         that resumes from transferred KV): their outputs are delivered like a submitted group's."""
-        group = RequestGroup(self, request_id, num, time.monotonic())
+        group = RequestGroup(self, request_id, num, time.monotonic(), trace)
         for sub in group.subs:
             self._subs[sub.rid] = sub
         self._num_waiting += num
@@ -381,6 +398,8 @@ class AsyncEngine:
             if not sub.started:
                 self._num_waiting -= 1
             self.metrics.on_finish("abort", sub.arrival_s, sub.first_token_s, sub.last_token_s, sub.num_tokens)
+            if group.trace is not None:
+                _trace_request(sub, "abort", {"first_token_time": sub.first_token_s})
 
     # ---- results (event loop side, called by the engine thread via call_soon_threadsafe)
     def _on_ready(self, engine) -> None:
@@ -438,6 +457,7 @@ class AsyncEngine:
             if first:
                 sub.started = True
                 sub.first_token_s = m["first_token_time"]
+                sub.num_prompt_tokens, sub.num_cached_tokens = len(out.prompt_token_ids), out.num_cached_tokens
                 self._num_waiting -= 1
                 self._starts.add(now)
                 self.metrics.on_first_token(
@@ -457,6 +477,8 @@ class AsyncEngine:
                     sub.last_token_s,
                     sub.num_tokens,
                 )
+                if sub.group.trace is not None:
+                    _trace_request(sub, out.outputs[0].finish_reason or "stop", m)
             c = choice_output(out)
             if first:
                 c.num_cached_tokens = out.num_cached_tokens
@@ -584,6 +606,45 @@ class AsyncEngine:
         for rid in added:  # all or nothing
             engine.abort_request(rid)
         return err
+
+
+def _trace_request(sub: _Sub, finish_reason: str, m: dict) -> None:
+    """The engine_request span of a finished (or aborted) engine request: its time in the
+    queue, its prefill and its decode here (tracing.py), under its group's parent."""
+    now = time.monotonic()
+    # from when the group reached this engine: a decode worker's sequence was made when its
+    # blocks were reserved, and its first token came from the prefill worker, before that
+    arrival, last = sub.arrival_s, sub.last_token_s
+    scheduled, first = (
+        t if t is not None and t >= arrival else None
+        for t in (m.get("first_scheduled_time"), m.get("first_token_time"))
+    )
+    attrs = {
+        "gen_ai.request.id": sub.rid,
+        "gen_ai.response.finish_reasons": (finish_reason,),
+        "gen_ai.usage.prompt_tokens": sub.num_prompt_tokens,
+        "gen_ai.usage.completion_tokens": sub.num_tokens,
+        "pdserve.prompt_tokens_cached": sub.num_cached_tokens,
+        "pdserve.num_preemptions": m.get("num_preemptions"),
+    }
+    if scheduled is not None:
+        attrs["gen_ai.latency.time_in_queue"] = max(0.0, scheduled - arrival)
+        if first is not None:
+            attrs["gen_ai.latency.time_in_model_prefill"] = max(0.0, first - scheduled)
+    if first is not None:
+        attrs["gen_ai.latency.time_to_first_token"] = max(0.0, first - arrival)
+        if last is not None:
+            attrs["gen_ai.latency.time_in_model_decode"] = max(0.0, last - first)
+    attrs["gen_ai.latency.e2e"] = max(0.0, (last or now) - arrival)
+    tracing.record(
+        "engine_request",
+        sub.group.trace,
+        arrival,
+        last or now,
+        attrs,
+        events=[("scheduled", scheduled), ("first_token", first)],
+        kind="server" if not isinstance(sub.group.trace, tracing.Span) else "internal",
+    )
 
 
 def _settle(fut: asyncio.Future, result) -> None:

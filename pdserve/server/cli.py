@@ -32,6 +32,14 @@ def run(args) -> int:
 
     logs.configure(args.log_level, args.log_format)
     flags.log_settings(log, SERVE_SECTIONS, args)
+    if args.otlp_traces_endpoint:
+        from pdserve import tracing
+
+        # refused here, not by each child once started
+        why = tracing.check(args.otlp_traces_endpoint)
+        if why:
+            print(f"pdserve serve: {why}", file=sys.stderr)
+            return 2
     if args.host is None and not (args.ray and args.ray_address):
         args.host = "127.0.0.1"
     if getattr(args, "kv_store", "") and not args.kv_store_master:
@@ -77,6 +85,9 @@ def run(args) -> int:
     if args.prefill != 1 or args.decode != 1:
         log.warning("--prefill and --decode size the pools of --mode disaggregated; collocated runs one engine")
     try:
+        from pdserve import tracing
+
+        tracing.configure(args.otlp_traces_endpoint, "pdserve", **{"pdserve.role": "collocated"})
         app, engine = _build(args)
     except ValueError as e:  # ConfigError and friends: refuse before binding the port
         print(f"pdserve serve: {e}", file=sys.stderr)

@@ -145,8 +145,11 @@ class EngineClient(Protocol):
     async def unload_lora_adapter(self, name: str) -> None:
         """New requests may no longer name it; APIError 404 if no adapter has that name."""
 
-    def submit(self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None) -> RequestStream:
-        """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now."""
+    def submit(
+        self, inputs: list[EngineInput], priority: int = 0, request_id: str | None = None, trace=None
+    ) -> RequestStream:
+        """Hand over the requests of one API call; raises APIError (503, 429, 400) if refused now.
+        `trace`: the API request's span (pdserve.tracing), the parent of what the choices record."""
 
     def fail_all(self, err: APIError) -> None:
         """End every request in flight with `err` (a drain past its deadline)."""

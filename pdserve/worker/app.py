@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
-from pdserve import auth, faults
+from pdserve import auth, faults, tracing
 from pdserve.control_api import (
     MAX_RESERVE_WAIT_S,
     AbortRequest,
@@ -108,14 +108,15 @@ class WorkerApi:
     # that does not fit is a 400 naming the field (errors.install_handlers), never a 500.
 
     # ---- prefill role
-    async def prefill(self, b: PrefillRequest) -> StreamingResponse:
+    async def prefill(self, b: PrefillRequest, request: Request) -> StreamingResponse:
         dest = KVDestination(**b.kv_destination.model_dump()) if b.kv_destination else None
         params = dataclasses.replace(_params(b.params), max_tokens=1, min_tokens=0)
         if self._faults:
             await self._faults.before_prefill()
         await self.engine.compile_constraints([params])
+        trace = tracing.extract(request.headers)  # the router's "prefill" span, when it traces
         group = self.engine.submit(
-            [EngineInput(b.prompt_token_ids, params, kv_destination=dest)], request_id=b.request_id
+            [EngineInput(b.prompt_token_ids, params, kv_destination=dest)], request_id=b.request_id, trace=trace
         )
         await group.accepted()
 
@@ -125,22 +126,32 @@ class WorkerApi:
                 computed_s = time.monotonic()  # every layer is computed: what is left of the transfer is exposed
                 yield event_line(FirstTokenEvent(**output_event(batch[-1][1])))
                 if dest is not None:
-                    yield event_line(await self._saved(dest.transfer_id, computed_s))
+                    yield event_line(await self._saved(dest.transfer_id, computed_s, trace))
             except asyncio.CancelledError:
                 group.abort()
                 raise
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
-    async def _saved(self, transfer_id: str, computed_s: float) -> SavedEvent:
+    async def _saved(self, transfer_id: str, computed_s: float, trace=None) -> SavedEvent:
         """The save report. `exposed_s`: from the end of the prefill to the decode side's
         acknowledgement, the part of the transfer TTFT pays for; `exposed_bytes`: what
         travelled in it (one layer's share in layer-wise mode, all of it in eager)."""
         try:
             st = await asyncio.to_thread(self.sender.wait_for_save, transfer_id, self.save_timeout_s)
             bridge = self.engine.engine.bridge if self.engine.engine is not None else None
-            layers = bridge.num_layers if bridge is not None and bridge.layerwise else 1
+            layerwise = bridge is not None and bridge.layerwise
+            layers = bridge.num_layers if layerwise else 1
             exposed_bytes = st.bytes / layers
+            if trace is not None and st.finished_s:
+                attrs = {
+                    "pdserve.kv.bytes": st.bytes,
+                    "pdserve.kv.layers": st.layers,
+                    "pdserve.kv.retries": st.retries,
+                    "pdserve.kv.layerwise": layerwise,
+                    "pdserve.kv.exposed_s": max(0.0, st.finished_s - computed_s),
+                }
+                tracing.record("kv_transfer", trace, st.started_s, st.finished_s, attrs, kind="producer")
             return SavedEvent(
                 ok=True,
                 bytes=st.bytes,
@@ -150,6 +161,8 @@ class WorkerApi:
                 exposed_bytes=exposed_bytes,
             )
         except KVTransferError as e:
+            if trace is not None:
+                tracing.record("kv_transfer", trace, computed_s, time.monotonic(), kind="producer", error=str(e))
             return SavedEvent(ok=False, error=str(e))
 
     # ---- decode role
@@ -190,15 +203,15 @@ class WorkerApi:
 
     async def decode(self, b: DecodeRequest, request: Request) -> StreamingResponse:
         """Wait for the reserved request's KV (or recompute without it), then stream the rest."""
-        d = RemoteDecode(self.engine, self.receiver, b, self.max_lease_s)
+        d = RemoteDecode(self.engine, self.receiver, b, self.max_lease_s, tracing.extract(request.headers))
         await d.start(lambda: wait_disconnect(request.receive))
         return StreamingResponse(d.events(), media_type="application/x-ndjson")
 
     # ---- whole requests here
-    async def generate(self, b: GenerateRequest) -> StreamingResponse:
+    async def generate(self, b: GenerateRequest, request: Request) -> StreamingResponse:
         inp = EngineInput(b.prompt_token_ids, _params(b.params), resume_token_ids=b.resume_token_ids)
         await self.engine.compile_constraints([inp.params])
-        group = self.engine.submit([inp], request_id=b.request_id)
+        group = self.engine.submit([inp], request_id=b.request_id, trace=tracing.extract(request.headers))
         await group.accepted()
         return StreamingResponse(stream_outputs(group), media_type="application/x-ndjson")
 

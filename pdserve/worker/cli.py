@@ -92,7 +92,7 @@ def run(args) -> int:
 
 def build(args, port: int):
     """The worker's app, its API object, and an event that sends a heartbeat at once when set."""
-    from pdserve import auth
+    from pdserve import auth, tracing
     from pdserve.config import EngineConfig, engine_kwargs
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.step_trace import open_step_trace
@@ -107,6 +107,11 @@ def build(args, port: int):
     secret = auth.load_cluster_secret(args.cluster_token_file)
     host = args.advertise_host or args.host
     worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:6]}"
+    tracing.configure(
+        args.otlp_traces_endpoint,
+        f"pdserve-{role}",
+        **{"service.instance.id": worker_id, "pdserve.role": role, "pdserve.worker.id": worker_id},
+    )
     kw = engine_kwargs(args)
     if args.kv_transport == "nixl" and role != "prefill":
         from pdserve.transfer.nixl import nixl_available

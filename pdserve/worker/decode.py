@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from pdserve import tracing
 from pdserve.control_api import DecodeRequest, ErrorEvent, KVReadyEvent, OutputEvent, event_line, logprobs_to_wire
 from pdserve.engine.sequence import choice_request_id
 from pdserve.server.async_engine import AsyncEngine, RequestGroup
@@ -69,8 +71,9 @@ class RemoteDecode:
     """One /internal/decode: `start()` takes it to DECODING (or raises the router's APIError),
     `events()` streams it to DONE."""
 
-    def __init__(self, engine: AsyncEngine, receiver, body: DecodeRequest, max_wait_s: float):
+    def __init__(self, engine: AsyncEngine, receiver, body: DecodeRequest, max_wait_s: float, trace=None):
         self.engine, self.receiver = engine, receiver
+        self.trace = trace  # the router's "decode" span (tracing.extract), when it traces
         self.request_id = body.request_id  # the router's id (one choice)
         self.rid = choice_request_id(body.request_id)  # the engine's
         self.first_token = body.first_token  # sampled by the prefill worker (None if it failed)
@@ -97,11 +100,17 @@ class RemoteDecode:
             # one made the first inter-token gap ~2.5 decode steps)
             self._to(S.KV_READY)
         else:
-            await self._wait_for_kv(disconnected)
+            t0 = time.monotonic()
+            try:
+                await self._wait_for_kv(disconnected)
+            finally:
+                if self.trace is not None:
+                    attrs = {"gen_ai.request.id": self.rid, "pdserve.kv.outcome": self.state.value}
+                    tracing.record("kv_wait", self.trace, t0, time.monotonic(), attrs, kind="consumer")
         if self.kv_expected:
             self.receiver.cancel(self.rid)  # landed or given up: late frames must not touch the blocks
         self.kv_ok = self.state is S.KV_READY
-        self.group = self.engine.attach(self.request_id, 1)
+        self.group = self.engine.attach(self.request_id, 1, self.trace)
         try:
             self.first_out = await self.engine.activate_transferred(self.rid, self.first_token, self.kv_ok)
         except KeyError:

@@ -10,10 +10,10 @@ from pdserve.testing.serve import Serve
 
 
 class Deployment(Serve):
-    def __init__(self, model_dir: str, *args: str, num_gpu_blocks: int = 128):
+    def __init__(self, model_dir: str, *args: str, num_gpu_blocks: int = 128, env: dict | None = None):
         flags = ["--model", model_dir, "--dtype", "float32", "--num-gpu-blocks", str(num_gpu_blocks)]
         flags += ["--block-size", "16", "--no-pin", "--worker-timeout-s", "2", *args]
-        env = {"OMP_NUM_THREADS": "1", "PDSERVE_ENABLE_FAULT_INJECTION": "1"}
+        env = {"OMP_NUM_THREADS": "1", "PDSERVE_ENABLE_FAULT_INJECTION": "1", **(env or {})}
         super().__init__(flags, startup_timeout_s=180, env=env, log_level=None, http_timeout_s=5)
         self.start()
 
