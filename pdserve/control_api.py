@@ -206,6 +206,22 @@ class LoadLoRAResponse(_Message):
     keys: list[Annotated[str, Field(max_length=MAX_REGISTRATION_CHARS)]] = Field(default_factory=list, max_length=64)
 
 
+class LoRASource(_Message):
+    """One adapter a worker serves, and where it read it from."""
+
+    name: str = Field(max_length=128)
+    key: str = Field(max_length=MAX_REGISTRATION_CHARS)
+    path: str = Field(max_length=4096)
+    pinned: bool  # given at start (--lora-modules), not loaded at run time
+
+
+class LoRAListResponse(_Message):
+    """GET /internal/lora/list: the adapters a worker serves (a router copies the ones loaded
+    at run time to a worker that joins later, or comes back from a restart)."""
+
+    adapters: list[LoRASource] = Field(default_factory=list, max_length=64)
+
+
 class UnloadLoRARequest(_Message):
     lora_name: str = Field(min_length=1, max_length=128)
 
@@ -329,6 +345,8 @@ WORKER_FEATURES = ("cache_salt", "bad_words", "reasoning_token_ids")
 # ... and the LoRA adapters it holds, each a feature "lora:<key>" (engine/lora.py): a request
 # that names an adapter goes only to workers with that adapter's very weights
 LORA_FEATURE_PREFIX = "lora:"
+# a worker started with --enable-lora: the router gives it the adapters loaded at run time
+LORA_ENABLED_FEATURE = "lora"
 
 
 def features_needed(params: dict | object) -> frozenset[str]:

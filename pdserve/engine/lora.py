@@ -395,6 +395,11 @@ class LoRAManager:
                 self.pinned.add(adapter.key)
             return self.adapters[adapter.key]
 
+    def sources(self) -> list[tuple[str, str, str, bool]]:
+        """(name, key, path, given at start) of each adapter a name serves."""
+        with self._lock:
+            return [(n, k, self.adapters[k].path, k in self.pinned) for n, k in self.by_name.items()]
+
     def remove(self, name: str, in_use=()) -> bool:
         """Requests may no longer name `name`; its weights go now unless requests still use them
         (then with the next eviction). False if no adapter has that name."""

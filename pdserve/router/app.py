@@ -81,6 +81,7 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
             },
         )
         engine.refresh_stats()
+        engine.sync_lora_adapters(info.worker_id)
         return RegisterResponse(registered=info.worker_id)
 
     async def heartbeat(b: HeartbeatRequest) -> HeartbeatResponse | JSONResponse:
@@ -273,6 +274,11 @@ class _RouterCollector:
                 "kv_exposed_seconds",
             ),
             ("kv_transfer_exposed_bytes", "Bytes that travelled in the exposed seconds.", "kv_exposed_bytes"),
+            (
+                "lora_adapters_synced",
+                "LoRA adapters loaded at run time that the router loaded on a worker that joined or restarted.",
+                "lora_synced",
+            ),
         ):
             m = CounterMetricFamily(f"pdserve:{name}", doc)
             m.add_metric([], c.get(key, 0))

@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from pdserve import auth, tracing
 from pdserve.control_api import (
+    LORA_ENABLED_FEATURE,
     LORA_FEATURE_PREFIX,
     AbortRequest,
     DecodeRequest,
@@ -44,6 +45,8 @@ from pdserve.control_api import (
     KVReadyEvent,
     LoadLoRARequest,
     LoadLoRAResponse,
+    LoRAListResponse,
+    LoRASource,
     OutputEvent,
     PrefillRequest,
     PullRequest,
@@ -297,6 +300,7 @@ class DisaggEngine:
             "resumed": 0,
             "kv_exposed_bytes": 0.0,
             "kv_exposed_seconds": 0.0,
+            "lora_synced": 0,
         }
         self._groups: set[RouterGroup] = set()
         self._http: httpx.AsyncClient | None = None
@@ -304,6 +308,8 @@ class DisaggEngine:
         self._watched: dict[str, set[asyncio.Task]] = {}  # worker id -> streams read from it now
         self._lost: set[asyncio.Task] = set()  # of those, the ones cancelled because the worker went silent
         self._aborts: set[asyncio.Task] = set()  # aborts on their way to workers
+        self._syncing: dict[str, asyncio.Task] = {}  # worker id -> its run-time adapters being loaded there
+        self._lora_updates = 0  # run-time loads and unloads so far (a sync that raced one checks again)
         self.started_s = time.monotonic()
         self.startup_grace_s = max(5.0, 2 * registry.timeout_s)
         self.pools = PoolManager(registry, self._drain_worker, log=log)
@@ -464,7 +470,7 @@ class DisaggEngine:
 
     async def shutdown(self, reason: str = "the router is shutting down") -> None:
         self.draining = True
-        for task in (self._expiry, self._pool_task):
+        for task in (self._expiry, self._pool_task, *self._syncing.values()):
             if task is not None:
                 task.cancel()
         self.fail_all(APIError(503, reason))
@@ -528,7 +534,12 @@ class DisaggEngine:
         """The adapters the live workers hold. Workers that hold different weights under one
         name (an upgrade under way) give the name the key most of them hold; a request is placed
         only on workers with that key."""
-        counts = Counter(key for w in self.registry.alive() for key in adapters_of(w.features))
+        return self._adapters_held()
+
+    def _adapters_held(self, exclude: str | None = None) -> dict[str, str]:
+        """lora_adapters, of the live workers but `exclude`."""
+        workers = [w for w in self.registry.alive() if w.worker_id != exclude]
+        counts = Counter(key for w in workers for key in adapters_of(w.features))
         out: dict[str, str] = {}
         for key, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
             out.setdefault(key.rsplit("@", 1)[0], key)
@@ -538,6 +549,7 @@ class DisaggEngine:
         """Load an adapter on every live worker, or on none: where one refuses (a bad adapter, a
         worker without --enable-lora), those that loaded it unload it again. `path` is read on
         each worker's host."""
+        self._lora_updates += 1
         have = self.lora_adapters().get(name)
         if have is not None and not replace:
             raise APIError(
@@ -573,6 +585,7 @@ class DisaggEngine:
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload an adapter from every worker that holds one of that name."""
+        self._lora_updates += 1
         prefix = LORA_FEATURE_PREFIX + name + "@"
         holders = [w for w in self.registry.all() if any(f.startswith(prefix) for f in w.features)]
         if not holders:
@@ -584,6 +597,70 @@ class DisaggEngine:
             *(self._post(w, "/internal/lora/unload", body, UnloadLoRAResponse) for w in holders if w.alive),
             return_exceptions=True,
         )
+
+    def sync_lora_adapters(self, worker_id: str) -> None:
+        """A worker joined the pools, or came back from a restart: in the background, load on it
+        the adapters loaded at run time that the other workers serve and it lacks (those given
+        at start come with each worker's own flags). Until it holds one, the requests for that
+        adapter go to the others: its features say what it holds."""
+        w = self.registry.get(worker_id)
+        if w is None or LORA_ENABLED_FEATURE not in w.features or worker_id in self._syncing:
+            return
+        task = asyncio.get_running_loop().create_task(self._sync_loras(w))
+        self._syncing[worker_id] = task
+        task.add_done_callback(lambda _t: self._syncing.pop(worker_id, None))
+
+    async def _sync_loras(self, w) -> None:
+        updates = self._lora_updates
+        held = set(adapters_of(w.features))
+        missing = {name: key for name, key in self.lora_adapters().items() if key not in held}
+        sources = await self._lora_sources(set(missing.values()), exclude=w.worker_id) if missing else {}
+        for name, key in sorted(missing.items()):
+            src = sources.get(key)
+            if src is None or src.pinned:
+                continue  # no holder says where it came from, or each worker's flags decide
+            body = LoadLoRARequest(
+                lora_name=name, lora_path=src.path, load_inplace=any(k.rsplit("@", 1)[0] == name for k in held)
+            )
+            try:
+                r = await self._post(w, "/internal/lora/load", body, LoadLoRAResponse)
+            except (WorkerGone, APIError, httpx.HTTPError, ValueError) as e:
+                log.warning(
+                    "worker %s could not load the LoRA adapter %r from %s (%s): its requests go to the other workers",
+                    w.worker_id,
+                    name,
+                    src.path,
+                    e,
+                )
+                continue
+            if self._lora_updates != updates and self._adapters_held(exclude=w.worker_id).get(name) is None:
+                # unloaded everywhere while this load ran: it must not come back through this worker
+                await asyncio.gather(
+                    self._post(w, "/internal/lora/unload", UnloadLoRARequest(lora_name=name), UnloadLoRAResponse),
+                    return_exceptions=True,
+                )
+                continue
+            gone = [f for f in w.features if f.startswith(LORA_FEATURE_PREFIX)]
+            self.registry.update_features(w.worker_id, add=adapter_features(r.keys or [r.key]), remove=gone)
+            held = set(r.keys or [r.key])
+            self.counters["lora_synced"] += 1
+            same = "" if r.key == key else f"; its files changed since the others read them ({r.key} here, not {key})"
+            log.info("worker %s: loaded the LoRA adapter %r the other workers serve%s", w.worker_id, name, same)
+
+    async def _lora_sources(self, keys: set[str], exclude: str) -> dict[str, LoRASource]:
+        """Where live workers that hold these adapters (by key) read them from."""
+        out: dict[str, LoRASource] = {}
+        for h in self.registry.alive():
+            if h.worker_id == exclude or not keys.difference(out).intersection(adapters_of(h.features)):
+                continue
+            try:
+                listed = await self._get(h, "/internal/lora/list", LoRAListResponse)
+            except (WorkerGone, APIError, httpx.HTTPError, ValueError):
+                continue
+            for src in listed.adapters:
+                if src.key in keys:
+                    out.setdefault(src.key, src)
+        return out
 
     def submit(self, inputs, priority: int = 0, request_id: str | None = None, trace=None) -> RouterGroup:
         if self.draining:
@@ -945,6 +1022,15 @@ class DisaggEngine:
             resp = await self._http.post(
                 w.url + path, json=body.wire() if body is not None else {}, headers=trace.headers()
             )
+        except httpx.TransportError as e:
+            raise _unreachable(w, e) from None
+        if resp.status_code != 200:
+            raise _api_error(resp.status_code, resp.text, resp.headers)
+        return reply.model_validate(resp.json())
+
+    async def _get(self, w, path: str, reply: type[Reply]) -> Reply:
+        try:
+            resp = await self._http.get(w.url + path)
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
         if resp.status_code != 200:

@@ -206,6 +206,11 @@ class AsyncEngine:
     def lora_adapters(self) -> dict[str, str]:
         return self.engine.list_loras() if self.engine is not None else {}
 
+    def lora_sources(self) -> list[tuple[str, str, str, bool]]:
+        """(name, key, path, given at start) of the adapters served (LoRAManager.sources)."""
+        lora = self.engine.lora if self.engine is not None else None
+        return lora.sources() if lora is not None else []
+
     async def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> str:
         from pdserve.engine.lora import LoRAError
 

@@ -50,6 +50,8 @@ from pdserve.control_api import (
     KVFailedResponse,
     LoadLoRARequest,
     LoadLoRAResponse,
+    LoRAListResponse,
+    LoRASource,
     PrefillRequest,
     PullRequest,
     PullResponse,
@@ -226,6 +228,11 @@ class WorkerApi:
         key = await self.engine.load_lora_adapter(b.lora_name, b.lora_path, b.load_inplace)
         return LoadLoRAResponse(key=key, keys=sorted(set(self.engine.lora_adapters().values())))
 
+    async def list_lora(self) -> LoRAListResponse:
+        return LoRAListResponse(
+            adapters=[LoRASource(name=n, key=k, path=p, pinned=pin) for n, k, p, pin in self.engine.lora_sources()]
+        )
+
     async def unload_lora(self, b: UnloadLoRARequest) -> UnloadLoRAResponse:
         await self.engine.unload_lora_adapter(b.lora_name)
         return UnloadLoRAResponse(unloaded=b.lora_name)
@@ -323,6 +330,7 @@ def build_worker_app(api: WorkerApi, secret: bytes, on_startup=None, on_shutdown
         ("/internal/abort", api.abort, "POST"),
         ("/internal/lora/load", api.load_lora, "POST"),
         ("/internal/lora/unload", api.unload_lora, "POST"),
+        ("/internal/lora/list", api.list_lora, "GET"),
         ("/internal/state", api.state, "GET"),
         ("/internal/drain", api.drain, "POST"),
         ("/internal/fault", api.fault, "POST"),

@@ -232,6 +232,7 @@ async def _register_loop(
 
     from pdserve import auth
     from pdserve.control_api import (
+        LORA_ENABLED_FEATURE,
         WORKER_FEATURES,
         HeartbeatRequest,
         HeartbeatResponse,
@@ -270,7 +271,15 @@ async def _register_loop(
                             kv_export_address=advertised(exporter.address, host) if exporter else "",
                             host=socket.gethostname(),
                             restarts=restarts,
-                            features=[*WORKER_FEATURES, *adapter_features(api.engine.lora_adapters().values())],
+                            features=[
+                                *WORKER_FEATURES,
+                                *(
+                                    [LORA_ENABLED_FEATURE]
+                                    if getattr(api.engine.engine, "lora", None) is not None
+                                    else []
+                                ),
+                                *adapter_features(api.engine.lora_adapters().values()),
+                            ],
                         ).wire(),
                     )
                     registered = True

@@ -2,6 +2,9 @@
 and through a router with prefill and decode workers, and gets what the offline engine gives
 with that adapter; /v1/models lists the adapters under their base model."""
 
+import os
+import time
+
 import httpx
 import pytest
 
@@ -153,6 +156,56 @@ def test_runtime_lora_updating_through_the_router(server_model_dir, adapters, ex
     )
     try:
         _runtime_updates(dep.url, adapters, expected, tmp_path)
+        assert not any(f.startswith("lora:") for w in dep.workers().values() for f in w["features"])
+    finally:
+        assert dep.stop() == 0
+
+
+@pytest.mark.integration
+def test_runtime_adapters_reach_a_restarted_worker(server_model_dir, adapters, expected):
+    """A worker that restarts (or joins a pool later) starts with its start-up adapters only:
+    the router loads on it the ones loaded at run time, so that their requests do not all fall
+    on the workers that never restarted (nor, with one decode worker, on none)."""
+    from tests.server.deployment import metric
+
+    dep = Deployment(
+        server_model_dir,
+        "--served-model-name",
+        "tiny",
+        "--enable-lora",
+        "--max-cpu-loras",
+        "2",
+        "--allow-runtime-lora-updating",
+        num_gpu_blocks=512,
+    )
+    try:
+        assert _load(dep.url, "sql", adapters["sql"]).status_code == 200
+        ws = dep.workers()
+        (decode_id,) = [w for w in ws if w.startswith("decode")]
+        (feature,) = [f for f in ws[decode_id]["features"] if f.startswith("lora:")]
+        assert "lora" in ws[decode_id]["features"]  # it serves adapters (--enable-lora)
+        old = dep.child(decode_id)
+        old.kill()
+        old.wait(10)
+        deadline = time.monotonic() + 90
+        while True:  # back, registered again, and given the adapter
+            status = dep.http.get(dep.url + "/internal/workers").json()
+            if status["counters"]["lora_synced"]:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        w = dep.workers()[decode_id]
+        assert w["alive"] and feature in w["features"], w
+        assert dep.child(decode_id).pid != old.pid
+        listed = dep.http.get(w["url"] + "/internal/lora/list").json()["adapters"]
+        assert [(a["name"], "lora:" + a["key"], a["pinned"]) for a in listed] == [("sql", feature, False)]
+        assert os.path.realpath(listed[0]["path"]) == os.path.realpath(adapters["sql"])
+        assert _complete(dep.url, "sql").json()["choices"][0]["text"] == expected["sql"][0]
+        text = httpx.get(dep.url + "/metrics", timeout=5).text
+        assert metric(text, "pdserve:lora_adapters_synced_total") == 1, text
+        # unloaded: gone from the restarted worker too, and nothing brings it back
+        assert _unload(dep.url, "sql").status_code == 200
+        assert _complete(dep.url, "sql").status_code == 404
         assert not any(f.startswith("lora:") for w in dep.workers().values() for f in w["features"])
     finally:
         assert dep.stop() == 0
