@@ -70,6 +70,10 @@ _DROPPED = {
     auth.AUTH_HEADER.encode(),  # made out to the front: an internal request is signed again for the router
 }
 _DONE = b"data: [DONE]"
+# how a Responses API stream ends (it has no data: [DONE], as OpenAI's has none)
+_RESPONSES_END = {
+    b"event: " + kind for kind in (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+}
 RETRY_WINDOW_S = 60.0  # how long a request or a cut stream waits for the router to come back
 
 
@@ -85,11 +89,13 @@ class _Stream:
     """One streamed response as the client has received it: the events forwarded so far and,
     per choice, the token ids they carried (read from the router's comments, then removed)."""
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, responses: bool = False):
         self.request_id = request_id
+        self.responses = responses  # a Responses API stream: named events, no [DONE]
         self.created = 0
         self.choices: dict[int, ResumedChoice] = {}
-        self.done = False  # the client has had data: [DONE]
+        self.done = False  # the client has had the stream's end (data: [DONE], or a final named event)
+        self.events = 0  # forwarded so far (the sequence number of a Responses stream's next event)
         self._buf = b""
 
     def feed(self, data: bytes) -> bytes:
@@ -110,9 +116,10 @@ class _Stream:
                     self.created = int(line[len(STREAM_COMMENT) :])
                 elif line:
                     lines.append(line)
-                    self.done = self.done or line == _DONE
+                    self.done = self.done or line == _DONE or (self.responses and line in _RESPONSES_END)
             if lines:
                 out.append(b"\n".join(lines) + b"\n\n")
+                self.events += 1
         return b"".join(out)
 
     def resume_body(self, body: bytes) -> bytes:
@@ -287,7 +294,7 @@ class Front:
                     await send({"type": "http.response.body", "body": content})
                     return
                 if stream is None:
-                    stream = _Stream(resp.headers.get("x-request-id", ""))
+                    stream = _Stream(resp.headers.get("x-request-id", ""), responses=path == "/v1/responses")
                     await _start(send, 200, resp.headers, None)
                 elif resp.status_code != 200:  # the restarted router refused the resume
                     content = await resp.aread()
@@ -336,6 +343,11 @@ class Front:
         )
         if stream is None:
             return await _answer(send, err)
+        if stream.responses:  # OpenAI's typed error event, numbered after what the client has
+            e = err.body()["error"]
+            fields = {"code": e.get("code") or e.get("type"), "message": e["message"], "param": None}
+            event = json.dumps({"type": "error", "sequence_number": stream.events, **fields})
+            return await send({"type": "http.response.body", "body": f"event: error\ndata: {event}\n\n".encode()})
         await send({"type": "http.response.body", "body": err.sse().encode() + _DONE + b"\n\n"})
 
 

@@ -342,6 +342,8 @@ class ResponsesFormatter:
         return output
 
     # ---- the stream (server/streaming.py: preamble, chunk_json per output, nothing at the end)
+    stream_end = ""  # no data: [DONE]: OpenAI's Responses streams end with response.completed (or failed)
+
     def error_event(self, err) -> str:
         """A failure after the stream began, as OpenAI's Responses streams report one."""
         body = err.body()["error"]

@@ -70,6 +70,7 @@ async def sse_events(
     says how many prompt tokens were found cached (format.cached_prompt_tokens).
     """
     per_choice: dict[int, int] = dict(choice_tokens_before or {})
+    end = getattr(fmt, "stream_end", DONE)  # the Responses API's streams end with their last event
     cached: dict[int, int | None] = {}
     finish = "error"
     try:
@@ -104,13 +105,15 @@ async def sse_events(
             details = None if n is None else cached_prompt_tokens(cached, n)
             yield sse(fmt.usage_chunk(usage(num_prompt_tokens, completion_tokens, details)))
         finish = "ok"
-        yield DONE
+        if end:
+            yield end
     except APIError as e:
         # headers are gone already: the error travels as an event, then the stream ends cleanly
         finish = f"error {e.status}"
         named = getattr(fmt, "error_event", None)  # the Responses API's typed error event
         yield _event_lines(named(e)) if named is not None else e.sse()
-        yield DONE
+        if end:
+            yield end
     except (asyncio.CancelledError, GeneratorExit):
         finish = "client gone"
         raise

@@ -28,3 +28,39 @@ def test_a_stream_cut_inside_an_event_counts_none_of_its_tokens():
     ev = (tokens_comment(0, [1, 2, 3], False) + 'data: {"t":"abc"}\n\n').encode()
     assert s.feed(ev[:-1]) == b""
     assert s.choices == {}  # the client did not get these: a resume must produce them again
+
+
+def test_a_responses_stream_ends_with_its_last_named_event():
+    """The Responses API has no data: [DONE]: its stream is done once response.completed (or
+    incomplete, failed, error) reached the client; the events count its sequence numbers."""
+    s = _Stream("resp-1", responses=True)
+    created = b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
+    delta = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}\n\n'
+    assert s.feed(created + delta) == created + delta
+    assert not s.done and s.events == 2
+    done = b'event: response.completed\ndata: {"type":"response.completed"}\n\n'
+    assert s.feed(done) == done and s.done and s.events == 3
+    chat = _Stream("cmpl-2")  # a chat stream's named-looking line is not an end
+    assert not chat.feed(done) or not chat.done
+
+
+def test_a_cut_responses_stream_ends_with_a_typed_error_event():
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdserve.server.front import Front
+
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    s = _Stream("resp-2", responses=True)
+    s.feed(b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n')
+    front = SimpleNamespace(counters={"failed": 0})
+    asyncio.run(Front._give_up(front, send, s, ConnectionError("router gone")))
+    (body,) = [m["body"].decode() for m in sent]
+    event, data = body.strip().split("\n")
+    e = json.loads(data[len("data: ") :])
+    assert event == "event: error" and "[DONE]" not in body and front.counters["failed"] == 1
+    assert (e["type"], e["sequence_number"]) == ("error", 1) and "did not come back" in e["message"]

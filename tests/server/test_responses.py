@@ -227,8 +227,9 @@ def test_the_stream_names_each_event_as_openai_does(tiny_server):
         "POST", tiny_server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
     ) as r:
         text = "".join(r.iter_text())
-    blocks = [b for b in text.split("\n\n") if b.strip() and b.strip() != "data: [DONE]"]
-    assert len(blocks) >= 4
+    assert "[DONE]" not in text  # OpenAI's Responses streams end with their last event
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    assert len(blocks) >= 4 and blocks[-1].startswith("event: response.incomplete\n")  # max_output_tokens
     for b in blocks:
         event, data = b.split("\n")
         assert event.startswith("event: ") and data.startswith("data: ")
@@ -263,3 +264,29 @@ def test_a_failure_mid_stream_is_a_named_error_event():
     assert data["type"] == "error" and "not available" in data["message"] and data["sequence_number"] == 2
     e = fmt.error_event(APIError(400, "x"))
     assert copy.copy(e).kind == "error" and copy.deepcopy(e) == e
+
+
+@pytest.mark.integration
+def test_through_the_front_and_router_the_stream_ends_with_its_last_event(tiny_model_dir):
+    """Under `pdserve serve` the front relays the stream: it must see the Responses stream's
+    end in its final event (there is no data: [DONE]) and add nothing after it."""
+    import httpx
+
+    from tests.server.deployment import Deployment, metric
+
+    dep = Deployment(tiny_model_dir, "--served-model-name", "tiny")
+    try:
+        body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0, "stream": True}
+        with httpx.stream("POST", dep.url + "/v1/responses", json=body, timeout=60) as r:
+            text = "".join(r.iter_text())
+        blocks = [b for b in text.split("\n\n") if b.strip()]
+        kinds = [b.split("\n")[0][len("event: ") :] for b in blocks]
+        assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+        assert "error" not in kinds and "[DONE]" not in text
+        seqs = [json.loads(b.split("\n")[1][len("data: ") :])["sequence_number"] for b in blocks]
+        assert seqs == list(range(len(blocks)))
+        metrics = httpx.get(dep.url + "/metrics", timeout=5).text
+        assert "pdserve:front_requests_failed_total" in metrics
+        assert metric(metrics, "pdserve:front_requests_failed_total") == 0
+    finally:
+        assert dep.stop() == 0
