@@ -351,6 +351,9 @@ class _Api:
         # token (its step computes the prompt), which the reply leaves out
         echo_only = req.echo and req.max_tokens == 0
         params = req.sampling_params(1 if echo_only else req.max_tokens, req.logprobs, self._sampling_defaults())
+        # under --reasoning-parser a grammar waits for the end of the thinking here too (vLLM's
+        # reasoner runs on every request); the engine looks for it in each prompt and output
+        self._think_first(params, prompts[0])
         echo = None
         if req.echo:
             echo = [

@@ -159,3 +159,15 @@ def test_a_structured_output_holds_once_the_thinking_is_closed(tmp_path):
         r = client.chat.completions.create(**kw, extra_body={"chat_template": off})
         m = r.choices[0].message.model_dump()
         assert not m.get("reasoning") and isinstance(json.loads(m["content"])["a"], int)
+        # /v1/completions too (vLLM's reasoner runs on every request): free text until </think>,
+        # the schema after it; a prompt that closed the thinking is held from its first token
+        comp = dict(model="tiny", max_tokens=200, temperature=0, extra_body={"response_format": fmt})
+        r = client.completions.create(prompt="hi", **dict(comp, max_tokens=12))
+        assert r.choices[0].finish_reason == "length" and "</think>" not in r.choices[0].text
+        with pytest.raises(ValueError):  # thinking, not yet JSON
+            json.loads(r.choices[0].text)
+        r = client.completions.create(prompt="hi", logit_bias={str(end_id): 100}, **comp)
+        thought, _, answer = r.choices[0].text.partition("</think>")
+        assert isinstance(json.loads(answer)["a"], int), r.choices[0].text
+        r = client.completions.create(prompt="hi <think>\n\n</think>\n\n", **comp)
+        assert isinstance(json.loads(r.choices[0].text)["a"], int)
