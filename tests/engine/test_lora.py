@@ -272,3 +272,28 @@ def test_adapters_with_values_no_training_gives_are_refused(model, adapters, tmp
     with pytest.raises(LoRAError, match=match):
         llm.engine.add_lora(LoRARequest("bad", 1, str(d)))
     assert llm.engine.list_loras() == {}
+
+
+def test_generate_command_picks_an_adapter_of_its_lora_modules(model, adapters):
+    """`pdserve generate --lora-name NAME`: the prompts run with that adapter (the same text the
+    offline API gives with it); a name not among --lora-modules is refused with exit 2."""
+    import subprocess
+    import sys
+
+    def generate(*extra):
+        cmd = [sys.executable, "-m", "pdserve.cli", "generate", "--model", model, "--dtype", "float32"]
+        cmd += ["--enable-lora", "--lora-modules", f"all={adapters['all']}", f"attn={adapters['attn']}"]
+        cmd += ["--prompt", "hello world", "--max-tokens", "8", "--json", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    llm = _llm(model)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm.generate(["hello world"], params, lora_request=LoRARequest("attn", 2, adapters["attn"]))
+    base = llm.generate(["hello world"], params)
+    llm.close()
+    assert want[0].outputs[0].text != base[0].outputs[0].text
+    r = generate("--lora-name", "attn")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] == want[0].outputs[0].text and "'attn'" in r.stderr
+    r = generate("--lora-name", "nope")
+    assert r.returncode == 2 and "not one of the --lora-modules (given: all, attn)" in r.stderr
