@@ -166,6 +166,8 @@ class Cluster:
         result describes the requests sent (`request_indices`)."""
         wall0 = time.perf_counter()
         self.send_until_s = send_until_s
+        for wid, inst in self.instances.items():  # its draws (draft acceptance) follow the run's seed
+            inst.reseed(f"{seed}:{wid}")
         times = arrivals.schedule(requests, request_rate, burstiness, seed=seed, use_trace_times=use_trace_times)
         self.outputs = [RequestOutput(prompt_len=r.prompt_len, tag=r.tag) for r in requests]
         self.gates = {t: _Gate(n) for t, n in self.cfg.tag_concurrency.items()}

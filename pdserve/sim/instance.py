@@ -129,6 +129,12 @@ class SimInstance:
         self._version = 0
 
     # ---- work arriving
+
+    def reseed(self, seed) -> None:
+        """Start this instance's random draws (which drafts are accepted) from `seed` (an int or a
+        str: random.Random's seeding of both is the same in every process)."""
+        self._rng = random.Random(seed)
+
     def add(self, seq: Sequence, timing: Timing, hashes: list[int] | None = None) -> None:
         self.timing[seq.seq_id] = timing
         if hashes is not None:

@@ -256,6 +256,10 @@ def test_speculative_decoding_makes_more_tokens_a_step_at_the_price_of_its_rows(
     assert runs[1.0]["mean_tpot_ms"] < 0.35 * plain["mean_tpot_ms"]
     assert runs[1.0]["mean_tpot_ms"] < runs[0.7]["mean_tpot_ms"] < 0.6 * plain["mean_tpot_ms"]
     assert runs[0.0]["mean_tpot_ms"] >= plain["mean_tpot_ms"]
+    # the acceptance draws follow the run's seed: the same seed, the same run; another, another
+    again = one_pool("disagg", speculative=spec, spec_acceptance=0.7).run(_decode_heavy())
+    other = one_pool("disagg", speculative=spec, spec_acceptance=0.7).run(_decode_heavy(), seed=1)
+    assert again["mean_tpot_ms"] == runs[0.7]["mean_tpot_ms"] != other["mean_tpot_ms"]
     with pytest.raises(ValueError, match="probability"):
         one_pool("disagg", speculative=spec, spec_acceptance=1.5)
     # placeholder outputs never enter the prefix cache, drafted or not
