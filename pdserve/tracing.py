@@ -36,6 +36,7 @@ engine request, a KV transfer) convert them to the wall clock here.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -47,6 +48,8 @@ log = logging.getLogger("pdserve.tracing")
 PROTOCOLS = ("grpc", "http/protobuf")
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 MAX_EVENTS = 32  # events one span keeps (failures, retries): a request that retries forever does not grow it
+EXPORT_TIMEOUT_S = 3.0  # one export's deadline unless OTEL_EXPORTER_OTLP_TRACES_TIMEOUT says: a dead collector
+EXIT_FLUSH_MS = 2000  # delays an exit by at most about this plus one export's deadline
 
 _tracer = None  # the process's tracer once `configure` turned tracing on
 _provider = None
@@ -116,13 +119,21 @@ def configure(endpoint: str | None, service_name: str, **resource: str | None) -
     if why:
         raise TracingUnavailable(why)
     Resource, TracerProvider, BatchSpanProcessor, OTLPSpanExporter = _sdk()
+    shutdown()  # configured again (tests): the previous exporter stops first
     attrs = {k: v for k, v in resource.items() if v is not None}
-    if not os.environ.get("OTEL_SERVICE_NAME"):
+    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    if not named:
         attrs["service.name"] = service_name
-    # the sampler comes from OTEL_TRACES_SAMPLER (default: follow the caller's traceparent, else all)
-    provider = TracerProvider(resource=Resource.create(attrs))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    if protocol() == "http/protobuf" and not endpoint.rstrip("/").endswith("/v1/traces"):
+        log.warning("--otlp-traces-endpoint %s: OTLP over HTTP is usually received at .../v1/traces", endpoint)
+    timeout_s = None if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT") else EXPORT_TIMEOUT_S
+    # the sampler comes from OTEL_TRACES_SAMPLER (default: follow the caller's traceparent, else all);
+    # the exit flush is ours, bounded: the SDK's own waits out a dead collector's every retry
+    provider = TracerProvider(resource=Resource.create(attrs), shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=timeout_s)))
     _provider, _tracer = provider, provider.get_tracer("pdserve")
+    # a caller's malformed traceparent or tracestate is ignored (a new trace): not a log line each
+    logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
     log.info("tracing on", extra={"fields": {"endpoint": endpoint, "protocol": protocol(), "service": service_name}})
 
 
@@ -130,12 +141,14 @@ def enabled() -> bool:
     return _tracer is not None
 
 
+@atexit.register
 def shutdown() -> None:
-    """Export what is left and stop (at exit; the SDK also does it on its own at interpreter exit)."""
+    """Export what is left, for at most about EXIT_FLUSH_MS, and stop (at exit)."""
     global _tracer, _provider
-    if _provider is not None:
-        _provider.shutdown()
-    _tracer = _provider = None
+    provider, _tracer, _provider = _provider, None, None
+    if provider is not None:
+        provider.force_flush(EXIT_FLUSH_MS)
+        provider.shutdown()
 
 
 def wall_ns(mono_s: float) -> int:
@@ -168,8 +181,15 @@ class Span:
         self._ended = False
 
     @property
-    def recording(self) -> bool:
+    def traced(self) -> bool:
+        """Part of a trace: its context goes on to the calls made under it, even when the
+        sampler left it out (then the callees leave theirs out too)."""
         return self._span is not None
+
+    @property
+    def recording(self) -> bool:
+        """Kept by the sampler: worth the work of its attributes."""
+        return self._span is not None and self._span.is_recording()
 
     def set(self, attributes: Mapping[str, object]) -> None:
         if self._span is not None and not self._ended:
@@ -224,7 +244,7 @@ def start(
     """A span that starts now (or at `start_s`); `parent`: a Span, a context from `extract`,
     or None (a new trace). NO_SPAN when tracing is off or the parent is NO_SPAN (a request
     that is not traced)."""
-    if _tracer is None or (isinstance(parent, Span) and not parent.recording):
+    if _tracer is None or (isinstance(parent, Span) and not parent.traced):
         return NO_SPAN
     from opentelemetry.trace import SpanKind
 

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from pdserve import tracing
-from pdserve.testing.otlp import Collector
+
+pytest.importorskip("opentelemetry.proto", reason="the [tracing] extra")
+from pdserve.testing.otlp import Collector  # noqa: E402
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -144,3 +146,21 @@ def test_service_name_from_the_environment_wins(monkeypatch):
         finally:
             tracing.shutdown()
         assert [s.service for s in c.spans] == ["my-llm"]
+
+
+def test_a_collector_that_never_answers_delays_the_exit_by_seconds_only(monkeypatch):
+    """The exit flush is bounded (tracing.EXIT_FLUSH_MS, one export's EXPORT_TIMEOUT_S): a
+    collector that accepts the connection and never answers does not hold a stopping process."""
+    import socket
+
+    monkeypatch.setenv(tracing.PROTOCOL_ENV, "http/protobuf")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        tracing.configure(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces", "pdserve-test")
+        tracing.start("x").end()
+        t0 = time.monotonic()
+        tracing.shutdown()
+        took = time.monotonic() - t0
+    assert not tracing.enabled()
+    assert took < tracing.EXIT_FLUSH_MS / 1000 + tracing.EXPORT_TIMEOUT_S + 1.5, took

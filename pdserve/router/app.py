@@ -283,6 +283,8 @@ class _RouterCollector:
             m = CounterMetricFamily(f"pdserve:{name}", doc)
             m.add_metric([], c.get(key, 0))
             yield m
+        for h in (self.engine.kv_transfer_time, self.engine.kv_exposed_time):
+            yield h.family(self.engine.metrics.model_name)
         refused = CounterMetricFamily(
             "pdserve:internal_auth_refused", "Internal calls refused for a missing or wrong cluster-token signature."
         )

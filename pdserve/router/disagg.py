@@ -21,6 +21,7 @@ every body and answer is a model of pdserve/control_api.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -71,6 +72,7 @@ from pdserve.router.placement import Placer
 from pdserve.router.pools import PoolManager
 from pdserve.server.engine_client import ChoiceOutput, Completion, EngineInput
 from pdserve.server.errors import APIError
+from pdserve.server.metrics import KV_TRANSFER_BUCKETS_S, Histogram
 from pdserve.settings import KV_TIMEOUT_S  # `--kv-timeout-s`: its one default
 
 log = logging.getLogger("pdserve.router")
@@ -302,6 +304,17 @@ class DisaggEngine:
             "kv_exposed_seconds": 0.0,
             "lora_synced": 0,
         }
+        # per transfer, as the prefill workers report them: what P99 TTFT is made of, not just totals
+        self.kv_transfer_time = Histogram(
+            "pdserve:kv_transfer_duration_seconds",
+            "Per request: from the start of its KV transfer to the decode worker's acknowledgement of the last layer.",
+            KV_TRANSFER_BUCKETS_S,
+        )
+        self.kv_exposed_time = Histogram(
+            "pdserve:kv_transfer_exposed_duration_seconds",
+            "Per request: the part of its KV transfer left after its prefill ended (what its first token waited for).",
+            KV_TRANSFER_BUCKETS_S,
+        )
         self._groups: set[RouterGroup] = set()
         self._http: httpx.AsyncClient | None = None
         self._auth = auth.http_auth(secret) if secret is not None else None
@@ -698,16 +711,9 @@ class DisaggEngine:
 
     # ---- one choice
     async def run_choice(self, c: _Choice) -> None:
-        c.span = tracing.start(
-            "route",
-            c.group.trace,
-            attributes={
-                "gen_ai.request.id": c.rid,
-                "pdserve.choice": c.index,
-                "gen_ai.usage.prompt_tokens": len(c.prompt),
-            },
-            start_s=c.arrival_s,
-        )
+        if c.group.trace.traced:
+            attrs = {"gen_ai.request.id": c.rid, "pdserve.choice": c.index, "gen_ai.usage.prompt_tokens": len(c.prompt)}
+            c.span = tracing.start("route", c.group.trace, attributes=attrs, start_s=c.arrival_s)
         try:
             await self._run(c)
         except asyncio.CancelledError:
@@ -736,6 +742,8 @@ class DisaggEngine:
 
     def _call(self, c: _Choice, name: str, w, **attributes):
         """The span of a call to worker `w` for choice c (a `with`: tracing.span)."""
+        if not c.span.traced:
+            return contextlib.nullcontext(tracing.NO_SPAN)
         attrs = {"pdserve.worker.id": w.worker_id, "server.address": w.url, **attributes}
         return tracing.span(name, c.span, kind="client", attributes=attrs)
 
@@ -799,9 +807,6 @@ class DisaggEngine:
                     "pdserve.prefill.worker": p.worker_id,
                     "pdserve.decode.worker": d.worker_id,
                     "pdserve.kv.mode": "pull" if dest.pull else "push",
-                    # what the prefix index said each one holds of the prompt
-                    "pdserve.prefill.cached_tokens": self.placer.cached_tokens(p, c.prompt, c.hash_root),
-                    "pdserve.decode.cached_tokens": self.placer.cached_tokens(d, c.prompt, c.hash_root),
                 }
             )
         c.workers = {p.worker_id, d.worker_id}
@@ -879,7 +884,10 @@ class DisaggEngine:
         self.counters["kv_seconds"] += s.seconds
         self.counters["kv_retries"] += s.retries
         self.counters["kv_failed"] += not s.ok
+        if s.ok:
+            self.kv_transfer_time.observe(s.seconds)
         if s.ok and s.exposed_s is not None:
+            self.kv_exposed_time.observe(s.exposed_s)
             self.counters["kv_exposed_bytes"] += s.exposed_bytes
             self.counters["kv_exposed_seconds"] += s.exposed_s
             if self.admitter is not None:

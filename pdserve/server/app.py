@@ -437,30 +437,14 @@ class _Api:
         t0 = time.monotonic()
         num_prompt_tokens = sum(len(p) for p in prompts)
         client_id = request.headers.get("x-request-id")
-        span = tracing.start(
-            "llm_request",
-            tracing.extract(request.headers),
-            kind="server",
-            attributes={
-                "gen_ai.request.id": rid,
-                "gen_ai.response.model": model or self.served_names()[0],
-                "gen_ai.request.max_tokens": params.max_tokens,
-                "gen_ai.request.temperature": params.temperature,
-                "gen_ai.request.top_p": params.top_p,
-                "gen_ai.request.n": req.n,
-                "gen_ai.usage.prompt_tokens": num_prompt_tokens,
-                "pdserve.stream": bool(req.stream),
-                "pdserve.priority": req.priority,
-                "pdserve.client_request_id": client_id[:128] if client_id else None,
-                "pdserve.resumed": resume is not None,
-            },
-            start_s=t0,
-        )
+        span = tracing.NO_SPAN
+        if tracing.enabled():
+            span = self._trace_start(request, req, rid, model, params, num_prompt_tokens, client_id, resume, t0)
         try:
             await self.engine.compile_constraints([i.params for i in inputs])
             group = None
             if inputs:
-                trace = span if span.recording else None
+                trace = span if span.traced else None
                 group = self.engine.submit(inputs, priority=req.priority, request_id=engine_rid, trace=trace)
             try:
                 if group is not None:
@@ -529,12 +513,37 @@ class _Api:
         except APIError as e:
             done(f"error {e.status}", 0)
             raise
+        except BaseException:  # cancelled (a forced shutdown), or a bug: logged, its span ended
+            done("cancelled", 0)
+            raise
         completion_tokens = sum(len(f.final.token_ids) for f in finals)
         done("ok", completion_tokens)
         cached = None
         if self.settings.prompt_tokens_details:
             cached = cached_prompt_tokens({i: f.final.num_cached_tokens for i, f in enumerate(finals)}, req.n)
         return JSONResponse(fmt.full(finals, usage(num_prompt_tokens, completion_tokens, cached)), headers=headers)
+
+    def _trace_start(self, request, req, rid, model, params, num_prompt_tokens, client_id, resume, t0):
+        """The API request's span (tracing.py), under the caller's traceparent if it sent one."""
+        return tracing.start(
+            "llm_request",
+            tracing.extract(request.headers),
+            kind="server",
+            attributes={
+                "gen_ai.request.id": rid,
+                "gen_ai.response.model": model or self.served_names()[0],
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.request.temperature": params.temperature,
+                "gen_ai.request.top_p": params.top_p,
+                "gen_ai.request.n": req.n,
+                "gen_ai.usage.prompt_tokens": num_prompt_tokens,
+                "pdserve.stream": bool(req.stream),
+                "pdserve.priority": req.priority,
+                "pdserve.client_request_id": client_id[:128] if client_id else None,
+                "pdserve.resumed": resume is not None,
+            },
+            start_s=t0,
+        )
 
     # ---- everything else
     async def models(self, request: Request):

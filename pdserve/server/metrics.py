@@ -34,6 +34,7 @@ def _geometric(start: float, factor: float, count: int) -> list[float]:
 LATENCY_BUCKETS_S = _geometric(0.001, 2.0, 22)  # 1 ms .. ~35 min
 TOKEN_GAP_BUCKETS_S = _geometric(0.0005, 1.6, 24)  # 0.5 ms .. ~25 s
 TOKEN_COUNT_BUCKETS = _geometric(1, 2.0, 20)  # 1 .. 512k tokens
+KV_TRANSFER_BUCKETS_S = _geometric(0.0001, 2.0, 20)  # 0.1 ms (shared memory) .. ~52 s
 
 
 class Histogram:

@@ -142,12 +142,15 @@ def test_conductor_status_reports_lin_lout_and_ratio():
     from pdserve.auth import Verifier
     from pdserve.router.app import _RouterCollector
     from pdserve.router.pools import PoolManager
+    from pdserve.server.metrics import Histogram
 
     engine = SimpleNamespace(
         metrics=m,
         admitter=None,
         pools=PoolManager(reg, drain=None),
         counters={k: 0 for k in ("kv_bytes", "kv_seconds", "kv_failed", "kv_retries", "recomputed", "replaced")},
+        kv_transfer_time=Histogram("pdserve:kv_transfer_duration_seconds", "", [0.1]),
+        kv_exposed_time=Histogram("pdserve:kv_transfer_exposed_duration_seconds", "", [0.1]),
     )
     collector = _RouterCollector(engine, reg, Verifier(b"0123456789abcdef"))
     gauges = {

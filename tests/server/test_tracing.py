@@ -4,7 +4,8 @@ traceparent, across the router and its workers."""
 
 import pytest
 
-from pdserve.testing.otlp import Collector
+pytest.importorskip("opentelemetry.proto", reason="the [tracing] extra")
+from pdserve.testing.otlp import Collector  # noqa: E402
 from tests.server.conftest import TINY_ENGINE, engine_flags
 from tests.server.deployment import Deployment
 from tests.server.serverproc import ServerProcess
@@ -92,43 +93,57 @@ def test_disaggregated_request_is_one_trace_across_router_and_workers(tiny_model
     """grpc (the default protocol): router, prefill worker and decode worker each export their
     part, and the parts nest: llm_request > route > reserve / prefill / decode, the prefill
     worker's engine_request and kv_transfer under prefill, the decode worker's under decode.
-    A KV transfer cut at layer 1 shows up as a retry in its kv_transfer span."""
+    A KV transfer cut at layer 1 shows up as a retry in its kv_transfer span, a stalled one as
+    the decode worker's kv_wait, a prefill worker that dies as an event and the decode worker's
+    recompute; a caller's unsampled traceparent leaves no span anywhere."""
+    traces = {k: f"4bf92f3577b34da6a3ce929d0e0e47{i:02x}" for i, k in enumerate(("cut", "stall", "died", "unsampled"))}
+
+    def complete(client, prompt: str, max_tokens: int, trace_id: str, flags: str = "01"):
+        out = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            extra_headers={"traceparent": f"00-{trace_id}-{PARENT_ID}-{flags}"},
+            extra_body={"ignore_eos": True},
+        )
+        assert out.usage.completion_tokens == max_tokens
+
+    def fault(spec: dict) -> None:
+        prefill_url = dep.workers()["prefill-0"]["url"]
+        assert dep.http.post(prefill_url + "/internal/fault", json=spec).status_code == 200
+
     with Collector("grpc") as col:
         dep = Deployment(
             tiny_model_dir, "--served-model-name", "tiny", "--otlp-traces-endpoint", col.endpoint, env=FAST_EXPORT
         )
         try:
             with openai.OpenAI(base_url=dep.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
-                out = client.completions.create(
-                    model="tiny",
-                    prompt=SECRET + " " + "one two three " * 12,
-                    max_tokens=5,
-                    extra_headers=TRACEPARENT,
-                    extra_body={"ignore_eos": True},
-                )
-                assert out.usage.completion_tokens == 5
-                prefill_url = dep.workers()["prefill-0"]["url"]
-                assert dep.http.post(prefill_url + "/internal/fault", json={"kv": "cut_at_layer=1"}).status_code == 200
-                retried = "4bf92f3577b34da6a3ce929d0e0e4737"
-                client.completions.create(
-                    model="tiny",
-                    prompt="four five six " * 12,
-                    max_tokens=3,
-                    extra_headers={"traceparent": f"00-{retried}-{PARENT_ID}-01"},
-                    extra_body={"ignore_eos": True},
+                complete(client, "seven eight " * 12, 3, traces["unsampled"], flags="00")
+                complete(client, SECRET + " " + "one two three " * 12, 5, TRACE_ID)
+                fault({"kv": "cut_at_layer=1"})
+                complete(client, "four five six " * 12, 3, traces["cut"])
+                fault({"kv": "stall_at_layer=1:0.5"})
+                complete(client, "nine ten " * 12, 3, traces["stall"])
+                fault({"kv": "exit_at_layer=1"})
+                complete(client, "eleven twelve " * 12, 3, traces["died"])
+
+            def landed(ss) -> bool:
+                want = {"llm_request": 1, "route": 1, "kv_transfer": 1, "engine_request": 2}
+                done = all(len(named(col.trace(t), n)) >= k for t in (TRACE_ID, traces["cut"]) for n, k in want.items())
+                return (
+                    done
+                    and named(col.trace(traces["stall"]), "kv_wait")
+                    and len(named(col.trace(traces["died"]), "engine_request")) >= 1
                 )
 
-            def complete(ss) -> bool:
-                return all(
-                    len(named(col.trace(t), n)) >= 1
-                    for t in (TRACE_ID, retried)
-                    for n in ("llm_request", "route", "kv_transfer", "engine_request")
-                ) and all(len(named(col.trace(t), "engine_request")) == 2 for t in (TRACE_ID, retried))
-
-            col.wait(complete)
+            col.wait(landed)
         finally:
             assert dep.stop() == 0, dep.log()
 
+    assert col.trace(traces["unsampled"]) == []
+    # ... and its workers were told so (traceparent with the flag off), or they would have
+    # started traces of their own: every worker span is under a router's
+    assert all(s.parent_id for s in col.spans if s.service != "pdserve-router")
     spans = col.trace(TRACE_ID)
     by_id = {s.span_id: s for s in spans}
     (req,) = named(spans, "llm_request", "pdserve-router")
@@ -157,15 +172,27 @@ def test_disaggregated_request_is_one_trace_across_router_and_workers(tiny_model
     (d_engine,) = named(spans, "engine_request", "pdserve-decode")
     assert d_engine.parent_id == calls["decode"].span_id and within(d_engine, calls["decode"])
     assert d_engine.resource["service.instance.id"] == ra["pdserve.decode.worker"]
-    for wait in named(spans, "kv_wait", "pdserve-decode"):  # only when the KV was not in yet
-        assert wait.parent_id == calls["decode"].span_id and wait.kind == CONSUMER
-        assert wait.attributes["pdserve.kv.outcome"] == "kv_ready"
     assert all(s.error is None for s in spans)
     assert {by_id[s.parent_id].service for s in spans if s.parent_id in by_id} <= {"pdserve-router"}
 
-    spans = col.trace(retried)
+    spans = col.trace(traces["cut"])
     (kv,) = named(spans, "kv_transfer", "pdserve-prefill")
     assert kv.attributes["pdserve.kv.retries"] >= 1
     (route,) = named(spans, "route")
     assert route.attributes["pdserve.kv.retries"] == kv.attributes["pdserve.kv.retries"]
+
+    spans = col.trace(traces["stall"])
+    (decode,) = named(spans, "decode", "pdserve-router")
+    (wait,) = named(spans, "kv_wait", "pdserve-decode")
+    assert wait.parent_id == decode.span_id and wait.kind == CONSUMER and within(wait, decode)
+    assert wait.attributes["pdserve.kv.outcome"] == "kv_ready" and wait.end_ns - wait.start_ns > 0.2e9
+
+    spans = col.trace(traces["died"])  # the prefill worker exited during its KV transfer
+    (route,) = named(spans, "route")
+    (prefill,) = named(spans, "prefill", "pdserve-router")
+    assert "prefill_failed" in route.event_names and prefill.error is not None
+    (decode,) = named(spans, "decode", "pdserve-router")
+    assert decode.attributes["pdserve.kv_expected"] is False and decode.error is None
+    (d_engine,) = named(spans, "engine_request", "pdserve-decode")  # the decode worker computed the prompt
+    assert d_engine.parent_id == decode.span_id and d_engine.attributes["gen_ai.usage.completion_tokens"] >= 2
     assert SECRET not in repr(col.spans)

@@ -173,6 +173,14 @@ def test_echo_logprobs_and_the_router_metrics(cluster, tiny_model_dir):
     # the router splits TTFT into waiting and prefill with the prefill worker's own time
     for h in ("pdserve:request_queue_time_seconds_count", "pdserve:request_prefill_time_seconds_count"):
         assert _sample(after, h) == _sample(before, h) + 1, h
+    # each transfer's time and the part of it the first token waited for (0 when the last layer
+    # landed before the prefill ended), per request
+    for h in ("pdserve:kv_transfer_duration_seconds", "pdserve:kv_transfer_exposed_duration_seconds"):
+        assert _sample(after, h + "_count", model_name=model) == _sample(before, h + "_count", model_name=model) + 1
+        assert _sample(after, h + "_sum", model_name=model) >= _sample(before, h + "_sum", model_name=model)
+        assert _sample(after, h + "_bucket", le="+Inf", model_name=model) == _sample(after, h + "_count")
+    d = "pdserve:kv_transfer_duration_seconds_sum"
+    assert _sample(after, d, model_name=model) > _sample(before, d, model_name=model)
     assert (
         0
         < _sample(after, "pdserve:request_prefill_time_seconds_sum")
