@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 
@@ -121,8 +122,8 @@ def configure(endpoint: str | None, service_name: str, **resource: str | None) -
     Resource, TracerProvider, BatchSpanProcessor, OTLPSpanExporter = _sdk()
     shutdown()  # configured again (tests): the previous exporter stops first
     attrs = {k: v for k, v in resource.items() if v is not None}
-    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
-    if not named:
+    given = [kv.split("=", 1)[0].strip() for kv in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")]
+    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name" not in given:
         attrs["service.name"] = service_name
     if protocol() == "http/protobuf" and not endpoint.rstrip("/").endswith("/v1/traces"):
         log.warning("--otlp-traces-endpoint %s: OTLP over HTTP is usually received at .../v1/traces", endpoint)
@@ -143,12 +144,17 @@ def enabled() -> bool:
 
 @atexit.register
 def shutdown() -> None:
-    """Export what is left, for at most about EXIT_FLUSH_MS, and stop (at exit)."""
+    """Export what is left and stop (at exit), waiting at most EXIT_FLUSH_MS plus one export's
+    deadline: the SDK's flush exports everything queued, one blocking export after another,
+    whatever its timeout says, so it runs on a thread that is left behind when time is up."""
     global _tracer, _provider
     provider, _tracer, _provider = _provider, None, None
     if provider is not None:
-        provider.force_flush(EXIT_FLUSH_MS)
-        provider.shutdown()
+        done = threading.Thread(target=provider.shutdown, name="pdserve-tracing-exit", daemon=True)
+        done.start()
+        done.join(EXIT_FLUSH_MS / 1000 + EXPORT_TIMEOUT_S)
+        if done.is_alive():
+            log.warning("tracing: the collector did not take the last spans in time; they are dropped")
 
 
 def wall_ns(mono_s: float) -> int:

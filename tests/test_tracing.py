@@ -158,7 +158,8 @@ def test_a_collector_that_never_answers_delays_the_exit_by_seconds_only(monkeypa
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         tracing.configure(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces", "pdserve-test")
-        tracing.start("x").end()
+        for _ in range(3000):  # more than one batch: the SDK's flush would export them one by one
+            tracing.start("x").end()
         t0 = time.monotonic()
         tracing.shutdown()
         took = time.monotonic() - t0

@@ -76,6 +76,8 @@ from pdserve.server.metrics import KV_TRANSFER_BUCKETS_S, Histogram
 from pdserve.settings import KV_TIMEOUT_S  # `--kv-timeout-s`: its one default
 
 log = logging.getLogger("pdserve.router")
+LORA_CALL_TIMEOUT_S = 60.0  # a worker's adapter load, unload or list (a load reads the files)
+MAX_UNLOADED_KEPT = 1024  # adapter names remembered as unloaded, for workers that were away
 Reply = TypeVar("Reply", bound=BaseModel)
 
 
@@ -323,6 +325,7 @@ class DisaggEngine:
         self._aborts: set[asyncio.Task] = set()  # aborts on their way to workers
         self._syncing: dict[str, asyncio.Task] = {}  # worker id -> its run-time adapters being loaded there
         self._lora_updates = 0  # run-time loads and unloads so far (a sync that raced one checks again)
+        self._lora_unloaded: dict[str, None] = {}  # names unloaded at run time (oldest first), not loaded since
         self.started_s = time.monotonic()
         self.startup_grace_s = max(5.0, 2 * registry.timeout_s)
         self.pools = PoolManager(registry, self._drain_worker, log=log)
@@ -594,39 +597,70 @@ class DisaggEngine:
         for w, r in zip(workers, results):  # what each holds now (room made may have unloaded another)
             gone = [f for f in w.features if f.startswith(LORA_FEATURE_PREFIX)]
             self.registry.update_features(w.worker_id, add=adapter_features(r.keys or [r.key]), remove=gone)
+        self._lora_unloaded.pop(name, None)
         return results[0].key
 
     async def unload_lora_adapter(self, name: str) -> None:
-        """Unload an adapter from every worker that holds one of that name."""
+        """Unload an adapter from every worker that holds one of that name. A worker that does
+        not answer now (stopped, restarting) is told again when it registers: the name is
+        remembered as unloaded until an adapter of that name is loaded again."""
         self._lora_updates += 1
         prefix = LORA_FEATURE_PREFIX + name + "@"
         holders = [w for w in self.registry.all() if any(f.startswith(prefix) for f in w.features)]
         if not holders:
             raise APIError(404, f"no LoRA adapter is named {name!r}", param="lora_name", code="lora_not_found")
+        self._lora_unloaded[name] = None
+        while len(self._lora_unloaded) > MAX_UNLOADED_KEPT:
+            del self._lora_unloaded[next(iter(self._lora_unloaded))]
         body = UnloadLoRARequest(lora_name=name)
         for w in holders:  # new requests stop going there at once, whatever the workers answer
             self.registry.update_features(w.worker_id, remove=[f for f in w.features if f.startswith(prefix)])
         await asyncio.gather(
-            *(self._post(w, "/internal/lora/unload", body, UnloadLoRAResponse) for w in holders if w.alive),
+            *(
+                self._post(w, "/internal/lora/unload", body, UnloadLoRAResponse, timeout=LORA_CALL_TIMEOUT_S)
+                for w in holders
+                if w.alive
+            ),
             return_exceptions=True,
         )
 
     def sync_lora_adapters(self, worker_id: str) -> None:
         """A worker joined the pools, or came back from a restart: in the background, load on it
         the adapters loaded at run time that the other workers serve and it lacks (those given
-        at start come with each worker's own flags). Until it holds one, the requests for that
-        adapter go to the others: its features say what it holds."""
+        at start come with each worker's own flags), and unload those unloaded since it last
+        heard (it was away then). Until it holds one, the requests for that adapter go to the
+        others: its features say what it holds; an unloaded one leaves them at once."""
         w = self.registry.get(worker_id)
-        if w is None or LORA_ENABLED_FEATURE not in w.features or worker_id in self._syncing:
+        if w is None:
             return
-        task = asyncio.get_running_loop().create_task(self._sync_loras(w))
+        stale = [k for k in adapters_of(w.features) if k.rsplit("@", 1)[0] in self._lora_unloaded]
+        if stale:
+            self.registry.update_features(worker_id, remove=adapter_features(stale))
+        if LORA_ENABLED_FEATURE not in w.features and not stale:
+            return
+        old = self._syncing.pop(worker_id, None)
+        if old is not None:  # it registered again (a new process): that sync was for the old one
+            old.cancel()
+        task = asyncio.get_running_loop().create_task(self._sync_loras(w, {k.rsplit("@", 1)[0] for k in stale}))
         self._syncing[worker_id] = task
-        task.add_done_callback(lambda _t: self._syncing.pop(worker_id, None))
+        task.add_done_callback(
+            lambda t: self._syncing.pop(worker_id, None) if self._syncing.get(worker_id) is t else None
+        )
 
-    async def _sync_loras(self, w) -> None:
+    async def _sync_loras(self, w, unload: set[str]) -> None:
+        for name in sorted(unload):
+            try:
+                await self._post(
+                    w, "/internal/lora/unload", UnloadLoRARequest(lora_name=name), UnloadLoRAResponse,
+                    timeout=LORA_CALL_TIMEOUT_S,
+                )  # fmt: skip
+            except (WorkerGone, APIError, httpx.HTTPError, ValueError) as e:
+                log.warning("worker %s still holds the LoRA adapter %r unloaded elsewhere (%s)", w.worker_id, name, e)
+        if LORA_ENABLED_FEATURE not in w.features:
+            return
         updates = self._lora_updates
         held = set(adapters_of(w.features))
-        missing = {name: key for name, key in self.lora_adapters().items() if key not in held}
+        missing = {name: key for name, key in self._adapters_to_copy(w.worker_id).items() if key not in held}
         sources = await self._lora_sources(set(missing.values()), exclude=w.worker_id) if missing else {}
         for name, key in sorted(missing.items()):
             src = sources.get(key)
@@ -635,8 +669,10 @@ class DisaggEngine:
             body = LoadLoRARequest(
                 lora_name=name, lora_path=src.path, load_inplace=any(k.rsplit("@", 1)[0] == name for k in held)
             )
+            if self.registry.get(w.worker_id) is not w:
+                return  # it registered again since: that registration's sync takes over
             try:
-                r = await self._post(w, "/internal/lora/load", body, LoadLoRAResponse)
+                r = await self._post(w, "/internal/lora/load", body, LoadLoRAResponse, timeout=LORA_CALL_TIMEOUT_S)
             except (WorkerGone, APIError, httpx.HTTPError, ValueError) as e:
                 log.warning(
                     "worker %s could not load the LoRA adapter %r from %s (%s): its requests go to the other workers",
@@ -653,12 +689,27 @@ class DisaggEngine:
                     return_exceptions=True,
                 )
                 continue
+            if self.registry.get(w.worker_id) is not w:
+                return
             gone = [f for f in w.features if f.startswith(LORA_FEATURE_PREFIX)]
             self.registry.update_features(w.worker_id, add=adapter_features(r.keys or [r.key]), remove=gone)
             held = set(r.keys or [r.key])
             self.counters["lora_synced"] += 1
             same = "" if r.key == key else f"; its files changed since the others read them ({r.key} here, not {key})"
             log.info("worker %s: loaded the LoRA adapter %r the other workers serve%s", w.worker_id, name, same)
+
+    def _adapters_to_copy(self, worker_id: str) -> dict[str, str]:
+        """Name -> key of the adapters that more than half of the other live workers serving
+        adapters hold: what a run-time load put on every worker, less those that restarted
+        since. One worker's stray adapter (one that missed an unload while away, across a
+        router restart that forgot the unload) is not copied; the joiner does not vote."""
+        others = [x for x in self.registry.alive() if x.worker_id != worker_id and LORA_ENABLED_FEATURE in x.features]
+        counts = Counter(key for x in others for key in adapters_of(x.features))
+        out: dict[str, str] = {}
+        for key, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+            if 2 * n > len(others):
+                out.setdefault(key.rsplit("@", 1)[0], key)
+        return out
 
     async def _lora_sources(self, keys: set[str], exclude: str) -> dict[str, LoRASource]:
         """Where live workers that hold these adapters (by key) read them from."""
@@ -670,9 +721,9 @@ class DisaggEngine:
                 listed = await self._get(h, "/internal/lora/list", LoRAListResponse)
             except (WorkerGone, APIError, httpx.HTTPError, ValueError):
                 continue
-            for src in listed.adapters:
-                if src.key in keys:
-                    out.setdefault(src.key, src)
+            for src in listed.adapters:  # a holder that loaded it at run time says more than one given it at start
+                if src.key in keys and (src.key not in out or out[src.key].pinned):
+                    out[src.key] = src
         return out
 
     def submit(self, inputs, priority: int = 0, request_id: str | None = None, trace=None) -> RouterGroup:
@@ -1023,12 +1074,20 @@ class DisaggEngine:
         return resp
 
     async def _post(
-        self, w, path: str, body: BaseModel | None, reply: type[Reply], trace: tracing.Span = tracing.NO_SPAN
+        self,
+        w,
+        path: str,
+        body: BaseModel | None,
+        reply: type[Reply],
+        trace: tracing.Span = tracing.NO_SPAN,
+        timeout: float | None = None,
     ) -> Reply:
-        """POST `body` (None: an empty object) and read the answer as a `reply` (ValueError if it is not one)."""
+        """POST `body` (None: an empty object) and read the answer as a `reply` (ValueError if it
+        is not one); `timeout`: seconds, else the client's (no read limit: a reservation waits)."""
+        kw = {} if timeout is None else {"timeout": timeout}
         try:
             resp = await self._http.post(
-                w.url + path, json=body.wire() if body is not None else {}, headers=trace.headers()
+                w.url + path, json=body.wire() if body is not None else {}, headers=trace.headers(), **kw
             )
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
@@ -1038,7 +1097,7 @@ class DisaggEngine:
 
     async def _get(self, w, path: str, reply: type[Reply]) -> Reply:
         try:
-            resp = await self._http.get(w.url + path)
+            resp = await self._http.get(w.url + path, timeout=LORA_CALL_TIMEOUT_S)
         except httpx.TransportError as e:
             raise _unreachable(w, e) from None
         if resp.status_code != 200:

@@ -316,6 +316,9 @@ class Front:
                 why = e
             finally:
                 await resp.aclose()
+            if stream is not None and stream.done:  # it broke after the end reached the client
+                await send({"type": "http.response.body", "body": b""})
+                return
             deadline = time.monotonic() + self.retry_window_s
             cut = stream is not None and path not in RESUMABLE_PATHS  # begun, and cannot go on elsewhere
             if cut or self.draining or not await self._wait_again(deadline, why, resume=stream is not None):

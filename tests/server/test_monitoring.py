@@ -57,6 +57,52 @@ def test_promtool_accepts_the_alerting_rules():
 
 
 @needs_prometheus
+def test_the_alerts_fire_when_they_should_and_not_otherwise(tmp_path):
+    """promtool's rule tests on synthetic series: a pool with no live worker pages, one sized to
+    zero on purpose does not; unsigned calls counted by the front alone fire; a request the
+    front gave up on pages."""
+    import yaml
+
+    rules = {r["alert"]: r for g in yaml.safe_load(open(ALERTS))["groups"] for r in g["rules"]}
+
+    def fired(name: str, **labels) -> dict:
+        r = rules[name]
+        notes = {k: v.replace("{{ $labels.role }}", labels.get("role", "")) for k, v in r["annotations"].items()}
+        return {"exp_labels": {**r["labels"], **labels}, "exp_annotations": notes}
+
+    series = {
+        'pdserve:workers_alive{role="decode"}': "1 1 0 0 0 0 0",
+        'pdserve:pool_wanted_workers{role="decode"}': "1x6",
+        'pdserve:workers_alive{role="prefill"}': "0x6",  # sized to zero: decode workers run whole requests
+        'pdserve:pool_wanted_workers{role="prefill"}': "0x6",
+        "pdserve:front_internal_auth_refused_total": "0 0 3 3 3 3 3",
+        "pdserve:internal_auth_refused_total": "0x6",
+        "pdserve:front_requests_failed_total": "0 0 0 1 1 1 1",
+    }
+    checks = [
+        ("1m", "PdserveNoLiveWorker", []),
+        ("6m", "PdserveNoLiveWorker", [fired("PdserveNoLiveWorker", role="decode")]),
+        ("1m", "PdserveInternalCallsRefused", []),
+        ("3m", "PdserveInternalCallsRefused", [fired("PdserveInternalCallsRefused")]),
+        ("4m", "PdserveFrontGaveUp", [fired("PdserveFrontGaveUp")]),
+    ]
+    spec = {
+        "rule_files": [ALERTS],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                "alert_rule_test": [{"eval_time": t, "alertname": a, "exp_alerts": e} for t, a, e in checks],
+            }
+        ],
+    }
+    (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(spec))
+    r = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_prometheus
 @pytest.mark.integration
 def test_prometheus_scrapes_a_deployment_and_every_query_and_rule_evaluates(tiny_model_dir, tmp_path):
     from tests.server.deployment import Deployment
@@ -141,5 +187,8 @@ def test_prometheus_scrapes_a_deployment_and_every_query_and_rule_evaluates(tiny
     finally:
         if prom is not None:
             prom.terminate()
-            prom.wait(20)
+            try:
+                prom.wait(20)
+            except subprocess.TimeoutExpired:
+                prom.kill()
         assert dep.stop() == 0
