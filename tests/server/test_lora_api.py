@@ -140,20 +140,17 @@ def test_runtime_lora_updating_collocated(server_model_dir, adapters, expected, 
         _runtime_updates(server.url, adapters, expected, tmp_path)
 
 
+def _runtime_deployment(model_dir: str) -> Deployment:
+    """pdserve serve (router, prefill and decode workers) with run-time adapter loading on."""
+    flags = ["--served-model-name", "tiny", "--enable-lora", "--max-cpu-loras", "2", "--allow-runtime-lora-updating"]
+    return Deployment(model_dir, *flags, num_gpu_blocks=512)
+
+
 @pytest.mark.integration
 def test_runtime_lora_updating_through_the_router(server_model_dir, adapters, expected, tmp_path):
     """The router loads the adapter on every worker (prefill and decode), then places requests
     for it; unloading stops them at once."""
-    dep = Deployment(
-        server_model_dir,
-        "--served-model-name",
-        "tiny",
-        "--enable-lora",
-        "--max-cpu-loras",
-        "2",
-        "--allow-runtime-lora-updating",
-        num_gpu_blocks=512,
-    )
+    dep = _runtime_deployment(server_model_dir)
     try:
         _runtime_updates(dep.url, adapters, expected, tmp_path)
         assert not any(f.startswith("lora:") for w in dep.workers().values() for f in w["features"])
@@ -168,16 +165,7 @@ def test_runtime_adapters_reach_a_restarted_worker(server_model_dir, adapters, e
     on the workers that never restarted (nor, with one decode worker, on none)."""
     from tests.server.deployment import metric
 
-    dep = Deployment(
-        server_model_dir,
-        "--served-model-name",
-        "tiny",
-        "--enable-lora",
-        "--max-cpu-loras",
-        "2",
-        "--allow-runtime-lora-updating",
-        num_gpu_blocks=512,
-    )
+    dep = _runtime_deployment(server_model_dir)
     try:
         assert _load(dep.url, "sql", adapters["sql"]).status_code == 200
         ws = dep.workers()
