@@ -42,6 +42,8 @@ OPTIONAL = {
     "matplotlib": "plots of pdserve bench",
     "psutil": "process stats in tests and benchmarks",
     "openai": "client in tests",
+    "grpc": "the OTLP/gRPC receiver of the tracing tests (pdserve.testing.otlp)",
+    "opentelemetry": "--otlp-traces-endpoint (pdserve[tracing])",
     "vllm": "comparison benchmark",
     "sglang": "comparison benchmark",
 }
