@@ -144,14 +144,14 @@ class WorkerApi:
             bridge = self.engine.engine.bridge if self.engine.engine is not None else None
             layerwise = bridge is not None and bridge.layerwise
             layers = bridge.num_layers if layerwise else 1
-            exposed_bytes = st.bytes / layers
-            if trace is not None and st.finished_s:
+            exposed_s = max(0.0, st.finished_s - computed_s) if st.finished_s else None
+            if trace is not None and exposed_s is not None:
                 attrs = {
                     "pdserve.kv.bytes": st.bytes,
                     "pdserve.kv.layers": st.layers,
                     "pdserve.kv.retries": st.retries,
                     "pdserve.kv.layerwise": layerwise,
-                    "pdserve.kv.exposed_s": max(0.0, st.finished_s - computed_s),
+                    "pdserve.kv.exposed_s": exposed_s,
                 }
                 tracing.record("kv_transfer", trace, st.started_s, st.finished_s, attrs, kind="producer")
             return SavedEvent(
@@ -159,8 +159,8 @@ class WorkerApi:
                 bytes=st.bytes,
                 retries=st.retries,
                 seconds=st.finished_s - st.started_s,
-                exposed_s=max(0.0, st.finished_s - computed_s) if st.finished_s else None,
-                exposed_bytes=exposed_bytes,
+                exposed_s=exposed_s,
+                exposed_bytes=st.bytes / layers,
             )
         except KVTransferError as e:
             if trace is not None:
