@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral)."""
+    """Shape of a Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral)."""
 
     vocab_size: int
     hidden_size: int
@@ -35,6 +35,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     attention_bias: bool = False  # Qwen2: bias on q, k, v projections
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and of k, before RoPE
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -58,18 +59,26 @@ class ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         known = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in cfg.items() if k in known and v is not None}
+        rope = cfg.get("rope_parameters")
+        if isinstance(rope, dict):  # transformers 5 writes RoPE's theta and scaling here
+            if rope.get("rope_theta") is not None:
+                kw["rope_theta"] = rope["rope_theta"]
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+            if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+                kw["rope_scaling"] = scaling
         kw.setdefault("num_key_value_heads", cfg["num_attention_heads"])
         kw["attention_bias"] = bool(cfg.get("attention_bias", False)) or arch.startswith("Qwen2")
+        kw["qk_norm"] = arch.startswith("Qwen3")
         kw["architecture"] = arch
         kw["name"] = name
         return cls(**kw)
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json that `transformers` and vLLM load for this shape."""
-        qwen = self.architecture.startswith("Qwen2")
+        arch, model_type = self.hf_architecture()
         out = {
-            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-            "model_type": "qwen2" if qwen else "llama",
+            "architectures": [arch],
+            "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -87,10 +96,19 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
         }
-        if not qwen:
+        if model_type != "qwen2":  # Qwen2's q, k, v always have a bias; the others say
             out["attention_bias"] = self.attention_bias
+        if model_type == "llama":
             out["mlp_bias"] = False
         return out
+
+    def hf_architecture(self) -> tuple[str, str]:
+        """(architectures[0], model_type) of this shape's Hugging Face config.json."""
+        if self.qk_norm:
+            return "Qwen3ForCausalLM", "qwen3"
+        if self.architecture.startswith("Qwen2"):
+            return "Qwen2ForCausalLM", "qwen2"
+        return "LlamaForCausalLM", "llama"
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes

@@ -29,8 +29,14 @@ def write_tiny_model(
     seed=0,
     logit_scale=1.0,
     added_tokens=(),
+    arch=None,
+    head_dim=None,
+    rope_scaling=None,
+    tie=False,
 ) -> str:
-    """`logit_scale` > 1 sharpens the output distribution: fewer near-ties, so greedy
+    """`arch`: "llama" (default), "qwen2" (as qkv_bias=True: q, k, v biases) or "qwen3" (a norm
+    over each head of q and k, `head_dim` free of hidden / heads as in Qwen3's releases).
+    `logit_scale` > 1 sharpens the output distribution: fewer near-ties, so greedy
     choices survive the tiny numeric differences between a decode and a recompute.
     `added_tokens`: single tokens after the special ones that, unlike those, stay in decoded
     text (a reasoning model's "<think>", "</think>", as DeepSeek-R1's and Qwen3's tokenizers have them)."""
@@ -50,9 +56,14 @@ def write_tiny_model(
     eos = vocab["<|im_end|>"]
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}, f)
+    arch = arch or ("qwen2" if qkv_bias else "llama")
+    qkv_bias = arch == "qwen2"
+    hd = head_dim or hidden // heads
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qkv_bias else "llama",
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        ],
+        "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": inter,
@@ -62,7 +73,9 @@ def write_tiny_model(
         "max_position_embeddings": max_pos,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
+        "rope_scaling": rope_scaling,
+        "head_dim": hd,
+        "tie_word_embeddings": tie,
         "eos_token_id": eos,
         "bos_token_id": vocab["<|im_start|>"],
         "hidden_act": "silu",
@@ -75,12 +88,12 @@ def write_tiny_model(
     def rnd(*shape, scale=0.08):
         return (torch.randn(*shape, generator=g) * scale).contiguous()
 
-    hd = hidden // heads
     state = {
         "model.embed_tokens.weight": rnd(vocab_size, hidden, scale=0.5),
         "model.norm.weight": 1 + rnd(hidden),
-        "lm_head.weight": rnd(vocab_size, hidden, scale=0.5 * logit_scale),
     }
+    if not tie:
+        state["lm_head.weight"] = rnd(vocab_size, hidden, scale=0.5 * logit_scale)
     for i in range(layers):
         p = f"model.layers.{i}."
         state.update(
@@ -99,6 +112,9 @@ def write_tiny_model(
         if qkv_bias:
             for n, size in (("q", heads * hd), ("k", kv_heads * hd), ("v", kv_heads * hd)):
                 state[p + f"self_attn.{n}_proj.bias"] = rnd(size)
+        if arch == "qwen3":
+            state[p + "self_attn.q_norm.weight"] = 1 + rnd(hd, scale=0.3)
+            state[p + "self_attn.k_norm.weight"] = 1 + rnd(hd, scale=0.3)
     save_file(state, os.path.join(path, "model.safetensors"))
     return path
 
@@ -130,3 +146,103 @@ def peft_model(model_dir: str, adapter_dir: str):
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def llama3_rope_divisors(head_dim: int, theta: float, scaling: dict) -> list[float]:
+    """The per-frequency RoPE divisors llama.cpp's converter writes as `rope_freqs.weight` for a
+    Llama 3.x model (computed its way, from the Hugging Face `rope_scaling`)."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def write_tiny_gguf(model_dir: str, path: str, *, qtype: str = "Q8_0", rope_freqs: list[float] | None = None) -> str:
+    """The tiny model in `model_dir` (write_tiny_model's) as llama.cpp's converter writes a GGUF file:
+    its architecture's metadata, the byte-level BPE vocabulary, q/k rows permuted for llama, the
+    matrices in the block format `qtype` (Q8_0, Q4_0, Q4_1 or F32) and the norms in F32.
+    `rope_freqs`: a Llama 3.x file's RoPE divisors (`llama3_rope_divisors`)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    arch = cfg["model_type"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    tok = json.load(open(os.path.join(model_dir, "tokenizer.json")))
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {a["content"]: a for a in tok.get("added_tokens", [])}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    types = [gguf.TokenType.CONTROL if added.get(t, {}).get("special") else gguf.TokenType.NORMAL for t, _ in vocab]
+    w.add_token_types([int(t) for t in types])
+    w.add_token_merges([])  # the tiny vocabulary has no merges
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_chat_template(json.load(open(os.path.join(model_dir, "tokenizer_config.json")))["chat_template"])
+
+    def permute(x, n):  # llama.cpp's q/k row order for llama (interleaved RoPE pairs)
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    top["lm_head.weight"] = "output.weight"
+    block_type = gguf.GGMLQuantizationType[qtype]
+    for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items():
+        x = t.float().numpy()
+        if name in top:
+            out = top[name]
+        else:
+            _, _, layer, *rest = name.split(".")
+            out = f"blk.{layer}.{names['.'.join(rest[:-1])]}.{rest[-1]}"
+        if arch == "llama" and ".attn_q." in out:
+            x = permute(x, heads)
+        elif arch == "llama" and ".attn_k." in out:
+            x = permute(x, kv_heads)
+        if x.ndim == 2 and out != "token_embd.weight" and block_type != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(out, gguf.quants.quantize(np.ascontiguousarray(x), block_type), raw_dtype=block_type)
+        else:
+            w.add_tensor(out, np.ascontiguousarray(x, dtype=np.float32))
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

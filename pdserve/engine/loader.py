@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ def load_model_info(path: str | None) -> LoadedModel:
         cfg_path = p / "config.json"
         if not cfg_path.is_file():
             raise ModelLoadError(f"{p} has no config.json")
-        return LoadedModel(ModelConfig.from_hf(json.loads(cfg_path.read_text()), name=p.name), {}, str(p))
+        return LoadedModel(_hf_config(cfg_path, name=p.name), {}, str(p))
     from pdserve.engine.gguf_file import GGUFFile, GGUFFormatError
 
     try:
@@ -97,7 +98,10 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _has_gguf_magic(p: Path) -> bool:
@@ -115,8 +119,8 @@ def gguf_field(reader, key: str, default=None):
 
 def _gguf_config(reader, name: str) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (llama, qwen2, mistral)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} ({', '.join(GGUF_ARCHITECTURES)})")
 
     def g(key, default=None):
         return gguf_field(reader, f"{arch}.{key}", default)
@@ -128,6 +132,13 @@ def _gguf_config(reader, name: str) -> ModelConfig:
     if g("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
     tensor_names = {t.name for t in reader.tensors}
+    head_dim = g("attention.key_length", hidden // n_heads)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if freqs.type_name != "F32":
+            raise ModelLoadError(f"rope_freqs.weight is {freqs.type_name}, not F32")
+        factors = np.frombuffer(np.asarray(freqs.data).tobytes(), dtype=np.float32).astype(np.float64)
+        rope_scaling = _llama3_rope_scaling(factors, head_dim, g("rope.freq_base", 10000.0), g)
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=vocab,
@@ -136,7 +147,7 @@ def _gguf_config(reader, name: str) -> ModelConfig:
         num_hidden_layers=g("block_count"),
         num_attention_heads=n_heads,
         num_key_value_heads=g("attention.head_count_kv", n_heads),
-        head_dim=g("attention.key_length", hidden // n_heads),
+        head_dim=head_dim,
         max_position_embeddings=g("context_length", 4096),
         rms_norm_eps=g("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=g("rope.freq_base", 10000.0),
@@ -145,9 +156,40 @@ def _gguf_config(reader, name: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=[] if eos is None else [eos],
-        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM",
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        architecture={"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(arch, "LlamaForCausalLM"),
         name=name,
     )
+
+
+def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float, g) -> dict | None:
+    """The Hugging Face `rope_scaling` that gives llama.cpp's per-frequency divisors
+    (`rope_freqs.weight`, which Llama 3.1-3.3 GGUF files carry instead of the parameters)."""
+    if factors.shape != (head_dim // 2,) or not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise ModelLoadError(f"rope_freqs.weight has shape {factors.shape} or values unlike RoPE divisors")
+    if np.allclose(factors, 1.0):
+        return None
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    factor = float(factors.max())
+    originals = {int(v) for v in (g("rope.scaling.original_context_length"), 8192) if v}
+    for old_len in sorted(originals):
+        for low, high in ((1.0, 4.0),):  # every Llama 3.x release's
+            smooth = (old_len / wavelen - low) / (high - low)
+            want = np.where(
+                wavelen < old_len / high,
+                1.0,
+                np.where(wavelen > old_len / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+            )
+            if np.allclose(factors, want, rtol=1e-4):
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": old_len,
+                }
+    raise ModelLoadError("rope_freqs.weight holds RoPE divisors of an unknown scaling (not Llama 3's)")
 
 
 def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -168,6 +210,8 @@ def _load_gguf(p: Path) -> LoadedModel:
     state: dict[str, torch.Tensor] = {}
     quantized: dict[str, tuple[int, torch.Tensor]] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read into config.rope_scaling
+            continue
         w = _dequantize(p, t, t.shape)
         name = _hf_name(t.name)
         raw = None
@@ -180,6 +224,7 @@ def _load_gguf(p: Path) -> LoadedModel:
         state[name] = w.contiguous()
         if raw is not None:
             quantized[name] = (t.type_id, raw.contiguous())
+    check_weights(config, state, str(p))
     return LoadedModel(config, state, str(p), gguf_reader=reader, quantized=quantized)
 
 
@@ -227,11 +272,7 @@ def _load_hf_dir(p: Path) -> LoadedModel:
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
         raise ModelLoadError(f"{p} has no config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
-    config = ModelConfig.from_hf(cfg, name=p.name)
+    config = _hf_config(cfg_path, name=p.name)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{p} has no *.safetensors weights (pickled .bin files are not loaded)")
@@ -240,10 +281,78 @@ def _load_hf_dir(p: Path) -> LoadedModel:
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for key in sf.keys():
-                    state[key] = sf.get_tensor(key)
+                    if not key.endswith("rotary_emb.inv_freq"):  # older exports saved RoPE's tables
+                        state[key] = sf.get_tensor(key)
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {e}") from e
+    check_weights(config, state, str(p))
     return LoadedModel(config, state, str(p))
+
+
+def check_weights(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> None:
+    """Every weight the model reads is there, and the checkpoint has none it would not read:
+    such a weight is a part of the model (a bias, a norm) this engine does not compute, and
+    serving without it would answer garbage."""
+    from pdserve.engine.model import checkpoint_weight_names
+
+    names = checkpoint_weight_names(config)
+    missing = sorted(names - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set()))
+    unused = sorted(set(state) - names)
+    for what, found in (("is missing weights", missing), ("has weights this engine does not compute", unused)):
+        if found:
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            raise ModelLoadError(f"{source} {what}: {', '.join(found[:3])}{more}")
+
+
+# config.json's architectures[0] -> the model_type it comes with: the decoders `model.py` computes
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def _hf_config(cfg_path: Path, name: str) -> ModelConfig:
+    """The ModelConfig of a config.json, refused (ModelLoadError) where the model has a part
+    this engine does not compute: served anyway, such a model would answer garbage."""
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path} is not a JSON object")
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    arch = archs[0] if isinstance(archs, list) and archs else archs
+    if arch not in HF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{cfg_path}: unsupported architecture {arch!r}; this engine runs {', '.join(HF_ARCHITECTURES)}"
+        )
+    unsupported = []
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        unsupported.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("mlp_bias"):
+        unsupported.append("mlp_bias")
+    # Qwen2/3's switch (off in their released configs); transformers 5 also lists each layer's kind
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
+        unsupported.append("sliding-window attention")
+    if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
+        unsupported.append("mixture-of-experts layers")
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+    if kind not in ("default", "linear", "llama3", None):
+        unsupported.append(f"rope scaling {kind!r} (default, linear, llama3)")
+    if unsupported:
+        raise ModelLoadError(f"{cfg_path}: {arch} with {', '.join(unsupported)} is not supported")
+    window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+    if isinstance(window, int) and 0 < window < cfg.get("max_position_embeddings", 4096):
+        # Mistral 7B v0.1 attends to the last 4,096 tokens only; this engine attends to all,
+        # which is the same computation while the context fits the window: keep it there
+        cfg = {**cfg, "max_position_embeddings": window}
+    try:
+        return ModelConfig.from_hf(cfg, name=name)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{cfg_path}: {type(e).__name__}: {e}") from e
 
 
 def model_dir_files(path: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Mistral) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
 The model sees one flattened batch of tokens per step: decode tokens of many
 sequences and prefill chunks of others, side by side. Attention reads and
@@ -172,6 +172,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Qwen3: each head of q and of k normalised (one weight shared by the heads) before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.fused = None  # C++ DecodeLayer over the same weights, when every linear is quantized
 
     def make_fused(self, kernel, config: ModelConfig) -> bool:
@@ -182,6 +185,7 @@ class DecoderLayer(nn.Module):
         if len({lin.int8_activations for lin in lins}) > 1:  # the C++ layer takes one mode for all four
             return False
         bias = self.qkv_proj.bias.detach() if self.qkv_proj.bias is not None else None
+        qk_norms = [n.weight.detach().float() if n is not None else None for n in (self.q_norm, self.k_norm)]
         self.fused = kernel.DecodeLayer(  # fp32 norms (copies in bf16 mode)
             self.input_layernorm.weight.detach().float(),
             self.post_attention_layernorm.weight.detach().float(),
@@ -200,6 +204,7 @@ class DecoderLayer(nn.Module):
             config.intermediate_size,
             config.rms_norm_eps,
             self.qkv_proj.int8_activations,
+            *qk_norms,
         )
         return True
 
@@ -212,6 +217,8 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         attn = paged_attention(q, k, v, kv_cache, meta, self.layer_idx).reshape(t, self.q_size)
@@ -224,6 +231,14 @@ class DecoderLayer(nn.Module):
         gate, up = lora.add(i, "gate_up", h, self.gate_up_proj(h)).chunk(2, dim=-1)
         act = F.silu(gate) * up
         return x + lora.add(i, "down", act, self.down_proj(act))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with its q and k heads normalised (Qwen3), for a RoPE kernel that takes all three."""
+        t, q_end = qkv.shape[0], self.q_size
+        k_end = q_end + self.kv_size
+        q = self.q_norm(qkv[:, :q_end].reshape(t, self.n_heads, self.head_dim)).reshape(t, q_end)
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(t, self.n_kv, self.head_dim)).reshape(t, self.kv_size)
+        return torch.cat((q, k, qkv[:, k_end:]), dim=-1)
 
     def forward_fused_elementwise(self, x, residual, positions, rope_tables, kv_caches, meta: AttentionMetadata, ew):
         """`forward` for bf16 rows on the CPU, its elementwise steps in `ew`'s C++ kernels.
@@ -241,6 +256,8 @@ class DecoderLayer(nn.Module):
         )
         lora, i = meta.lora, self.layer_idx
         qkv = self.qkv_proj(h) if lora is None else lora.add(i, "qkv", h, self.qkv_proj(h))
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         q, k, v = ew.rope_qkv(qkv, *rope_tables, positions, self.n_heads, self.n_kv, self.head_dim)
         attn = paged_attention(q, k, v, kv_caches, meta, self.layer_idx).reshape(t, self.q_size)
         o = self.o_proj(attn) if lora is None else lora.add(i, "o", attn, self.o_proj(attn))
@@ -405,6 +422,9 @@ class LlamaModel(nn.Module):
             _copy(own, f"layers.{i}.down_proj.weight", _take(state, m + "down_proj.weight"))
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 _copy(own, f"layers.{i}.{norm}.weight", _take(state, f"{p}{norm}.weight"))
+            if cfg.qk_norm:
+                for norm in ("q_norm", "k_norm"):
+                    _copy(own, f"layers.{i}.{norm}.weight", _take(state, f"{a}{norm}.weight"))
         _copy(own, "embed_tokens.weight", _take(state, "model.embed_tokens.weight"))
         _copy(own, "norm.weight", _take(state, "model.norm.weight"))
         if not cfg.tie_word_embeddings:
@@ -447,6 +467,20 @@ class LlamaModel(nn.Module):
         if not os.environ.get("PDSERVE_NO_FUSED_DECODE"):
             self.fused_ready = all([layer.make_fused(kernel, self.config) for layer in self.layers])
         return used
+
+
+def checkpoint_weight_names(cfg: ModelConfig) -> set[str]:
+    """Every checkpoint weight name `LlamaModel.load_hf_state_dict` reads for this shape
+    (lm_head.weight too, which a tied model may or may not carry)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer += [f"self_attn.{n}_proj.weight" for n in "qkvo"]
+    per_layer += [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if cfg.attention_bias:
+        per_layer += [f"self_attn.{n}_proj.bias" for n in "qkv"]
+    if cfg.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return {f"model.layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in per_layer} | names
 
 
 def _take(state, name):

@@ -86,7 +86,7 @@ class Tokenizer:
                 "pass a Hugging Face directory with tokenizer.json instead"
             )
         tokens = gguf_field(reader, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges") or ()]
         types = gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
         tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
         pre = gguf_field(reader, "tokenizer.ggml.pre", "default")

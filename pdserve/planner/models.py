@@ -71,14 +71,14 @@ class ModelShape:
         return "MHA" if self.kv_heads == self.heads else "GQA"
 
 
-def _llama(name, layers, hidden, heads, kv_heads, inter, vocab, ctx, params, src, **kw):
+def _llama(name, layers, hidden, heads, kv_heads, inter, vocab, ctx, params, src, head_dim=None, **kw):
     return ModelShape(
         name,
         layers,
         hidden,
         heads,
         kv_heads,
-        hidden // heads,
+        head_dim or hidden // heads,
         inter,
         vocab,
         ctx,
@@ -206,6 +206,31 @@ MODELS: dict[str, ModelShape] = {
             72.7e9,
             HF.format("Qwen/Qwen2.5-72B-Instruct") + "; 32K native, 128K with YaRN",
             qkv_bias=True,
+        ),
+        _llama(
+            "qwen3-8b",
+            36,
+            4096,
+            32,
+            8,
+            12288,
+            151936,
+            32768,
+            8.19e9,
+            HF.format("Qwen/Qwen3-8B") + "; 32K native, 128K with YaRN (q/k norms' 9K weights not counted)",
+        ),
+        _llama(
+            "qwen3-32b",
+            64,
+            5120,
+            64,
+            8,
+            25600,
+            151936,
+            32768,
+            32.8e9,
+            HF.format("Qwen/Qwen3-32B") + "; head_dim 128 (not hidden / heads); 32K native, 128K with YaRN",
+            head_dim=128,
         ),
         _llama(
             "mistral-7b",

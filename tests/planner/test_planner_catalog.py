@@ -24,6 +24,8 @@ REQUIRED_MODELS = [
     "llama-3-405b",
     "qwen2.5-7b",
     "qwen2.5-72b",
+    "qwen3-8b",
+    "qwen3-32b",
     "mistral-7b",
     "deepseek-v2",
     "deepseek-v3",

@@ -166,6 +166,7 @@ void lora_add(const torch::Tensor& in, torch::Tensor& out, const LoraGroup& g, s
 struct DecodeLayer {
   torch::Tensor ln1, ln2, qkv, o, gate_up, down;
   std::optional<torch::Tensor> qkv_bias;
+  std::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: [head_dim] fp32, each head of q / k normalised
   int64_t t_qkv, t_o, t_gate_up, t_down;
   int64_t n_heads, n_kv, head_dim, hidden, inter;
   double eps;
@@ -208,6 +209,10 @@ struct DecodeLayer {
       float* row = qp + m * width;
       const float* c = cos.data_ptr<float>() + m * D;
       const float* s = sin.data_ptr<float>() + m * D;
+      if (q_norm) {  // in place: each head a row of D, as the Python path's RMSNorm over head_dim
+        rmsnorm(row, q_norm->data_ptr<float>(), row, n_heads, D, feps);
+        rmsnorm(row + q_size, k_norm->data_ptr<float>(), row + q_size, n_kv, D, feps);
+      }
       rope(row, c, s, n_heads + n_kv, D);  // q heads then k heads, contiguous in the row
       std::memcpy(qc + m * q_size, row, q_size * sizeof(float));
       if (bf16_cache) {  // rounded to nearest even, as tensor.to(torch.bfloat16) does
@@ -248,11 +253,18 @@ void register_decode_layer(pybind11::module& m) {
                              std::optional<torch::Tensor> qkv_bias, torch::Tensor o, int64_t t_o,
                              torch::Tensor gate_up, int64_t t_gate_up, torch::Tensor down, int64_t t_down,
                              int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t inter, double eps,
-                             bool int8_activations) {
+                             bool int8_activations, std::optional<torch::Tensor> q_norm,
+                             std::optional<torch::Tensor> k_norm) {
         TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
         TORCH_CHECK(ln1.scalar_type() == torch::kFloat32 && ln2.scalar_type() == torch::kFloat32,
                     "norm weights must be float32");
-        return DecodeLayer{ln1.contiguous(), ln2.contiguous(), qkv, o, gate_up, down, qkv_bias,
+        TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+        for (const auto* n : {&q_norm, &k_norm}) {
+          TORCH_CHECK(!n->has_value() || ((*n)->scalar_type() == torch::kFloat32 && (*n)->numel() == head_dim),
+                      "q/k norm weights must be float32 [head_dim]");
+        }
+        if (q_norm) q_norm = q_norm->contiguous(), k_norm = k_norm->contiguous();
+        return DecodeLayer{ln1.contiguous(), ln2.contiguous(), qkv, o, gate_up, down, qkv_bias, q_norm, k_norm,
                            t_qkv, t_o, t_gate_up, t_down, n_heads, n_kv, head_dim, ln1.size(0), inter, eps,
                            int8_activations};
       }))
