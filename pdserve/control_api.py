@@ -121,6 +121,7 @@ class KVDestinationBody(_Message):
     shm_shape: list[Annotated[int, Field(ge=1)]] = Field([], max_length=4)
     shm_dtype: str = Field("", max_length=16)
     expires_unix: float = Field(0.0, ge=0)
+    lease_s: float = Field(0.0, ge=0)
 
 
 class _ForRequest(_Message):

@@ -29,7 +29,7 @@ from pdserve.kv.slots import slot_mapping
 from pdserve.kvstore.setup import build_kv_store
 from pdserve.kvstore.store import BlockRef
 from pdserve.transfer.bridge import PrefillBridge
-from pdserve.transfer.connector import KVDestination
+from pdserve.transfer.connector import IN_PLACE_FENCE_MARGIN_S, KVDestination
 
 log = logging.getLogger("pdserve.engine")
 
@@ -91,6 +91,9 @@ class LLMEngine:
         # blocks before they are freed (a frame still on its way must not land in another
         # request's blocks)
         self._receivers: dict[str, object] = {}
+        # reservations a prefill worker may write into itself (shared memory, NIXL), until when
+        # (monotonic): blocks given up before their KV is all in are fenced till then
+        self._in_place: dict[str, float] = {}
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
@@ -305,11 +308,16 @@ class LLMEngine:
             start_token=num_cached,
             num_tokens=len(ids),
             expires_unix=time.time() + deadline_s,
+            lease_s=deadline_s,
         )
         if self.runner.kv_shm_paths:  # a sender on this host may write in place
             dest.shm_paths = self.runner.kv_shm_paths
             dest.shm_shape = self.runner.kv_shape
             dest.shm_dtype = self.config.device.dtype
+        if dest.shm_paths or getattr(receiver, "scheme", "") == "nixl":
+            # the sender stops writing at its lease's end (sender.check_lease), counted from when
+            # it got the destination: later than now, by less than the margin
+            self._in_place[request_id] = time.monotonic() + deadline_s + IN_PLACE_FENCE_MARGIN_S
         receiver.expect(
             dest,
             slot_mapping(table, num_cached, len(ids), bm.block_size),
@@ -334,6 +342,8 @@ class LLMEngine:
         appended and decoding continues; without it (the prefill worker died or
         the transfer failed) the missing prompt tokens are recomputed here."""
         seq = self.seqs[request_id]
+        # (a sender that writes in place may still write this prompt's KV into these blocks while
+        # they are recomputed: the same values, for the same request; harmless)
         self._stop_receiving(request_id)
         self._reserved.pop(request_id, None)
         self.scheduler.remote.pop(request_id, None)
@@ -435,6 +445,8 @@ class LLMEngine:
         for rid in gone:
             self._reserved.pop(rid, None)
             self.abort_request(rid)
+        if self.block_manager.fenced:
+            self.block_manager.release_fenced(time.monotonic())
         return gone
 
     def abort_request(self, request_id: str) -> bool:
@@ -446,19 +458,28 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         seq.finish_reason = FinishReason.ABORT
-        self._stop_receiving(request_id)  # before _finish frees the blocks
+        fence = self._stop_receiving(request_id)  # before _finish frees the blocks
         self._reserved.pop(request_id, None)
         if self.bridge is not None:  # a prefill cut short: its KV transfer ends here too
             self.bridge.abort(request_id, "the request was aborted on the prefill worker")
+        if fence:
+            self.block_manager.fence(request_id, fence)  # _finish then frees nothing
         self._finish(seq)
         return True
 
-    def _stop_receiving(self, request_id: str) -> None:
-        """No more KV may land in this reservation's blocks: when this returns, the receiver
-        has written its last byte there (it drops the rest of a frame on its way)."""
+    def _stop_receiving(self, request_id: str) -> float:
+        """No more KV may land in this reservation's blocks through the receiver: when this
+        returns, it has written its last byte there (it drops the rest of a frame on its way).
+        A sender that writes into them itself (shared memory, NIXL) is not stopped by it:
+        returns until when (monotonic) the blocks must stay fenced, 0 if they need not."""
         receiver = self._receivers.pop(request_id, None)
-        if receiver is not None:
-            receiver.cancel(request_id)
+        until = self._in_place.pop(request_id, 0.0)
+        if receiver is None:
+            return 0.0
+        if until and receiver.is_complete(request_id):
+            until = 0.0  # all its KV is in: the sender has nothing more to write
+        receiver.cancel(request_id)
+        return until if until > time.monotonic() else 0.0
 
     def has_unfinished_requests(self) -> bool:
         if self.scheduler.has_unfinished():
@@ -592,6 +613,7 @@ class LLMEngine:
             self.drafter.forget(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
         self._receivers.pop(seq.seq_id, None)
+        self._in_place.pop(seq.seq_id, None)
         # keep finished sequences out of the table so ids can be reused and memory stays flat
         self.seqs.pop(seq.seq_id, None)
 
@@ -671,6 +693,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": bm.usage,
             "num_free_blocks": bm.num_free_blocks,
+            "num_fenced_blocks": bm.num_fenced_blocks,  # given up, held from a sender that may write
             "num_blocks": bm.num_blocks,
             "prefix_cache_queries_tokens": bm.stats.queries_tokens,
             "prefix_cache_hits_tokens": bm.stats.hits_tokens,

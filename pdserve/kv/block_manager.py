@@ -69,6 +69,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, Block] = {}  # block hash -> block holding that prefix
         self.seqs: dict[str, SeqBlocks] = {}
+        self.fenced: list[tuple[float, SeqBlocks]] = []  # (free at, blocks) held back by `fence`
         self.stats = PrefixCacheStats()
         self.record_events = record_events
         self.events: list[KVEvent] = []
@@ -196,8 +197,35 @@ class BlockManager:
         """Release a sequence's blocks. Tail blocks go to the LRU head first, so a
         shared prefix outlives the unique suffixes built on it."""
         sb = self.seqs.pop(seq_id, None)
-        if sb is None:
-            return
+        if sb is not None:
+            self._release(sb)
+
+    def fence(self, seq_id: str, until: float) -> int:
+        """Take a sequence's blocks away from it without freeing them until the monotonic
+        time `until` (`release_fenced`): another process may still write into them (a prefill
+        worker that writes KV into this cache itself, until its lease runs out), so no other
+        request may have them before then. Returns how many blocks it fenced."""
+        sb = self.seqs.pop(seq_id, None)
+        if sb is None or not sb.blocks:
+            return 0
+        self.fenced.append((until, sb))
+        return len(sb.blocks)
+
+    def release_fenced(self, now: float) -> int:
+        """Free the fenced blocks whose time has come; returns how many were freed."""
+        due = [sb for until, sb in self.fenced if until <= now]
+        if not due:
+            return 0
+        self.fenced = [(until, sb) for until, sb in self.fenced if until > now]
+        for sb in due:
+            self._release(sb)
+        return sum(len(sb.blocks) for sb in due)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(sb.blocks) for _, sb in self.fenced)
+
+    def _release(self, sb: SeqBlocks) -> None:
         for b in reversed(sb.blocks):
             b.ref_cnt -= 1
             if b.ref_cnt == 0:

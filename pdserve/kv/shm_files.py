@@ -85,6 +85,42 @@ def sweep_stale_kv_files(directory: str) -> list[str]:
     return removed
 
 
+def owner_listens_on(path: str, port: int) -> bool:
+    """Whether the process a KV cache file is named after (`pdserve-kv-<pid>-...`) holds a
+    socket listening on `port`: read from /proc (that process's own network namespace, and its
+    descriptors), so a receiver cannot claim another process's cache files as its own."""
+    m = _NAME.match(os.path.basename(path))
+    if not m:
+        return False
+    pid = m.group(1)
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f, None)  # the column names
+                for line in f:
+                    cols = line.split()
+                    # local address "HEX_IP:HEX_PORT", state 0A = LISTEN, inode in column 10
+                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(cols[9])
+        except (OSError, ValueError):
+            continue
+    if not inodes:
+        return False
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -229,7 +229,14 @@ class _Collector:
             ("pdserve:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
             ("pdserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_usage"),
             ("pdserve:kv_cache_free_blocks", "KV-cache blocks free or evictable.", "num_free_blocks"),
+            (
+                "pdserve:kv_cache_fenced_blocks",
+                "KV-cache blocks given up but held until a prefill worker that writes into them may no longer.",
+                "num_fenced_blocks",
+            ),
         ):
+            if key not in s:  # a stats dict from before the field (the simulator's, a router's)
+                continue
             g = GaugeMetricFamily(metric, doc, labels=["model_name"])
             g.add_metric([name], s[key])
             yield g

@@ -29,6 +29,13 @@ class KVTransferError(RuntimeError):
     """A transfer failed: peer gone, connection cut, deadline passed, bad frame."""
 
 
+# A decode worker keeps blocks it gave up (an abort, an expired lease, a recompute) out of use
+# this long past the lease of a sender that may write into them itself (shared memory, NIXL):
+# that sender stops at its lease's end, counted from later than the reservation by the
+# destination's trip through the router.
+IN_PLACE_FENCE_MARGIN_S = 5.0
+
+
 @dataclass
 class KVDestination:
     """What a decode worker answers when it reserves room for a request's KV."""
@@ -47,6 +54,19 @@ class KVDestination:
     # when the receiver may free the blocks (its lease, wall clock; 0: not said): a sender that
     # writes into them itself (shared memory, NIXL) stops short of it, and the transfer fails
     expires_unix: float = 0.0
+    # the same lease in seconds from the reservation (0: not said): the sender counts it from
+    # when the destination reached it too (`localize_lease`), so a clock behind the receiver's
+    # cannot stretch it
+    lease_s: float = 0.0
+
+    def localize_lease(self, now_unix: float) -> None:
+        """On the sender, as the destination arrives: `expires_unix` no later than `lease_s` from
+        now by this host's clock. The receiver fences blocks it gave up till its own lease's end
+        plus IN_PLACE_FENCE_MARGIN_S, so a sender that writes in place never outlives them by
+        clock skew, only by the destination's trip here (well under the margin)."""
+        if self.lease_s > 0:
+            local = now_unix + self.lease_s
+            self.expires_unix = min(self.expires_unix, local) if self.expires_unix else local
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

@@ -72,6 +72,11 @@ WRITES_IN_FLIGHT = int(os.environ.get("PDSERVE_NIXL_WRITES_IN_FLIGHT", "2"))
 # An agent's metadata (its UCX addresses and the registered cache's keys) is a few KiB;
 # a receiver's answer larger than this is refused unread.
 MAX_METADATA_BYTES = 16 << 20
+# A receiver's metadata is fetched on the engine thread as its first transfer begins: a receiver
+# that is stopped or cut off stalls every stream at most this long (connect, then each read), and
+# its next transfers fail at once for METADATA_RETRY_S instead of stalling again.
+METADATA_TIMEOUT_S = 3.0
+METADATA_RETRY_S = 10.0
 _agent_lock = threading.Lock()
 
 
@@ -214,19 +219,32 @@ class NixlKVSender(TcpKVSender):
         self._posted = 0  # transfers in flight
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int], list] = {}  # (address, bytes) -> [registration, users]
+        self._remote_failed: dict[str, tuple[float, str]] = {}  # address -> (ask again after, why)
         self.nixl_bytes = 0
         self.nixl_fallbacks = 0
         self.nixl_transfers = 0  # posted; fewer than layers when queued layers went together
 
     def begin(self, dest, num_layers):
         if dest.address not in self._remotes:
-            self._remotes[dest.address] = self._fetch_remote(dest.address)
+            # on the engine thread, which every running stream waits on: a receiver that did not
+            # answer is not asked again for a while (its requests fail at once, and recompute)
+            failed = self._remote_failed.get(dest.address)
+            if failed is not None and time.monotonic() < failed[0]:
+                raise KVTransferError(f"{failed[1]} (not asked again for {METADATA_RETRY_S:.0f} s)")
+            try:
+                self._remotes[dest.address] = self._fetch_remote(dest.address)
+            except KVTransferError as e:
+                if len(self._remote_failed) >= 1024:
+                    del self._remote_failed[next(iter(self._remote_failed))]
+                self._remote_failed[dest.address] = (time.monotonic() + METADATA_RETRY_S, str(e))
+                raise
+            self._remote_failed.pop(dest.address, None)
         super().begin(dest, num_layers)
 
     def _fetch_remote(self, address: str) -> _Remote:
         try:
-            with socket.create_connection(_host_port(address), timeout=10) as s:
-                auth.kv_connect(s, self.secret)
+            with socket.create_connection(_host_port(address), timeout=METADATA_TIMEOUT_S) as s:
+                auth.kv_connect(s, self.secret, METADATA_TIMEOUT_S)
                 wire.send_frame(s, {"op": "nixl_md"})
                 h = wire.recv_header(s, max_payload=MAX_METADATA_BYTES)
                 if not h or h.get("op") != "nixl_md":

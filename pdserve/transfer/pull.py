@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
 
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVSender, KVTransferError
-from pdserve.transfer.sender import _Outgoing, abandon, settle
+from pdserve.transfer.sender import SEND_STALL_S, _Outgoing, abandon, settle
 
 log = logging.getLogger("pdserve.transfer")
 
@@ -30,6 +31,8 @@ log = logging.getLogger("pdserve.transfer")
 # takes: this bounds the threads authenticated pullers can make a prefill worker hold, well
 # above what its decode workers pull at once (their running sequences).
 MAX_PULL_CONNECTIONS = 512
+# An authenticated puller must name its transfer, and acknowledge it once streamed, within this.
+PULL_WAIT_S = 30.0
 
 
 class PullKVExporter(KVSender):
@@ -66,8 +69,10 @@ class PullKVExporter(KVSender):
         t = _Outgoing(dest)
         t.stats.started_s = time.monotonic()
         with self._cv:
+            # transfers whose wait never came (the prefill failed before it): only finished ones,
+            # a prompt queued or computing for longer than the lease still streams its layers
             for tid, old in list(self._transfers.items()):
-                if t.stats.started_s - old.stats.started_s > self.lease_s:
+                if old.finished and t.stats.started_s - old.stats.started_s > self.lease_s:
                     del self._transfers[tid]
             self._transfers[dest.transfer_id] = t
             self._cv.notify_all()
@@ -92,6 +97,9 @@ class PullKVExporter(KVSender):
         ok = t.acked.wait(timeout_s)
         with self._cv:
             self._transfers.pop(transfer_id, None)
+            if not ok:  # a pull still streaming it tells its puller and ends
+                t.error, t.finished = t.error or f"{transfer_id}: the prefill worker gave up waiting for the pull", True
+                self._cv.notify_all()
         return settle(t, ok, f"{transfer_id}: nobody pulled the KV within {timeout_s}s")
 
     def abort(self, transfer_id, reason):
@@ -123,14 +131,19 @@ class PullKVExporter(KVSender):
     # ---- serving pulls
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # a puller that stops reading (hung, cut off, its host gone without a FIN) fails the send
+        # instead of holding this thread and the transfer's frames forever (per send call, as the
+        # push sender's: a slow link that moves some bytes is not cut)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_STALL_S), 0))
         tid = None
         try:
-            h = wire.recv_header(sock, max_payload=0)
+            h = wire.recv_header_within(sock, PULL_WAIT_S, SEND_STALL_S, max_payload=0)
             if h is None:
                 return
             if h.get("op") != "pull":
                 raise wire.FrameError(f"expected a pull request, got {str(h)[:100]}")
             tid = str(h.get("tid"))
+            sock.settimeout(None)  # sends are bounded per call by SO_SNDTIMEO, not as a whole
             t = self._await_transfer(tid)
             if t is None:
                 reason = self._aborted.get(tid, "no such transfer here")
@@ -138,8 +151,11 @@ class PullKVExporter(KVSender):
                 return
             if not self._stream(sock, t):
                 return  # aborted: the puller was told
-            ack = wire.recv_header(sock, max_payload=0)
-            if ack and ack.get("op") == "ack" and ack.get("ok"):
+            try:  # the puller acknowledges once the frames it read landed: moments, not minutes
+                ack = wire.recv_header_within(sock, PULL_WAIT_S, SEND_STALL_S, max_payload=0)
+            except OSError as e:  # wire.IdleTimeout and TimeoutError included
+                ack = f"no acknowledgement ({e or type(e).__name__})"
+            if isinstance(ack, dict) and ack.get("op") == "ack" and ack.get("ok"):
                 t.acked.set()
             else:
                 t.error = f"{tid}: puller refused: {ack}"
@@ -167,8 +183,10 @@ class PullKVExporter(KVSender):
         sent = 0
         while True:
             with self._cv:
-                while sent == len(t.frames) and not t.finished:
+                while sent == len(t.frames) and not t.finished and not self._closed:
                     self._cv.wait(1.0)
+                if self._closed and not t.finished:
+                    t.error = t.error or "the KV exporter closed"
                 batch = t.frames[sent:]
                 finished, error = t.finished, t.error
             if error:

@@ -29,7 +29,7 @@ import torch
 
 from pdserve import auth
 from pdserve.faults import KV_FAULTS, FaultSet
-from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file, shm_files_digest
+from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file, owner_listens_on, shm_files_digest
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
@@ -462,6 +462,11 @@ class ShmKVSender(TcpKVSender):
             raise KVFileRefused(f"the receiver at {dest.address} could not be asked for its cache files: {e}") from None
         if not reply or reply.get("digest") != shm_files_digest(list(dest.shm_paths)):
             raise KVFileRefused(f"the receiver at {dest.address} does not name these cache files as its own")
+        # the answer is the receiver's word: the files' own process must also hold its port
+        if not owner_listens_on(dest.shm_paths[0], _host_port(dest.address)[1]):
+            raise KVFileRefused(
+                f"the process these cache files are named after does not listen on {dest.address}'s port"
+            )
 
     def begin(self, dest, num_layers):
         try:

@@ -112,6 +112,8 @@ class WorkerApi:
     # ---- prefill role
     async def prefill(self, b: PrefillRequest, request: Request) -> StreamingResponse:
         dest = KVDestination(**b.kv_destination.model_dump()) if b.kv_destination else None
+        if dest is not None:
+            dest.localize_lease(time.time())  # this host's clock, whatever the decode worker's says
         params = dataclasses.replace(_params(b.params), max_tokens=1, min_tokens=0)
         if self._faults:
             await self._faults.before_prefill()

@@ -107,6 +107,62 @@ def test_shm_push_matches_collocated(tiny_model_dir, reference, layerwise):
         p.bridge.sender.close()
 
 
+def test_blocks_given_up_stay_fenced_from_a_sender_that_writes_in_place(tiny_model_dir, reference):
+    """The decode worker gives up a reservation (the client left, its lease ran out) while the
+    prefill worker, which writes into the decode cache itself, has not stopped yet: the blocks
+    must not go to the next request before that sender's lease is over. Here the late writes
+    come after the next request's KV landed, where they would overwrite it if it held them."""
+    import time
+
+    ref, tok = reference
+    p = make(tiny_model_dir)
+    d = make(tiny_model_dir, kv_cache_shm_dir="/dev/shm")
+    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm", secret=SECRET, shm_paths=d.runner.kv_shm_paths)
+    p.bridge = PrefillBridge(ShmKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    try:
+        a_ids, b_ids = tok.encode(PROMPTS[2]), tok.encode(PROMPTS[0])
+        a = d.reserve_for_transfer("a", a_ids, params, receiver, deadline_s=30)
+        assert a.lease_s == 30 and a.shm_paths
+        d.abort_request("a")  # the router gave up on "a"; its prefill worker has not heard yet
+        fenced = d.block_manager.num_fenced_blocks
+        assert fenced == len(a.block_ids)
+        assert d.num_free_blocks == d.block_manager.num_blocks - fenced
+        b = d.reserve_for_transfer("b", b_ids, params, receiver, deadline_s=30)
+        assert not set(a.block_ids) & set(b.block_ids)
+        p.add_request("b", b_ids, one, kv_destination=b)
+        first = run_until_done(p, "b")[-1].outputs[0].token_ids[0]
+        p.bridge.sender.wait_for_save("b", timeout_s=30)
+        receiver.wait_for_all("b", timeout_s=30)
+        p.add_request("a", a_ids, one, kv_destination=a)  # the late prefill writes "a"'s KV in place
+        run_until_done(p, "a")
+        d.activate_transferred("b", first, kv_complete=True)
+        assert run_until_done(d, "b")[-1].outputs[0].token_ids == ref[PROMPTS[0]]
+        assert d.expire_reservations() == [] and d.block_manager.num_fenced_blocks == fenced  # not yet
+        d.block_manager.release_fenced(time.monotonic() + 30 + 5)  # the lease and the margin are over
+        assert d.num_free_blocks == d.block_manager.num_blocks
+    finally:
+        receiver.close()
+        p.bridge.sender.close()
+
+
+def test_the_sender_counts_the_lease_by_its_own_clock():
+    """A destination whose wall-clock expiry a skewed clock would stretch: the sender takes the
+    earlier of it and the lease counted from the destination's arrival."""
+    from pdserve.transfer.connector import KVDestination
+
+    dest = KVDestination("t", "shm://x:1", [0], 4, expires_unix=1_000_300.0, lease_s=30.0)
+    dest.localize_lease(now_unix=1_000_000.0)  # this host's clock runs 270 s behind the receiver's
+    assert dest.expires_unix == 1_000_030.0
+    dest = KVDestination("t", "shm://x:1", [0], 4, expires_unix=1_000_010.0, lease_s=30.0)
+    dest.localize_lease(now_unix=1_000_000.0)  # ahead of it: the receiver's expiry comes first
+    assert dest.expires_unix == 1_000_010.0
+    old = KVDestination("t", "shm://x:1", [0], 4, expires_unix=5.0)  # from a worker that says no lease_s
+    old.localize_lease(now_unix=1_000_000.0)
+    assert old.expires_unix == 5.0
+
+
 def test_nixl_push_matches_collocated(tiny_model_dir, reference):
     """NIXL WRITE into a decode engine with another block size; incremental on the repeat."""
     pytest.importorskip("nixl_cu12")

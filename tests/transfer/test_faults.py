@@ -51,7 +51,15 @@ def run_request(c: Cluster) -> str:
 
 
 def assert_no_leaks(c: Cluster):
-    for name, s in c.wait_idle().items():
+    """Nothing runs and every block is free again: blocks fenced from a prefill worker that
+    writes in place (shared memory) come back once its lease (short here) and 5 s are over."""
+    deadline = time.monotonic() + 20
+    while True:
+        states = c.wait_idle()
+        if all(s["num_fenced_blocks"] == 0 for s in states.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for name, s in states.items():
         assert s["num_running"] == 0 and s["num_waiting"] == 0, name
         assert s["num_free_blocks"] == s["num_blocks"], f"{name} leaked blocks: {s}"
 
@@ -176,7 +184,9 @@ def test_reservation_lease_expires(sharp_model_dir):
 
 def test_a_decode_whose_router_goes_away_while_its_kv_is_on_the_way_frees_its_blocks(sharp_model_dir):
     """The router died (here: its connection closes) while the decode waited for KV that will
-    never come: the blocks are freed at once, not when the 60 s lease runs out."""
+    never come: the request lets go of its blocks at once, not when the 60 s lease runs out.
+    (They are fenced till then, not free: a prefill worker writing into this shared-memory
+    cache may not have heard yet; test_bridge_engine shows what a late write would do.)"""
     with Cluster(sharp_model_dir, worker_args=ENGINE) as c:
         d = c.worker("decode0")
         r = c.http.post(
@@ -198,6 +208,8 @@ def test_a_decode_whose_router_goes_away_while_its_kv_is_on_the_way_frees_its_bl
                 timeout=httpx.Timeout(5.0, read=1.0),
             )
         deadline = time.monotonic() + 10
-        while (s := c.worker_state("decode0")["stats"])["num_free_blocks"] != s["num_blocks"]:
+        while (s := c.worker_state("decode0")["stats"])["num_free_blocks"] + s["num_fenced_blocks"] != s[
+            "num_blocks"
+        ] or not s["num_fenced_blocks"]:
             assert time.monotonic() < deadline, "the blocks stayed reserved for a decode nobody reads"
             time.sleep(0.2)

@@ -13,7 +13,7 @@ import torch
 from pdserve import auth
 from pdserve.kv.shm_files import new_kv_paths
 from pdserve.transfer import wire
-from pdserve.transfer.connector import KVDestination
+from pdserve.transfer.connector import KVDestination, KVTransferError
 from pdserve.transfer.pull import PullKVExporter
 from pdserve.transfer.receiver import KVReceiverServer
 from pdserve.transfer.sender import ShmKVSender, TcpKVSender, destination_slots, map_shared_cache
@@ -362,3 +362,92 @@ def test_malformed_notices_close_their_connection_only(shm_paths):
     assert not rx.is_complete("t1")
     stats, _ = _shm_transfer(shm_paths, ShmKVSender(notice_gap_s=60, secret=SECRET), rx=rx, kv=kv)
     assert stats.layers == LAYERS
+
+
+def _wait(cond, timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_pull_exporter_lets_go_of_silent_and_abandoned_pullers(monkeypatch):
+    """An authenticated puller that never names its transfer, or one whose transfer the prefill
+    worker gave up on, does not hold an exporter thread (and the transfer's frames) forever."""
+    import pdserve.transfer.pull as pull
+
+    monkeypatch.setattr(pull, "PULL_WAIT_S", 0.5)
+    exporter = PullKVExporter(secret=SECRET)
+    host, port = exporter.address.removeprefix("tcp://").rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=5)
+    auth.kv_connect(silent, SECRET)
+    _wait(lambda: exporter._listener.active == 1)
+    _wait(lambda: exporter._listener.active == 0)  # no pull request within PULL_WAIT_S
+    silent.close()
+
+    dest = KVDestination("t1", "tcp://127.0.0.1:1", LAYOUTS["consecutive"], BLOCK, 0, 30, pull=True)
+    exporter.begin(dest, LAYERS)
+    exporter.save_layer("t1", 0, 0, torch.randn(30, HEADS, DIM), torch.randn(30, HEADS, DIM))
+    puller = socket.create_connection((host, int(port)), timeout=5)
+    auth.kv_connect(puller, SECRET)
+    wire.send_frame(puller, {"op": "pull", "tid": "t1"})
+    first = wire.recv_header(puller)
+    assert first["op"] == "layer"
+    wire.recv_exact(puller, memoryview(bytearray(first["nbytes"])))
+    with pytest.raises(KVTransferError, match="nobody pulled"):
+        exporter.wait_for_save("t1", timeout_s=0.2)  # the prefill worker gives up on it
+    end = wire.recv_header(puller)
+    assert end["op"] == "abort" and "gave up" in end["reason"]
+    _wait(lambda: exporter._listener.active == 0)
+    puller.close()
+    exporter.close()
+
+
+def test_pull_exporter_lease_keeps_transfers_still_streaming():
+    """The lease drops transfers nobody waited for, only once finished: a prompt that computes for
+    longer than the lease keeps its transfer (it once lost it and its layers raised KeyError)."""
+    import time
+
+    exporter = PullKVExporter(secret=SECRET, lease_s=0.05)
+    try:
+        exporter.begin(KVDestination("long", "tcp://127.0.0.1:1", LAYOUTS["consecutive"], BLOCK, 0, 30), LAYERS)
+        exporter.begin(KVDestination("done", "tcp://127.0.0.1:1", LAYOUTS["consecutive"], BLOCK, 0, 30), LAYERS)
+        exporter.finish("done")
+        time.sleep(0.1)
+        exporter.begin(KVDestination("next", "tcp://127.0.0.1:1", LAYOUTS["consecutive"], BLOCK, 0, 30), LAYERS)
+        assert set(exporter._transfers) == {"long", "next"}
+        exporter.save_layer("long", 0, 0, torch.randn(30, HEADS, DIM), torch.randn(30, HEADS, DIM))
+    finally:
+        exporter.close()
+
+
+def test_nixl_receiver_that_does_not_answer_stalls_the_engine_thread_once(monkeypatch):
+    """The metadata fetch runs on the prefill worker's engine thread: a receiver that accepts and
+    never answers (stopped, cut off) costs METADATA_TIMEOUT_S once, then fails its transfers at
+    once for METADATA_RETRY_S."""
+    import time
+
+    pytest.importorskip("nixl_cu12")
+    import pdserve.transfer.nixl as nixl
+    from pdserve.transfer.nixl import NixlKVSender
+
+    monkeypatch.setattr(nixl, "METADATA_TIMEOUT_S", 0.5)
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # the kernel accepts; nothing ever answers the handshake
+    sender = NixlKVSender(secret=SECRET)
+    dest = KVDestination("t1", f"nixl://127.0.0.1:{mute.getsockname()[1]}", LAYOUTS["consecutive"], BLOCK, 0, 30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match="did not complete authentication in time"):
+            sender.begin(dest, LAYERS)
+        assert 0.4 < time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match="not asked again"):
+            sender.begin(KVDestination("t2", dest.address, dest.block_ids, BLOCK, 0, 30), LAYERS)
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        sender.close()
+        mute.close()

@@ -166,6 +166,33 @@ def test_only_the_named_receivers_own_files_of_this_cluster_are_written(cache_di
         theirs.close()
 
 
+def test_a_receiver_of_this_cluster_cannot_claim_another_processs_cache_files(cache_dir, receiver):
+    """A process holding the cluster secret that names another process's cache files as its own
+    (another deployment's decode worker on this host, say): its word is not enough, the files'
+    own process must hold the receiver's listening socket."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = [os.path.join(cache_dir, f"pdserve-kv-{child.pid}-0badc0de-{i // 2}{'kv'[i % 2]}")
+                  for i in range(2 * LAYERS)]  # fmt: skip
+        map_shared_cache(theirs, SHAPE, "float32")
+        liar = KVReceiverServer(receiver.kv_caches, scheme="shm", secret=SECRET, shm_paths=theirs)
+        sender = ShmKVSender(secret=SECRET, shm_dir=cache_dir)
+        try:
+            assert "does not listen on" in _refusal(sender, _shm_dest(liar.address, theirs))
+            assert sender.caches_for(_shm_dest(receiver.address, receiver.paths), LAYERS)  # the honest one
+        finally:
+            sender.close()
+            liar.close()
+    finally:
+        child.kill()
+        child.wait()
+        for p in theirs:
+            os.unlink(p)
+
+
 def test_auto_sender_sends_over_tcp_what_it_will_not_write_in_place(cache_dir, tmp_path, caplog):
     kv = [(torch.zeros(SHAPE), torch.zeros(SHAPE)) for _ in range(LAYERS)]
     rx = KVReceiverServer(kv, scheme="tcp", secret=SECRET)
