@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -220,6 +221,8 @@ def _checked(head: bytes, data, fingerprint: str, block_hash: int, token_ids, sh
         meta = json.loads(head)
     except ValueError as e:
         raise BadBlock("corrupt", f"header is not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise BadBlock("corrupt", "header is not a JSON object")
     want_dtype = str(dtype).removeprefix("torch.")
     for field, want in (
         ("model", fingerprint),
@@ -230,8 +233,8 @@ def _checked(head: bytes, data, fingerprint: str, block_hash: int, token_ids, sh
     ):
         if meta.get(field) != want:
             raise BadBlock("foreign", f"{field} differs from this worker's")
-    if meta.get("nbytes") != len(data):
-        raise BadBlock("corrupt", "data length differs from the header's")
+    if meta.get("nbytes") != len(data) or len(data) != math.prod(shape) * dtype.itemsize:
+        raise BadBlock("corrupt", "data length differs from the header's or the block's shape")
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return flat.view(dtype).view(shape)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from pdserve.kvstore.tier import KVTier
 log = logging.getLogger("pdserve.kvstore")
 
 SUFFIX = ".kvblock"
+LOCK_WAIT_S = 15.0  # how long a new tier waits for the directory's previous user to let go
 _KEY = re.compile(r"^[0-9a-f]{1,64}-[0-9a-f]{1,64}$")  # model fingerprint - block hash: no path tricks
 
 
@@ -39,7 +41,7 @@ class DiskTier(KVTier):
             raise ValueError("the disk tier needs a positive --kv-disk-bytes")
         self.directory = os.path.abspath(directory)
         self.capacity_bytes = capacity_bytes
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        self._lock_fd = _own_directory(self.directory)
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self._writing: dict[str, int] = {}  # key -> size of blocks being written (not readable yet)
         self.used_bytes = 0  # both of the above
@@ -59,8 +61,12 @@ class DiskTier(KVTier):
             for e in it:
                 if e.name.endswith(".tmp"):
                     _unlink(e.path)  # a write a crash interrupted
-                elif e.name.endswith(SUFFIX) and _KEY.match(e.name[: -len(SUFFIX)]) and e.is_file():
-                    st = e.stat()
+                elif (
+                    e.name.endswith(SUFFIX)
+                    and _KEY.match(e.name[: -len(SUFFIX)])
+                    and e.is_file(follow_symlinks=False)  # a link could lead anywhere: never read
+                ):
+                    st = e.stat(follow_symlinks=False)
                     found.append((st.st_mtime, e.name[: -len(SUFFIX)], st.st_size))
         for _, key, size in sorted(found):
             self._files[key] = size
@@ -99,12 +105,12 @@ class DiskTier(KVTier):
 
     def get(self, key: str) -> bytes | None:
         with self.lock:
-            if key not in self._files:
+            size = self._files.get(key)
+            if size is None:
                 return None
             self._files.move_to_end(key)
         try:
-            with open(self._path(key), "rb") as f:
-                data = f.read()
+            data = _read_regular(self._path(key), size)
         except OSError as e:
             log.warning("disk KV tier: cannot read %s: %s", key, e)
             self.forget(key, error=True)
@@ -115,13 +121,13 @@ class DiskTier(KVTier):
 
     def forget(self, key: str, error: bool = False) -> None:
         """Drop a block (it proved corrupt or unreadable)."""
-        with self.lock:
+        with self.lock:  # the unlink too: a put of the same key may rename its new file in after
             size = self._files.pop(key, None)
             if size is not None:
                 self.used_bytes -= size
                 if error:  # (not when a concurrent write evicted it meanwhile)
                     self.stats.errors += 1
-        _unlink(self._path(key))
+                _unlink(self._path(key))
 
     def put(self, key: str, data: bytes) -> bool:
         if not _KEY.match(key) or len(data) > self.capacity_bytes:
@@ -192,8 +198,66 @@ class DiskTier(KVTier):
             return
         self._write_failing, self._failure_logged_at, self._failed_unlogged = True, now, 0
 
+    def close(self) -> None:
+        """Let go of the directory (its files stay, for the next worker that takes it)."""
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)  # releases the lock
+
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _own_directory(directory: str) -> int:
+    """Make the tier's directory, or take an existing one, as this user's alone (mode 0700; one
+    another user owns is refused: they could plant blocks), and hold its lock file for the life
+    of the process, so that two workers never share one directory (each would delete the
+    other's writes in progress at start and evict the other's blocks). Returns the lock's fd."""
+    import fcntl
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"the disk KV tier directory {directory} belongs to another user (uid {st.st_uid})")
+    if st.st_mode & 0o077:
+        os.chmod(directory, 0o700)  # os.makedirs leaves an existing directory's mode as it was
+    fd = os.open(os.path.join(directory, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise ValueError(
+                    f"the disk KV tier directory {directory} is in use by another process (give each worker "
+                    "its own --kv-disk-dir)"
+                ) from None
+            time.sleep(0.2)  # a worker that is restarting over its old self, whose close writes down
+
+
+def _read_regular(path: str, size: int) -> bytes:
+    """The `size` bytes of the regular file at `path`, not through a symbolic link and without
+    blocking on something else put there (a FIFO); OSError when it is not that file any more."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise OSError(f"{path} is no longer the {size}-byte block file written here")
+        chunks, left = [], size
+        while left > 0:  # one read returns at most ~2 GiB, and may return less
+            more = os.read(fd, min(left, 1 << 30))
+            if not more:
+                break
+            chunks.append(more)
+            left -= len(more)
+        data = b"".join(chunks)
+        if len(data) != size:
+            raise OSError(f"{path} changed size while it was read")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

@@ -107,6 +107,7 @@ class MooncakeTier(KVTier):
         local_hostname: str = "127.0.0.1",
         max_object_bytes: int | None = None,
         call_timeout_s: float = 1.0,
+        query_timeout_s: float = 0.1,
         setup_timeout_s: float = 5.0,
         probe_interval_s: float = 1.0,
         reconnect_interval_s: float = 2.0,
@@ -128,6 +129,7 @@ class MooncakeTier(KVTier):
         # a value is staged whole in the local buffer: anything larger is refused by the client
         self.max_object_bytes = min(max_object_bytes or local_buffer_bytes, local_buffer_bytes)
         self.call_timeout_s = call_timeout_s
+        self.query_timeout_s = query_timeout_s  # the engine thread's prefix query (count_prefix_now)
         self.setup_timeout_s = setup_timeout_s
         self.probe_interval_s = probe_interval_s
         self.reconnect_interval_s = reconnect_interval_s
@@ -209,18 +211,37 @@ class MooncakeTier(KVTier):
         if not keys:
             return 0
         with self.lock:
-            found = self._call(lambda: self._store.batch_is_exist(list(keys)), None)
-            if found is None:
+            return self._prefix_of(self._call(lambda: self._store.batch_is_exist(list(keys)), None))
+
+    def _prefix_of(self, found) -> int:
+        """Under the lock: how many of a batch_is_exist answer's keys, from the first, exist."""
+        if found is None:
+            return 0
+        n = 0
+        for rc in found:
+            if rc != 1:
+                if rc < 0:
+                    self._note_rc(rc)
+                    self.stats.errors += 1
+                break
+            n += 1
+        return n
+
+    def count_prefix_now(self, keys: list[str]) -> int:
+        """`count_prefix` for the engine thread: 0 unless a client is up, and at most
+        `query_timeout_s` for the saver's or loader's call in progress to end (against a healthy
+        master a put takes milliseconds; a slow one holds the lock up to `call_timeout_s`, a
+        connect up to `setup_timeout_s`) and as long again for the answer. A slow or absent
+        master then costs prefix hits, never a stall of every running stream."""
+        if not keys or not self.lock.acquire(timeout=self.query_timeout_s):
+            return 0
+        try:
+            if self._closed or self._store is None or self._stuck is not None or not self._probe_ok:
                 return 0
-            n = 0
-            for rc in found:
-                if rc != 1:
-                    if rc < 0:
-                        self._note_rc(rc)
-                        self.stats.errors += 1
-                    break
-                n += 1
-            return n
+            store = self._store  # straight to the client: _ready() may probe the master
+            return self._prefix_of(self._submit(lambda: store.batch_is_exist(list(keys)), None, self.query_timeout_s))
+        finally:
+            self.lock.release()
 
     def healthy(self) -> bool:
         with self.lock:
@@ -252,9 +273,13 @@ class MooncakeTier(KVTier):
         if not self._ready():
             self.stats.errors += 1
             return default
+        return self._submit(fn, default, self.call_timeout_s)
+
+    def _submit(self, fn: Callable, default, timeout_s: float):
+        """Under the lock, with a client up: run `fn` on the helper thread, at most `timeout_s`."""
         fut = self._worker.submit(fn)
         try:
-            return fut.result(timeout=self.call_timeout_s)
+            return fut.result(timeout=timeout_s)
         except FutureTimeout:
             # the master probably just died: skip calls until the blocked one returns
             self._stuck, self._stuck_since, self._stuck_setup = fut, time.monotonic(), False

@@ -125,9 +125,9 @@ class TieredKVStore:
         # while its newer ones are still in host memory, or still on their way to either
         while n < len(keys) and (keys[n] in self._unsaved or any(t.contains(keys[n]) for t in self.local)):
             n += 1
-        for tier in self.shared:
-            if n < len(keys) and tier.healthy():
-                n += tier.count_prefix([codec.shared_key(self.fingerprint, h, self.secret) for h in hashes[n:]])
+        for tier in self.shared:  # never waits on the network: the engine thread asks
+            if n < len(keys):
+                n += tier.count_prefix_now([codec.shared_key(self.fingerprint, h, self.secret) for h in hashes[n:]])
         self.queried_blocks += len(keys)
         self.hit_blocks += n
         return n

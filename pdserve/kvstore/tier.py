@@ -72,6 +72,11 @@ class KVTier(abc.ABC):
             n += 1
         return n
 
+    def count_prefix_now(self, keys: list[str]) -> int:
+        """`count_prefix` for the engine thread, which every running stream waits on: a tier
+        behind a network answers at once, from what it knows, or not at all (0)."""
+        return self.count_prefix(keys) if self.healthy() else 0
+
     def healthy(self) -> bool:
         """False while the backend is unreachable (the shared store's master is down) or refuses
         writes (the disk is full)."""

@@ -240,6 +240,44 @@ def test_a_blocking_client_call_is_abandoned_after_the_timeout():
         t.close()
 
 
+class _SlowQueryClient(_SlowClient):
+    def batch_is_exist(self, keys):
+        time.sleep(self.block_s)
+        return [1] * len(keys)
+
+
+def test_the_engine_threads_prefix_query_never_waits_on_the_store(master):
+    """The scheduler asks the shared tier for prefix hits on the engine thread, which every running
+    stream waits on: it waits at most query_timeout_s for another call holding the client and as
+    long for a slow answer (then: no hit), and answers at once while the master is gone."""
+    import threading
+
+    t = _tier(master, call_timeout_s=1.0, query_timeout_s=0.1)
+    try:
+        assert t.put("a", _block(0)) and t.count_prefix_now(["a", "b"]) == 1
+        real, t._store = t._store, _SlowQueryClient(0.8)
+        busy = threading.Thread(target=t.get, args=("a",))  # the loader's call, slow: holds the lock
+        busy.start()
+        time.sleep(0.1)
+        out, took = _timed(t.count_prefix_now, ["a"])
+        assert out == 0 and 0.1 <= took < 0.2  # gave up waiting for the slow call after 0.1 s
+        busy.join()
+        time.sleep(1.0)  # the abandoned get returned: the client is free again
+        assert t.healthy()
+        out, took = _timed(t.count_prefix_now, ["a"])  # a slow answer: given up on after 0.1 s
+        assert out == 0 and 0.1 <= took < 0.3
+        time.sleep(1.0)
+        t._store = real
+        master.kill()
+        down_until = time.monotonic() + 6.0  # through the phase where the client's calls block
+        while time.monotonic() < down_until:
+            out, took = _timed(t.count_prefix_now, ["a"])
+            assert out == 0 and took < 0.3, took
+            t.put("during", _block(1))  # the saver meets the dead master, not the engine thread
+    finally:
+        t.close()
+
+
 class _LostClient(_SlowClient):
     """A client that has lost its master for good: every master call fails."""
 

@@ -58,6 +58,24 @@ def test_codec_refuses_corrupt_truncated_and_foreign_blocks():
         assert e.value.kind == "foreign"
 
 
+def test_codec_a_well_digested_but_malformed_header_is_corrupt():
+    """A header that passes the digest (an unkeyed local tier's can be forged) but is not an object,
+    or whose length fits `nbytes` but not the shape, is a corrupt block (a miss), not a crash."""
+    import json
+    import struct
+
+    def forged(head_obj, data):
+        head = json.dumps(head_obj).encode()
+        prefix = struct.pack("<4sHI", codec.MAGIC, codec.VERSION, len(head))
+        return prefix + head + codec._digest(head, data) + data
+
+    meta = {"model": FP, "hash": f"{7:016x}", "tokens": [1, 2, 3, 4], "dtype": "float32", "shape": SHAPE}
+    for blob in (forged([1, 2], b"\0" * 8), forged({**meta, "nbytes": 8}, b"\0" * 8)):
+        with pytest.raises(codec.BadBlock) as e:
+            codec.decode(blob, FP, 7, (1, 2, 3, 4), SHAPE, torch.float32)
+        assert e.value.kind == "corrupt"
+
+
 def test_sealed_blocks_open_only_for_the_cluster_under_their_own_name():
     """The shared store's blocks: encrypted and authenticated with the cluster secret, bound to
     their name; the name itself is keyed (without the secret, no one can tell where a prompt's
@@ -134,15 +152,63 @@ def test_disk_tier_bound_restart_and_leftovers(tmp_path):
     tier = DiskTier(d, 1000)
     for i in range(5):
         assert tier.put(f"{i:x}-0", bytes([i]) * 300)
-    assert tier.used_bytes <= 1000 and len(os.listdir(d)) == 3
+    assert tier.used_bytes <= 1000 and len(_blocks(d)) == 3
     assert tier.get("4-0") == bytes([4]) * 300
     assert not tier.put("../escape-0", b"x") and not os.path.exists(tmp_path / "escape-0.kvblock")
     open(os.path.join(d, ".deadbeef.tmp"), "wb").write(b"half a block")  # a write a crash cut
+    tier.close()
     again = DiskTier(d, 1000)  # a restart finds what was written, and drops the leftover
     assert sorted(again._files) == ["2-0", "3-0", "4-0"] and again.get("3-0") == bytes([3]) * 300
     assert not any(n.endswith(".tmp") for n in os.listdir(d))
+    again.close()
     smaller = DiskTier(d, 650)  # a smaller bound after a restart is kept at once
-    assert smaller.used_bytes <= 650 and len(os.listdir(d)) == 2
+    assert smaller.used_bytes <= 650 and len(_blocks(d)) == 2
+    smaller.close()
+
+
+def _blocks(d):
+    return [n for n in os.listdir(d) if n.endswith(".kvblock")]
+
+
+def test_disk_tier_directory_is_this_workers_alone(tmp_path, monkeypatch):
+    """0700 even when it existed wider; another user's refused; one worker at a time."""
+    import pdserve.kvstore.disk as disk
+
+    d = tmp_path / "kv"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    tier = DiskTier(str(d), 1000)
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    monkeypatch.setattr(disk, "LOCK_WAIT_S", 0.3)
+    with pytest.raises(ValueError, match="in use by another process"):
+        DiskTier(str(d), 1000)  # a second worker given the same --kv-disk-dir
+    tier.close()
+    DiskTier(str(d), 1000).close()  # free again once the first let go
+    if os.geteuid() == 0:
+        other = tmp_path / "theirs"
+        other.mkdir()
+        os.chown(other, 65534, 65534)
+        with pytest.raises(ValueError, match="belongs to another user"):
+            DiskTier(str(other), 1000)
+
+
+def test_disk_tier_reads_only_the_regular_files_it_wrote(tmp_path):
+    """A block name planted as a symbolic link (to /dev/zero: a read without end) or swapped for
+    a FIFO (a read that never returns) is a miss, never read."""
+    d = str(tmp_path / "kv")
+    tier = DiskTier(d, 1 << 20)
+    assert tier.put("1-0", b"x" * 100) and tier.put("2-0", b"y" * 100)
+    os.symlink("/dev/zero", os.path.join(d, "3-0.kvblock"))
+    tier.close()
+    tier = DiskTier(d, 1 << 20)
+    assert sorted(tier._files) == ["1-0", "2-0"]  # the link is not indexed
+    os.unlink(os.path.join(d, "1-0.kvblock"))
+    os.symlink("/dev/zero", os.path.join(d, "1-0.kvblock"))
+    os.unlink(os.path.join(d, "2-0.kvblock"))
+    os.mkfifo(os.path.join(d, "2-0.kvblock"))
+    assert tier.get("1-0") is None and tier.get("2-0") is None  # at once, no hang
+    assert tier.stats.errors == 2 and not tier.contains("1-0") and not tier.contains("2-0")
+    tier.close()
 
 
 @contextlib.contextmanager
