@@ -373,8 +373,11 @@ class TieredKVStore:
             "hit_blocks": self.hit_blocks,
             "dropped_saves": self.dropped_saves,
             "pending_loads": self.pending_loads,
-            # for the router's prefix index: how many blocks the local tiers hold at most
-            "lower_capacity_blocks": sum(getattr(t, "capacity_bytes", 0) for t in self.local)
+            # for the router's prefix index: how many blocks the local tiers hold at most (a disk
+            # that host memory writes through to mirrors it: the larger of the two, not the sum)
+            "lower_capacity_blocks": (max if self._through is not None else sum)(
+                [getattr(t, "capacity_bytes", 0) for t in self.local] or [0]
+            )
             // max(1, self.block_bytes + 512),
             "shared": bool(self.shared),
         }

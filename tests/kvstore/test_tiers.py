@@ -296,6 +296,8 @@ def test_store_finds_a_prefix_split_between_disk_and_host(tmp_path):
             else:
                 assert host.put(key, codec.KVBlock(FP, h, (h,), kv))
         assert store.count_hits([0, 1, 2, 3, 9]) == 4
+        # the disk mirrors host memory (written through): the router is told 1 MiB of blocks, not 2
+        assert store.stats()["lower_capacity_blocks"] == (1 << 20) // (store.block_bytes + 512)
         assert _load(store, [BlockRef(4 + h, h, (h,)) for h in range(4)]) == 4
         assert all(torch.equal(_slot(store, 4 + h), kvs[h]) for h in range(4))
     finally:
