@@ -342,11 +342,15 @@ class LLMEngine:
         appended and decoding continues; without it (the prefill worker died or
         the transfer failed) the missing prompt tokens are recomputed here."""
         seq = self.seqs[request_id]
-        # (a sender that writes in place may still write this prompt's KV into these blocks while
-        # they are recomputed: the same values, for the same request; harmless)
-        self._stop_receiving(request_id)
+        fence = self._stop_receiving(request_id)
         self._reserved.pop(request_id, None)
         self.scheduler.remote.pop(request_id, None)
+        if fence and not kv_complete:
+            # a sender that writes in place may still write into these blocks (it was slow, not
+            # dead), and the request may be done and its blocks another's before it stops: they
+            # stay fenced, and the prompt is recomputed into others (its cached prefix still hits)
+            self.block_manager.fence(request_id, fence)
+            seq.num_computed_tokens = 0
         if kv_complete:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.cache_full_blocks(request_id, seq.prompt_token_ids, seq.num_prompt_tokens, seq.hash_root)

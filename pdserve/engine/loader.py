@@ -129,8 +129,11 @@ def _gguf_config(reader, name: str) -> ModelConfig:
     hidden = g("embedding_length")
     vocab = g("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
     rope_scaling = None
-    if g("rope.scaling.type") == "linear":
+    scaling = g("rope.scaling.type")
+    if scaling == "linear":
         rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+    elif scaling not in (None, "none"):  # YaRN and the like: computed without it, answers go wrong
+        raise ModelLoadError(f"GGUF RoPE scaling {scaling!r} is not supported (linear, and Llama 3's rope_freqs)")
     tensor_names = {t.name for t in reader.tensors}
     head_dim = g("attention.key_length", hidden // n_heads)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)

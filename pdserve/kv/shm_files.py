@@ -5,9 +5,11 @@ sweeps after a worker it supervised died or had to be killed."""
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 import stat
+import sys
 import uuid
 
 _NAME = re.compile(r"pdserve-kv-(\d+)-[0-9a-f]+-\d+[kv]$")
@@ -85,23 +87,30 @@ def sweep_stale_kv_files(directory: str) -> list[str]:
     return removed
 
 
-def owner_listens_on(path: str, port: int) -> bool:
-    """Whether the process a KV cache file is named after (`pdserve-kv-<pid>-...`) holds a
-    socket listening on `port`: read from /proc (that process's own network namespace, and its
-    descriptors), so a receiver cannot claim another process's cache files as its own."""
+def same_worker(paths: list[str]) -> bool:
+    """Whether every path is one worker's cache file, of one set (`pdserve-kv-<pid>-<tag>-`)."""
+    tags = {m.group(0).rsplit("-", 1)[0] if (m := _NAME.match(os.path.basename(p))) else None for p in paths}
+    return len(tags) == 1 and None not in tags
+
+
+def owner_holds_connection(path: str, port: int, peer: tuple[str, int]) -> bool:
+    """Whether the process a KV cache file is named after (`pdserve-kv-<pid>-...`) holds the
+    connection it accepted on `port` from `peer` (our end, still open): read from /proc, that
+    process's own network namespace and descriptors. So a receiver answering for files is the
+    files' own process on this host, not one elsewhere that names them."""
     m = _NAME.match(os.path.basename(path))
     if not m:
         return False
     pid = m.group(1)
+    want = (ipaddress.ip_address(peer[0]), peer[1])
     inodes = set()
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 next(f, None)  # the column names
                 for line in f:
-                    cols = line.split()
-                    # local address "HEX_IP:HEX_PORT", state 0A = LISTEN, inode in column 10
-                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    cols = line.split()  # local "HEXIP:HEXPORT", remote, state (01 established), ..., inode
+                    if len(cols) > 9 and cols[3] == "01" and _port(cols[1]) == port and _endpoint(cols[2]) == want:
                         inodes.add(cols[9])
         except (OSError, ValueError):
             continue
@@ -119,6 +128,21 @@ def owner_listens_on(path: str, port: int) -> bool:
         if link.startswith("socket:[") and link[8:-1] in inodes:
             return True
     return False
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1], 16)
+
+
+def _endpoint(endpoint: str) -> tuple:
+    """/proc/net/tcp's "HEXIP:HEXPORT" (each 32-bit word of the address in host byte order)."""
+    hex_ip, hex_port = endpoint.rsplit(":", 1)
+    raw = bytes.fromhex(hex_ip)
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, int(hex_port, 16)
 
 
 def _pid_alive(pid: int) -> bool:

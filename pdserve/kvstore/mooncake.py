@@ -83,6 +83,11 @@ class _Worker:
         self.jobs.put(None)
 
 
+# The engine thread's prefix query asks about at most this many blocks of a prompt (one batched
+# call; a 16-token block size makes it 16K tokens of prefix).
+MAX_QUERY_KEYS = 1024
+
+
 class MooncakeTier(KVTier):
     """A Mooncake Store client as a KV tier.
 
@@ -142,6 +147,7 @@ class MooncakeTier(KVTier):
         self._stuck_setup = False  # whether that call is a setup (its result is a client)
         self._stuck_since = 0.0
         self._probe_ok = False
+        self._seen_ready = False  # what _ready() last said (`healthy_now`)
         self._probe_at = float("-inf")
         self._connect_at = float("-inf")
         self._rpc_fail_since: float | None = None
@@ -239,13 +245,20 @@ class MooncakeTier(KVTier):
             if self._closed or self._store is None or self._stuck is not None or not self._probe_ok:
                 return 0
             store = self._store  # straight to the client: _ready() may probe the master
-            return self._prefix_of(self._submit(lambda: store.batch_is_exist(list(keys)), None, self.query_timeout_s))
+            keys = list(keys[:MAX_QUERY_KEYS])
+            found = self._submit(lambda: store.batch_is_exist(keys), None, self.query_timeout_s, master_down=False)
+            return self._prefix_of(found)
         finally:
             self.lock.release()
 
     def healthy(self) -> bool:
         with self.lock:
             return self._ready()
+
+    def healthy_now(self) -> bool:
+        """What the last look at the master said (the saver's and loader's calls look, and
+        `healthy`): no lock, no probe, no connect."""
+        return self._seen_ready
 
     def close(self) -> None:
         """Unmount this client's segment and stop it; quick unless the master is gone."""
@@ -275,15 +288,17 @@ class MooncakeTier(KVTier):
             return default
         return self._submit(fn, default, self.call_timeout_s)
 
-    def _submit(self, fn: Callable, default, timeout_s: float):
-        """Under the lock, with a client up: run `fn` on the helper thread, at most `timeout_s`."""
+    def _submit(self, fn: Callable, default, timeout_s: float, master_down: bool = True):
+        """Under the lock, with a client up: run `fn` on the helper thread, at most `timeout_s`.
+        Past it, calls are skipped until `fn` returns, and with `master_down` (a call's timeout,
+        not the engine thread's short one) the master is taken for dead until it answers a probe."""
         fut = self._worker.submit(fn)
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
-            # the master probably just died: skip calls until the blocked one returns
             self._stuck, self._stuck_since, self._stuck_setup = fut, time.monotonic(), False
-            self._probe_ok, self._probe_at = False, time.monotonic()
+            if master_down:  # the master probably just died
+                self._probe_ok, self._probe_at = False, time.monotonic()
         except Exception:  # noqa: BLE001, S110 - a tier never raises for a backend failure
             pass
         self.stats.errors += 1
@@ -292,11 +307,13 @@ class MooncakeTier(KVTier):
     def _ready(self) -> bool:
         """Whether a call may go to the client now; (re)connects when due."""
         if self._closed:
+            self._seen_ready = False
             return False
         now = time.monotonic()
         if self._stuck is not None:
             if not self._stuck.done():
                 if now - self._stuck_since < self.abandon_after_s:
+                    self._seen_ready = False
                     return False
                 self._abandon_worker()  # it may return some day; stop waiting for it
             elif self._stuck_setup and self._stuck.exception() is None:
@@ -305,10 +322,12 @@ class MooncakeTier(KVTier):
         if now - self._probe_at >= self.probe_interval_s:
             self._probe_ok, self._probe_at = self._probe(), now
         if not self._probe_ok:
+            self._seen_ready = False
             return False
         if self._store is None and now - self._connect_at >= self.reconnect_interval_s:
             self._connect()
-        return self._store is not None
+        self._seen_ready = self._store is not None
+        return self._seen_ready
 
     def _probe(self) -> bool:
         try:

@@ -45,14 +45,19 @@ def build_kv_store(config, model_config, runner, secret: bytes | None = None) ->
         tiers.append(HostTier(t.kv_offload_bytes, spill=spill))
     if disk is not None:
         tiers.append(disk)
-    if t.kv_store == "mooncake":
-        from pdserve.kvstore.mooncake import MooncakeTier
+    try:
+        if t.kv_store == "mooncake":
+            from pdserve.kvstore.mooncake import MooncakeTier
 
-        tiers.append(
-            MooncakeTier.from_args(
-                t.kv_store_master, t.kv_store_metadata_url or None, segment_bytes=t.kv_store_segment_bytes
+            tiers.append(
+                MooncakeTier.from_args(
+                    t.kv_store_master, t.kv_store_metadata_url or None, segment_bytes=t.kv_store_segment_bytes
+                )
             )
-        )
-    if t.kv_store and secret is None:
-        secret = load_cluster_secret()
-    return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size, secret=secret or b"")
+        if t.kv_store and secret is None:
+            secret = load_cluster_secret()
+        return TieredKVStore(tiers, fingerprint, runner.kv_caches, config.cache.block_size, secret=secret or b"")
+    except BaseException:
+        for tier in tiers:  # the disk tier's directory lock above all: a retry here would wait for it
+            tier.close()
+        raise

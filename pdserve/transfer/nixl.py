@@ -189,6 +189,7 @@ class _Write:
         self.local_mem = "VRAM" if k.is_cuda else "DRAM"
         self.remote_mem = remote_mem
         self.xfer: _Xfer | None = None
+        self.dest = None  # the transfer's KVDestination: its lease is checked again when posted
 
 
 class _Xfer:
@@ -220,6 +221,7 @@ class NixlKVSender(TcpKVSender):
         self._lock = threading.Lock()
         self._regs: dict[tuple[int, int], list] = {}  # (address, bytes) -> [registration, users]
         self._remote_failed: dict[str, tuple[float, str]] = {}  # address -> (ask again after, why)
+        self.hung: list[_Write] = []  # WRITEs that never completed: their memory is never freed
         self.nixl_bytes = 0
         self.nixl_fallbacks = 0
         self.nixl_transfers = 0  # posted; fewer than layers when queued layers went together
@@ -277,6 +279,7 @@ class NixlKVSender(TcpKVSender):
                 remote.append((base + first * row, m * row, 0))
         header = {"op": "layer", "tid": transfer_id, "layer": layer, "start": token_start, "n": n, "inplace": True}
         w = _Write(r.agent, local, remote, k, v, [self._register(k), self._register(v)], r.mem)
+        w.dest = t.dest
         with self._lock:
             self._pending[id(header)] = w
             self._unposted.append(id(header))
@@ -301,6 +304,8 @@ class NixlKVSender(TcpKVSender):
             delay = min(delay * 2, 1e-3)
             x.state = self.agent.check_xfer_state(x.handle)  # shared by the layers it carries
         state = x.state
+        if state == "PROC":
+            return self._hung(w, header)
         self._settle(w)
         if state == "DONE":
             self.nixl_bytes += 2 * w.k.numel() * w.k.element_size()
@@ -312,6 +317,28 @@ class NixlKVSender(TcpKVSender):
         header["dtype"] = str(w.k.dtype).removeprefix("torch.")
         payload.extend([w.k, w.v])
         return header, payload
+
+    def _hung(self, w: _Write, header: dict) -> tuple[dict, list]:
+        """A WRITE still in flight after `xfer_timeout_s`: it may land any time yet. Its source
+        memory stays registered and referenced (kept in `hung`), the transfer fails here, and the
+        decode side is told with an abort: it then holds the blocks fenced and recomputes, where
+        the layer resent over TCP would have completed the transfer and let the blocks go."""
+        tid = header["tid"]
+        log.warning("NIXL write of %s layer %s still in flight after %.0f s; failing the transfer", tid,
+                    header["layer"], self.xfer_timeout_s)  # fmt: skip
+        with self._lock:
+            x = w.xfer
+            x.left -= 1
+            if x.left == 0:
+                self._posted -= 1
+            self.hung.append(w)
+            self._post_unposted()
+        reason = f"{tid}: a NIXL write did not complete within {self.xfer_timeout_s:.0f} s"
+        t = self._transfers.get(tid)
+        if t is not None:
+            t.error = t.error or reason
+            t.acked.set()
+        return {"op": "abort", "tid": tid, "reason": reason}, []
 
     def _post_batch(self, through: int | None = None) -> None:
         """Post the queued WRITEs, oldest first, as one transfer (with self._lock held): those
@@ -332,6 +359,12 @@ class NixlKVSender(TcpKVSender):
             ):
                 break
             self._unposted.popleft()
+            try:  # queued behind earlier WRITEs: the lease may have run out since it was saved
+                check_lease(w.dest)
+            except KVTransferError:
+                if key == through:
+                    break
+                continue  # never posted: its frame goes over TCP, which lands only while expected
             batch.append(w)
             if key == through:
                 break

@@ -29,7 +29,7 @@ import torch
 
 from pdserve import auth
 from pdserve.faults import KV_FAULTS, FaultSet
-from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file, owner_listens_on, shm_files_digest
+from pdserve.kv.shm_files import KVFileRefused, open_peer_kv_file, owner_holds_connection, same_worker, shm_files_digest
 from pdserve.kv.slots import slot_mapping
 from pdserve.transfer import wire
 from pdserve.transfer.connector import KVDestination, KVSender, KVTransferError, TransferStats
@@ -453,20 +453,23 @@ class ShmKVSender(TcpKVSender):
         passes the cluster handshake and names these very files (op "shm_files"). Else a caller
         holding our token could name the cache files of another deployment of the same user on
         this host, or another worker's files, and have us write into them."""
+        if not same_worker(list(dest.shm_paths)):
+            raise KVFileRefused("the cache files are not one worker's set")
         try:
             with socket.create_connection(_host_port(dest.address), timeout=5) as s:
                 auth.kv_connect(s, self.secret)
                 wire.send_frame(s, {"op": "shm_files", "tid": ""})
                 reply = wire.recv_header(s, max_payload=0)
+                if not reply or reply.get("digest") != shm_files_digest(list(dest.shm_paths)):
+                    raise KVFileRefused(f"the receiver at {dest.address} does not name these cache files as its own")
+                # the answer is the receiver's word: the files' own process must be the one that
+                # accepted this very connection (read while it is open)
+                if not owner_holds_connection(dest.shm_paths[0], _host_port(dest.address)[1], s.getsockname()[:2]):
+                    raise KVFileRefused(
+                        f"the process these cache files are named after is not the receiver at {dest.address}"
+                    )
         except (OSError, wire.FrameError) as e:  # auth.AuthError included
             raise KVFileRefused(f"the receiver at {dest.address} could not be asked for its cache files: {e}") from None
-        if not reply or reply.get("digest") != shm_files_digest(list(dest.shm_paths)):
-            raise KVFileRefused(f"the receiver at {dest.address} does not name these cache files as its own")
-        # the answer is the receiver's word: the files' own process must also hold its port
-        if not owner_listens_on(dest.shm_paths[0], _host_port(dest.address)[1]):
-            raise KVFileRefused(
-                f"the process these cache files are named after does not listen on {dest.address}'s port"
-            )
 
     def begin(self, dest, num_layers):
         try:

@@ -204,6 +204,43 @@ def test_nixl_posts_queued_layers_as_one_transfer():
         rx.close()
 
 
+def test_nixl_layers_queued_past_the_lease_are_not_written_in_place():
+    """A layer saved within the receiver's lease but queued behind earlier WRITEs until past it
+    is never posted as a WRITE (the blocks may be another request's by then): its frame goes over
+    TCP, which the receiver lands only while it still expects the transfer."""
+    import time
+
+    pytest.importorskip("nixl_cu12")
+    from pdserve.transfer.nixl import NixlKVReceiver, NixlKVSender
+
+    kv = _caches()
+    rx = NixlKVReceiver(kv, secret=SECRET)
+    sender = NixlKVSender(writes_in_flight=1, secret=SECRET)
+    try:
+        dest = KVDestination("n1", rx.address, LAYOUTS["consecutive"], BLOCK, 0, 30, expires_unix=time.time() + 60)
+        slots = destination_slots(dest, 0, 30)
+        rx.expect(dest, slots, LAYERS, deadline_s=30)
+        sender.begin(dest, LAYERS)
+        sent = [(torch.randn(30, HEADS, DIM), torch.randn(30, HEADS, DIM)) for _ in range(LAYERS)]
+        with sender._count_lock:
+            lane = sender._lane(dest.address)
+        with lane.lock:  # layers 1.. wait behind layer 0's WRITE
+            for layer, (k, v) in enumerate(sent):
+                sender.save_layer("n1", layer, 0, k, v)
+            assert sender.nixl_transfers == 1 and len(sender._unposted) == LAYERS - 1
+            sender._transfers["n1"].dest.expires_unix = time.time()  # the lease ran out meanwhile
+        sender.finish("n1")
+        rx.wait_for_all("n1", 30)
+        sender.wait_for_save("n1", 30)
+        assert sender.nixl_transfers == 1 and sender.nixl_fallbacks == LAYERS - 1
+        for layer, (k, v) in enumerate(sent):  # (still expected here: the TCP frames landed)
+            assert torch.equal(kv[layer][0].view(-1, HEADS, DIM)[slots], k)
+            assert torch.equal(kv[layer][1].view(-1, HEADS, DIM)[slots], v)
+    finally:
+        sender.close()
+        rx.close()
+
+
 def test_nixl_agents_are_built_with_a_progress_thread_that_pauses():
     """NIXL's Python agent asks for a progress thread that never pauses (one core spun per
     agent); make_agent hands it a config whose pthrDelay cannot go below ours."""

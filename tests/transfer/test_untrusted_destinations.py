@@ -181,7 +181,9 @@ def test_a_receiver_of_this_cluster_cannot_claim_another_processs_cache_files(ca
         liar = KVReceiverServer(receiver.kv_caches, scheme="shm", secret=SECRET, shm_paths=theirs)
         sender = ShmKVSender(secret=SECRET, shm_dir=cache_dir)
         try:
-            assert "does not listen on" in _refusal(sender, _shm_dest(liar.address, theirs))
+            assert "is not the receiver at" in _refusal(sender, _shm_dest(liar.address, theirs))
+            mixed = receiver.paths[:1] + theirs[1:]  # its own first file, then another process's
+            assert "not one worker's set" in _refusal(sender, _shm_dest(receiver.address, mixed))
             assert sender.caches_for(_shm_dest(receiver.address, receiver.paths), LAYERS)  # the honest one
         finally:
             sender.close()
