@@ -147,6 +147,37 @@ def test_blocks_given_up_stay_fenced_from_a_sender_that_writes_in_place(tiny_mod
         p.bridge.sender.close()
 
 
+def test_a_recompute_keeps_its_reserved_blocks_fenced(tiny_model_dir, reference):
+    """The decode stopped waiting for its KV (the prefill was slow, not dead) and recomputed: the
+    request can be done, and its blocks another's, before the late in-place writes stop."""
+    ref, tok = reference
+    p = make(tiny_model_dir)
+    d = make(tiny_model_dir, kv_cache_shm_dir="/dev/shm")
+    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm", secret=SECRET, shm_paths=d.runner.kv_shm_paths)
+    p.bridge = PrefillBridge(ShmKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    try:
+        a_ids, b_ids = tok.encode(PROMPTS[2]), tok.encode(PROMPTS[0])
+        a = d.reserve_for_transfer("a", a_ids, params, receiver, deadline_s=30)
+        d.activate_transferred("a", None, kv_complete=False)  # gave up on the KV: recompute
+        assert run_until_done(d, "a")[-1].outputs[0].token_ids == ref[PROMPTS[2]]
+        assert d.block_manager.num_fenced_blocks == len(a.block_ids)
+        b = d.reserve_for_transfer("b", b_ids, params, receiver, deadline_s=30)
+        assert not set(a.block_ids) & set(b.block_ids)
+        p.add_request("b", b_ids, one, kv_destination=b)
+        first = run_until_done(p, "b")[-1].outputs[0].token_ids[0]
+        p.bridge.sender.wait_for_save("b", timeout_s=30)
+        receiver.wait_for_all("b", timeout_s=30)
+        p.add_request("a", a_ids, one, kv_destination=a)  # the slow prefill of "a" writes at last
+        run_until_done(p, "a")
+        d.activate_transferred("b", first, kv_complete=True)
+        assert run_until_done(d, "b")[-1].outputs[0].token_ids == ref[PROMPTS[0]]
+    finally:
+        receiver.close()
+        p.bridge.sender.close()
+
+
 def test_the_sender_counts_the_lease_by_its_own_clock():
     """A destination whose wall-clock expiry a skewed clock would stretch: the sender takes the
     earlier of it and the lease counted from the destination's arrival."""
