@@ -9,7 +9,17 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from pdserve import SamplingParams
+
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<unk>"]
+# what the engine tests run on the tiny models: a few lengths, greedy, a fixed number of tokens
+TINY_PROMPTS = [
+    "hello world",
+    "a much longer prompt that spans several kv blocks of four tokens",
+    "x",
+    "the quick brown fox jumps over the lazy dog " * 3,
+]
+TINY_GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -9,17 +9,12 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.loader import ModelLoadError, load_model, load_model_info
+from tests.tiny import TINY_GREEDY as GREEDY
+from tests.tiny import TINY_PROMPTS as PROMPTS
 from tests.tiny import llama3_rope_divisors, write_tiny_gguf, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-PROMPTS = [
-    "hello world",
-    "a much longer prompt that spans several kv blocks of four tokens",
-    "x",
-    "the quick brown fox jumps over the lazy dog " * 3,
-]
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

@@ -8,15 +8,9 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.loader import ModelLoadError
 from pdserve.engine.sampling_params import InvalidRequest
+from tests.tiny import TINY_GREEDY as GREEDY
+from tests.tiny import TINY_PROMPTS as PROMPTS
 from tests.tiny import write_tiny_model
-
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-PROMPTS = [
-    "hello world",
-    "a much longer prompt that spans several kv blocks of four tokens",
-    "x",
-    "the quick brown fox jumps over the lazy dog " * 3,
-]
 
 
 def tokens(outs):
