@@ -436,6 +436,7 @@ class DisaggEngine:
             "num_running": sum(w.stats.get("num_running", 0) for w in alive if w.stats),
             "num_waiting": sum(w.stats.get("num_waiting", 0) for w in alive if w.stats),
             "num_free_blocks": free,
+            "num_fenced_blocks": sum(s.get("num_fenced_blocks", 0) for s in dec),
             "num_blocks": num_blocks,
             "kv_usage": 1 - free / num_blocks if num_blocks else 0.0,
             "workers_alive": {r: len(self.registry.alive(r)) for r in ("prefill", "decode")},

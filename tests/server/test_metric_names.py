@@ -10,6 +10,7 @@ STATS = {
     "num_waiting": 2,
     "kv_usage": 0.25,
     "num_free_blocks": 90,
+    "num_fenced_blocks": 6,
     "prefix_cache_queries_tokens": 100,
     "prefix_cache_hits_tokens": 40,
     "num_preemptions": 1,
@@ -48,6 +49,7 @@ def test_vllm_names_repeat_the_families_vllm_has():
     assert got["vllm:request_success"].samples[0].labels == {"model_name": "tiny", "finished_reason": "stop"}
     # pdserve's own families have no vLLM twin
     assert "vllm:request_rejected" not in got and "vllm:kv_cache_free_blocks" not in got
+    assert got["pdserve:kv_cache_fenced_blocks"].samples[0].value == 6
 
 
 def test_off_by_default():
