@@ -94,6 +94,7 @@ class LLMEngine:
         # reservations a prefill worker may write into itself (shared memory, NIXL), until when
         # (monotonic): blocks given up before their KV is all in are fenced till then
         self._in_place: dict[str, float] = {}
+        self._in_place_receivers: set = set()  # whose `senders_finished` end fences early
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
@@ -315,6 +316,7 @@ class LLMEngine:
             dest.shm_shape = self.runner.kv_shape
             dest.shm_dtype = self.config.device.dtype
         if dest.shm_paths or getattr(receiver, "scheme", "") == "nixl":
+            self._in_place_receivers.add(receiver)
             # the sender stops writing at its lease's end (sender.check_lease), counted from when
             # it got the destination: later than now, by less than the margin
             self._in_place[request_id] = time.monotonic() + deadline_s + IN_PLACE_FENCE_MARGIN_S
@@ -449,8 +451,12 @@ class LLMEngine:
         for rid in gone:
             self._reserved.pop(rid, None)
             self.abort_request(rid)
+        finished = set()
+        for receiver in self._in_place_receivers:  # senders done with transfers we gave up
+            while receiver.senders_finished:
+                finished.add(receiver.senders_finished.popleft())
         if self.block_manager.fenced:
-            self.block_manager.release_fenced(time.monotonic())
+            self.block_manager.release_fenced(time.monotonic(), finished)
         return gone
 
     def abort_request(self, request_id: str) -> bool:

@@ -69,7 +69,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, Block] = {}  # block hash -> block holding that prefix
         self.seqs: dict[str, SeqBlocks] = {}
-        self.fenced: list[tuple[float, SeqBlocks]] = []  # (free at, blocks) held back by `fence`
+        self.fenced: list[tuple[float, str, SeqBlocks]] = []  # (free at, seq id, blocks) held back by `fence`
         self.stats = PrefixCacheStats()
         self.record_events = record_events
         self.events: list[KVEvent] = []
@@ -208,22 +208,23 @@ class BlockManager:
         sb = self.seqs.pop(seq_id, None)
         if sb is None or not sb.blocks:
             return 0
-        self.fenced.append((until, sb))
+        self.fenced.append((until, seq_id, sb))
         return len(sb.blocks)
 
-    def release_fenced(self, now: float) -> int:
-        """Free the fenced blocks whose time has come; returns how many were freed."""
-        due = [sb for until, sb in self.fenced if until <= now]
+    def release_fenced(self, now: float, seq_ids: set[str] | frozenset = frozenset()) -> int:
+        """Free the fenced blocks whose time has come, and those of `seq_ids` (their writer is
+        known to be done); returns how many were freed."""
+        due = [f for f in self.fenced if f[0] <= now or f[1] in seq_ids]
         if not due:
             return 0
-        self.fenced = [(until, sb) for until, sb in self.fenced if until > now]
-        for sb in due:
+        self.fenced = [f for f in self.fenced if not (f[0] <= now or f[1] in seq_ids)]
+        for _, _, sb in due:
             self._release(sb)
-        return sum(len(sb.blocks) for sb in due)
+        return sum(len(sb.blocks) for _, _, sb in due)
 
     @property
     def num_fenced_blocks(self) -> int:
-        return sum(len(sb.blocks) for _, sb in self.fenced)
+        return sum(len(sb.blocks) for _, _, sb in self.fenced)
 
     def _release(self, sb: SeqBlocks) -> None:
         for b in reversed(sb.blocks):

@@ -338,7 +338,8 @@ class NixlKVSender(TcpKVSender):
         if t is not None:
             t.error = t.error or reason
             t.acked.set()
-        return {"op": "abort", "tid": tid, "reason": reason}, []
+        # "inflight": the write may land yet, so the receiver keeps the blocks fenced till the lease ends
+        return {"op": "abort", "tid": tid, "reason": reason, "inflight": True}, []
 
     def _post_batch(self, through: int | None = None) -> None:
         """Post the queued WRITEs, oldest first, as one transfer (with self._lock held): those

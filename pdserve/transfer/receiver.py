@@ -24,6 +24,7 @@ sends no frame for `KV_IDLE_TIMEOUT_S`, and a listener serves at most
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import select
 import socket
@@ -126,6 +127,9 @@ class KVReceiverServer(KVReceiver):
         self.shm_files_digest = shm_files_digest(list(shm_paths)) if shm_paths else ""
         self.secret = wire.require_secret(secret)
         self.scheme = scheme
+        # ids of transfers given up here whose in-place sender said it is done since (drained by
+        # the engine: `LLMEngine.expire_reservations`); bounded, oldest dropped
+        self.senders_finished: collections.deque[str] = collections.deque(maxlen=4096)
         # server-side bounds: no header field can lengthen or lift them
         self.stall_timeout_s = stall_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -344,6 +348,10 @@ class KVReceiverServer(KVReceiver):
         if op == "shm_files":  # which cache files are ours (none: "")
             return {"op": "shm_files", "digest": self.shm_files_digest}
         e = self._expected.get(tid)
+        if e is None and op in ("done", "abort") and self.scheme in _WRITTEN_IN_PLACE and not h.get("inflight"):
+            # a transfer we gave up: its sender, which wrote into our cache itself, is done with it
+            # (its writes came before this frame); the engine may let go of the blocks it fenced
+            self.senders_finished.append(str(tid))
         if op == "abort":
             self._fail(tid, f"sender aborted: {h.get('reason', '')}")
             return None

@@ -15,6 +15,20 @@ def test_allocate_and_free_returns_every_block():
     assert bm.num_free_blocks == 10
 
 
+def test_fenced_blocks_come_back_at_their_time_or_when_their_writer_is_done():
+    bm = BlockManager(10, 4)
+    assert bm.allocate("a", 9) and bm.allocate("b", 4)
+    a_blocks = bm.block_table("a")
+    assert bm.fence("a", until=100.0) == 3 and bm.fence("b", until=50.0) == 1
+    assert bm.fence("gone", until=1.0) == 0  # nothing held: nothing fenced
+    assert bm.num_free_blocks == 6 and bm.num_fenced_blocks == 4 and "a" not in bm.seqs
+    assert bm.allocate("c", 24) and not set(a_blocks) & set(bm.block_table("c"))  # never handed out
+    bm.free("c")
+    assert bm.release_fenced(now=60.0) == 1 and bm.num_fenced_blocks == 3  # b's time came
+    assert bm.release_fenced(now=60.0, seq_ids={"a"}) == 3  # a's writer said it is done
+    assert bm.num_free_blocks == 10 and bm.num_fenced_blocks == 0
+
+
 def test_allocation_refused_when_pool_short():
     bm = BlockManager(4, 4)
     assert bm.allocate("a", 12)

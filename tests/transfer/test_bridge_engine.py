@@ -113,9 +113,8 @@ def test_blocks_given_up_stay_fenced_from_a_sender_that_writes_in_place(tiny_mod
     the decode cache itself, has not stopped yet: `abort` (the client left, the lease ran out),
     or `recompute` (it stopped waiting for a slow prefill, recomputed, and is done). The blocks
     must not go to the next request before that sender's lease is over. Here the late writes
-    come after the next request's KV landed, where they would overwrite it if it held them."""
-    import time
-
+    come after the next request's KV landed, where they would overwrite it if it held them.
+    Once that sender says it is done with the transfer, the fence ends (else at the lease's end)."""
     ref, tok = reference
     p = make(tiny_model_dir)
     d = make(tiny_model_dir, kv_cache_shm_dir="/dev/shm")
@@ -141,12 +140,15 @@ def test_blocks_given_up_stay_fenced_from_a_sender_that_writes_in_place(tiny_mod
         first = run_until_done(p, "b")[-1].outputs[0].token_ids[0]
         p.bridge.sender.wait_for_save("b", timeout_s=30)
         receiver.wait_for_all("b", timeout_s=30)
+        assert d.expire_reservations() == [] and d.block_manager.num_fenced_blocks == fenced  # not yet
         p.add_request("a", a_ids, one, kv_destination=a)  # the late prefill writes "a"'s KV in place
         run_until_done(p, "a")
         d.activate_transferred("b", first, kv_complete=True)
         assert run_until_done(d, "b")[-1].outputs[0].token_ids == ref[PROMPTS[0]]
-        assert d.expire_reservations() == [] and d.block_manager.num_fenced_blocks == fenced  # not yet
-        d.block_manager.release_fenced(time.monotonic() + 30 + 5)  # the lease and the margin are over
+        with pytest.raises(KVTransferError, match="not expected here"):  # its "done" reached the receiver
+            p.bridge.sender.wait_for_save("a", timeout_s=30)
+        # the sender is done with "a": the fence ends now, not at the lease's end
+        assert d.expire_reservations() == [] and d.block_manager.num_fenced_blocks == 0
         assert d.num_free_blocks == d.block_manager.num_blocks
     finally:
         receiver.close()
