@@ -95,6 +95,7 @@ class LLMEngine:
         # (monotonic): blocks given up before their KV is all in are fenced till then
         self._in_place: dict[str, float] = {}
         self._in_place_receivers: set = set()  # whose `senders_finished` end fences early
+        self._senders_done: OrderedDict[str, None] = OrderedDict()  # ... the ids they named, latest last
         # ... and reservations waiting for room: id -> (arguments, wait deadline, on_done)
         self._pending_reserve: dict[str, tuple] = {}
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (not cached, not loaded)
@@ -317,6 +318,7 @@ class LLMEngine:
             dest.shm_dtype = self.config.device.dtype
         if dest.shm_paths or getattr(receiver, "scheme", "") == "nixl":
             self._in_place_receivers.add(receiver)
+            self._senders_done.pop(request_id, None)  # an earlier transfer's word, not this one's
             # the sender stops writing at its lease's end (sender.check_lease), counted from when
             # it got the destination: later than now, by less than the margin
             self._in_place[request_id] = time.monotonic() + deadline_s + IN_PLACE_FENCE_MARGIN_S
@@ -451,13 +453,19 @@ class LLMEngine:
         for rid in gone:
             self._reserved.pop(rid, None)
             self.abort_request(rid)
-        finished = set()
-        for receiver in self._in_place_receivers:  # senders done with transfers we gave up
-            while receiver.senders_finished:
-                finished.add(receiver.senders_finished.popleft())
+        self._drain_senders_done()
         if self.block_manager.fenced:
-            self.block_manager.release_fenced(time.monotonic(), finished)
+            self.block_manager.release_fenced(time.monotonic(), self._senders_done.keys())
         return gone
+
+    def _drain_senders_done(self) -> None:
+        """Note the transfers whose in-place sender said it is done with them (receivers' threads
+        append; read here on the engine thread): their blocks need no fence, or no longer."""
+        for receiver in self._in_place_receivers:
+            while receiver.senders_finished:
+                self._senders_done[receiver.senders_finished.popleft()] = None
+        while len(self._senders_done) > 4096:
+            self._senders_done.popitem(last=False)
 
     def abort_request(self, request_id: str) -> bool:
         pending = self._pending_reserve.pop(request_id, None)
@@ -489,6 +497,10 @@ class LLMEngine:
         if until and receiver.is_complete(request_id):
             until = 0.0  # all its KV is in: the sender has nothing more to write
         receiver.cancel(request_id)
+        if until:
+            self._drain_senders_done()
+            if request_id in self._senders_done:  # its sender aborted it already: nothing more comes
+                until = 0.0
         return until if until > time.monotonic() else 0.0
 
     def has_unfinished_requests(self) -> bool:

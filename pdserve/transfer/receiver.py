@@ -127,8 +127,9 @@ class KVReceiverServer(KVReceiver):
         self.shm_files_digest = shm_files_digest(list(shm_paths)) if shm_paths else ""
         self.secret = wire.require_secret(secret)
         self.scheme = scheme
-        # ids of transfers given up here whose in-place sender said it is done since (drained by
-        # the engine: `LLMEngine.expire_reservations`); bounded, oldest dropped
+        # ids of transfers whose in-place sender said it is done with them though they did not
+        # complete (an abort, or a done for one given up here): drained by the engine, which
+        # then need not fence their blocks; bounded, oldest dropped
         self.senders_finished: collections.deque[str] = collections.deque(maxlen=4096)
         # server-side bounds: no header field can lengthen or lift them
         self.stall_timeout_s = stall_timeout_s
@@ -348,9 +349,13 @@ class KVReceiverServer(KVReceiver):
         if op == "shm_files":  # which cache files are ours (none: "")
             return {"op": "shm_files", "digest": self.shm_files_digest}
         e = self._expected.get(tid)
-        if e is None and op in ("done", "abort") and self.scheme in _WRITTEN_IN_PLACE and not h.get("inflight"):
-            # a transfer we gave up: its sender, which wrote into our cache itself, is done with it
-            # (its writes came before this frame); the engine may let go of the blocks it fenced
+        if (
+            self.scheme in _WRITTEN_IN_PLACE
+            and (op == "abort" or (op == "done" and e is None))
+            and not h.get("inflight")
+        ):
+            # a sender that writes into our cache itself is done with this transfer (its writes
+            # came before this frame): blocks the engine fences for it, or will, may go
             self.senders_finished.append(str(tid))
         if op == "abort":
             self._fail(tid, f"sender aborted: {h.get('reason', '')}")

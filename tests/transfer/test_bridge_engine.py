@@ -155,6 +155,37 @@ def test_blocks_given_up_stay_fenced_from_a_sender_that_writes_in_place(tiny_mod
         p.bridge.sender.close()
 
 
+def test_a_transfer_its_in_place_sender_aborted_needs_no_fence(tiny_model_dir, reference):
+    """The common way a reservation is given up: the client left, and the router aborts the
+    request on both workers. When the prefill worker's abort (after its last write) arrives
+    first, the decode worker frees the blocks at once instead of fencing them."""
+    import time
+
+    _, tok = reference
+    p = make(tiny_model_dir, max_num_batched_tokens=8)  # 8-token chunks: the prompt takes steps
+    d = make(tiny_model_dir, kv_cache_shm_dir="/dev/shm")
+    receiver = KVReceiverServer(d.runner.kv_caches, scheme="shm", secret=SECRET, shm_paths=d.runner.kv_shm_paths)
+    p.bridge = PrefillBridge(ShmKVSender(secret=SECRET), p.model_config.num_hidden_layers, layerwise=True)
+    try:
+        ids = tok.encode(PROMPTS[2])
+        params = SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True)
+        dest = d.reserve_for_transfer("r", ids, params, receiver, deadline_s=60)
+        p.add_request("r", ids, SamplingParams(temperature=0, max_tokens=1), kv_destination=dest)
+        p.step()  # the first chunk's layers are in d's cache
+        assert p.abort_request("r")
+        with pytest.raises(KVTransferError, match="aborted on the prefill worker"):
+            receiver.wait_for_all("r", 30)
+        deadline = time.monotonic() + 10
+        while "r" not in receiver.senders_finished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        d.abort_request("r")
+        assert d.block_manager.num_fenced_blocks == 0 and d.num_free_blocks == d.block_manager.num_blocks
+    finally:
+        receiver.close()
+        p.bridge.sender.close()
+
+
 def test_the_sender_counts_the_lease_by_its_own_clock():
     """A destination whose wall-clock expiry a skewed clock would stretch: the sender takes the
     earlier of it and the lease counted from the destination's arrival."""
