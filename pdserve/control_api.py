@@ -390,6 +390,9 @@ class RegisterRequest(_Message):
 
 class RegisterResponse(_Message):
     registered: str
+    # this router process's own id, new at each start: a worker that registers with another one
+    # knows the router that reserved its blocks is gone (as a heartbeat's 404 tells it)
+    router_id: str = Field("", max_length=64)
 
 
 class KVEventBody(_Message):

@@ -258,7 +258,7 @@ class MooncakeTier(KVTier):
     def healthy_now(self) -> bool:
         """What the last look at the master said (the saver's and loader's calls look, and
         `healthy`): no lock, no probe, no connect."""
-        return self._seen_ready
+        return self._seen_ready and self._stuck is None and self._probe_ok and not self._closed
 
     def close(self) -> None:
         """Unmount this client's segment and stop it; quick unless the master is gone."""
@@ -327,7 +327,7 @@ class MooncakeTier(KVTier):
         if self._store is None and now - self._connect_at >= self.reconnect_interval_s:
             self._connect()
         self._seen_ready = self._store is not None
-        return self._seen_ready
+        return self._seen_ready and self._stuck is None and self._probe_ok and not self._closed
 
     def _probe(self) -> bool:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -36,6 +37,7 @@ from pdserve.server.app import ServerSettings, build_app
 from pdserve.server.errors import APIError
 
 log = logging.getLogger("pdserve.router")
+ROUTER_ID = uuid.uuid4().hex  # this process's: RegisterResponse.router_id
 
 
 def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerSettings, secret: bytes, aliases=()):
@@ -82,7 +84,7 @@ def build_router_app(engine: DisaggEngine, registry: Registry, settings: ServerS
         )
         engine.refresh_stats()
         engine.sync_lora_adapters(info.worker_id)
-        return RegisterResponse(registered=info.worker_id)
+        return RegisterResponse(registered=info.worker_id, router_id=ROUTER_ID)
 
     async def heartbeat(b: HeartbeatRequest) -> HeartbeatResponse | JSONResponse:
         wid = b.worker_id

@@ -252,6 +252,7 @@ async def _register_loop(
         registered = False
         pending, last_live = None, {}
         unreachable_logged_s = None  # when "router unreachable" was last logged (once a minute)
+        last_router_id = ""  # the router process we last registered with (RegisterResponse.router_id)
         while True:
             # beats keep their period however long the engine took to answer and the post took:
             # a busy worker that beat every 1.5 s was declared dead under a 2 s timeout
@@ -260,7 +261,7 @@ async def _register_loop(
                 if not registered:
                     recv = api.receiver
                     exporter = api.sender.exporter if api.sender is not None else None
-                    await _post(
+                    reply = await _post(
                         client,
                         "/internal/register",
                         RegisterRequest(
@@ -284,6 +285,11 @@ async def _register_loop(
                     )
                     registered = True
                     log.info("registered with %s as %s (%s)", args.router, worker_id, role)
+                    router_id = str(reply.get("router_id") or "")
+                    if router_id and router_id != last_router_id:
+                        if last_router_id:  # another router process: the one that reserved blocks is gone
+                            await api.free_reservations("its router restarted", everything=True)
+                        last_router_id = router_id
                 # The engine thread answers between steps; one long prefill step (seconds on a
                 # busy CPU) must not make the router think this worker died. So the beat goes
                 # out on time with the last stats, and the KV events follow with a later beat:
@@ -340,9 +346,10 @@ async def _register_loop(
                 pass
 
 
-async def _post(client, path, body) -> None:
+async def _post(client, path, body) -> dict:
     r = await client.post(path, json=body)
     r.raise_for_status()
+    return r.json()
 
 
 def _refused(api, response) -> None:
