@@ -147,7 +147,6 @@ class MooncakeTier(KVTier):
         self._stuck_setup = False  # whether that call is a setup (its result is a client)
         self._stuck_since = 0.0
         self._probe_ok = False
-        self._seen_ready = False  # what _ready() last said (`healthy_now`)
         self._probe_at = float("-inf")
         self._connect_at = float("-inf")
         self._rpc_fail_since: float | None = None
@@ -255,11 +254,6 @@ class MooncakeTier(KVTier):
         with self.lock:
             return self._ready()
 
-    def healthy_now(self) -> bool:
-        """What the last look at the master said (the saver's and loader's calls look, and
-        `healthy`): no lock, no probe, no connect."""
-        return self._seen_ready and self._stuck is None and self._probe_ok and not self._closed
-
     def close(self) -> None:
         """Unmount this client's segment and stop it; quick unless the master is gone."""
         with self.lock:
@@ -307,13 +301,11 @@ class MooncakeTier(KVTier):
     def _ready(self) -> bool:
         """Whether a call may go to the client now; (re)connects when due."""
         if self._closed:
-            self._seen_ready = False
             return False
         now = time.monotonic()
         if self._stuck is not None:
             if not self._stuck.done():
                 if now - self._stuck_since < self.abandon_after_s:
-                    self._seen_ready = False
                     return False
                 self._abandon_worker()  # it may return some day; stop waiting for it
             elif self._stuck_setup and self._stuck.exception() is None:
@@ -322,12 +314,10 @@ class MooncakeTier(KVTier):
         if now - self._probe_at >= self.probe_interval_s:
             self._probe_ok, self._probe_at = self._probe(), now
         if not self._probe_ok:
-            self._seen_ready = False
             return False
         if self._store is None and now - self._connect_at >= self.reconnect_interval_s:
             self._connect()
-        self._seen_ready = self._store is not None
-        return self._seen_ready and self._stuck is None and self._probe_ok and not self._closed
+        return self._store is not None
 
     def _probe(self) -> bool:
         try:

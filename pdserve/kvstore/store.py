@@ -368,7 +368,7 @@ class TieredKVStore:
     # ---- introspection and shutdown
     def stats(self) -> dict:
         return {
-            "tiers": {t.name: {**t.stats.as_dict(), "healthy": t.healthy_now()} for t in self.tiers},
+            "tiers": {t.name: {**t.stats.as_dict(), "healthy": t.healthy()} for t in self.tiers},
             "queried_blocks": self.queried_blocks,
             "hit_blocks": self.hit_blocks,
             "dropped_saves": self.dropped_saves,

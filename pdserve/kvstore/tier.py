@@ -72,11 +72,6 @@ class KVTier(abc.ABC):
             n += 1
         return n
 
-    def healthy_now(self) -> bool:
-        """`healthy` for the engine thread (its stats after each step): what the tier last knew,
-        never a wait on the network."""
-        return self.healthy()
-
     def count_prefix_now(self, keys: list[str]) -> int:
         """`count_prefix` for the engine thread, which every running stream waits on: a tier
         behind a network answers at once, from what it knows, or not at all (0)."""
